@@ -1,0 +1,133 @@
+"""Warm restart of the host tier: snapshot at shutdown, restore at start."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import numpy as np
+
+from fs_helpers import key, layout, payload, run_child
+from tpu_offload.core.fs import restore_host_tier, snapshot_host_tier
+from tpu_offload.core.lru import LRUChunkManager
+from tpu_offload.core.manager import Lookup
+from tpu_offload.core.pool import HostChunkPool
+
+CB = 8 << 10
+
+
+def _host_tier(n_slots=8, n_keys=6):
+    mgr = LRUChunkManager(n_slots, CB)
+    pool = HostChunkPool(n_slots, CB)
+    keys = [key(i) for i in range(n_keys)]
+    alloc = mgr.prepare_store(keys)
+    for k, s in zip(alloc.keys, alloc.slots):
+        pool.row(s)[:] = payload(int.from_bytes(k[:4], "big"), CB)
+        pool.valid[s] = True
+    mgr.complete_store(keys)
+    mgr.take_events()
+    return mgr, pool, keys
+
+
+def _content(mgr, pool, k):
+    return pool.row(mgr.slot_of(k))
+
+
+def test_round_trip_keeps_bytes_and_lru_order(tmp_path):
+    mgr, pool, keys = _host_tier()
+    mgr.touch([keys[1]])  # 1 becomes most recent
+    mgr.prepare_load([keys[3]])  # 3 pinned: saved, counted as most recent
+    inflight = mgr.prepare_store([key(77)])  # a write in flight: not ready, not saved
+    pool.valid[inflight.slots[0]] = False
+    order = [k for k, _ in mgr.items_lru_order()]
+    assert order == [keys[i] for i in (0, 2, 4, 5, 1, 3)]
+    path = tmp_path / "snap"
+    assert snapshot_host_tier(mgr, pool, str(path), layout()) == 6
+    got = restore_host_tier(str(path), layout(), 8, CB)
+    assert got is not None
+    m2, p2 = got
+    assert m2.keys_lru_order() == order
+    assert m2.lookup(key(77)) is Lookup.MISS
+    for k in keys:
+        assert m2.lookup(k) is Lookup.HIT and p2.valid[m2.slot_of(k)]
+        assert np.array_equal(_content(m2, p2, k), _content(mgr, pool, k))
+    ev = m2.take_events()  # the restored chunks are announced as stored
+    assert sum(len(e.keys) for e in ev if not e.removed) == 6
+    # and it behaves as a live tier: the least recent is evicted first
+    alloc = m2.prepare_store([key(100), key(101), key(102)])
+    assert alloc.evicted == [keys[0]]
+
+
+def test_invalid_slots_are_not_saved(tmp_path):
+    mgr, pool, keys = _host_tier()
+    pool.valid[mgr.slot_of(keys[2])] = False  # the worker knows this store failed
+    assert snapshot_host_tier(mgr, pool, str(tmp_path / "s"), layout()) == 5
+    m2, _ = restore_host_tier(str(tmp_path / "s"), layout(), 8, CB)
+    assert m2.lookup(keys[2]) is Lookup.MISS
+
+
+def test_smaller_tier_keeps_the_most_recent(tmp_path):
+    mgr, pool, keys = _host_tier()
+    snapshot_host_tier(mgr, pool, str(tmp_path / "s"), layout())
+    m2, p2 = restore_host_tier(str(tmp_path / "s"), layout(), 4, CB)
+    assert m2.keys_lru_order() == keys[2:]
+    for k in keys[2:]:
+        assert np.array_equal(_content(m2, p2, k), _content(mgr, pool, k))
+
+
+def test_foreign_fingerprint_and_chunk_size_are_rejected(tmp_path, caplog):
+    mgr, pool, _ = _host_tier()
+    snapshot_host_tier(mgr, pool, str(tmp_path / "s"), layout())
+    with caplog.at_level(logging.WARNING, logger="tpu_offload.fs"):
+        assert restore_host_tier(str(tmp_path / "s"), layout(tp_rank=1, tp_size=2), 8, CB) is None
+        assert restore_host_tier(str(tmp_path / "s"), layout(), 8, CB * 2) is None
+    msgs = [r.getMessage() for r in caplog.records]
+    assert any("layout" in m for m in msgs) and any("chunk size" in m for m in msgs)
+    assert restore_host_tier(str(tmp_path / "absent"), layout(), 8, CB) is None
+
+
+def test_damage_is_detected(tmp_path):
+    mgr, pool, keys = _host_tier()
+    path = tmp_path / "s"
+    snapshot_host_tier(mgr, pool, str(path), layout())
+    idx = json.loads((path / "index.json").read_text())
+    # one flipped row: only that chunk is dropped
+    with open(path / "chunks.npy", "r+b") as f:
+        f.seek(idx["data_offset"] + 2 * CB + 5)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 1]))
+    m2, p2 = restore_host_tier(str(path), layout(), 8, CB)
+    bad = [k for k, _ in mgr.items_lru_order()][2]  # row 2 of the file
+    assert m2.lookup(bad) is Lookup.MISS
+    assert sum(m2.lookup(k) is Lookup.HIT for k in keys) == 5
+    assert int(p2.valid.sum()) == 5
+    # an edited index: the whole snapshot is refused
+    idx["keys"][0] = key(999).hex()
+    (path / "index.json").write_text(json.dumps(idx))
+    assert restore_host_tier(str(path), layout(), 8, CB) is None
+    # the data file is a standard .npy
+    (path / "index.json").unlink()
+    arr = np.load(path / "chunks.npy", mmap_mode="r")
+    assert arr.shape == (6, CB) and arr.dtype == np.uint8
+
+
+def test_snapshot_replaces_the_previous_one(tmp_path):
+    mgr, pool, keys = _host_tier()
+    snapshot_host_tier(mgr, pool, str(tmp_path / "s"), layout())
+    mgr.reset()
+    mgr.take_events()
+    snapshot_host_tier(mgr, pool, str(tmp_path / "s"), layout())
+    m2, _ = restore_host_tier(str(tmp_path / "s"), layout(), 8, CB)
+    assert len(m2) == 0
+    assert sorted(os.listdir(tmp_path)) == ["s"]
+
+
+def test_core_fs_imports_neither_jax_nor_torch():
+    r = run_child(
+        "import sys, tpu_offload.core.fs, tpu_offload.core.fs.cli, tpu_offload.core.fs.snapshot;"
+        "print(sorted(m for m in ('jax', 'torch', 'orbax', 'orbax.checkpoint') if m in sys.modules))"
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"

@@ -1,0 +1,145 @@
+"""``tpu-offload-fs``: evict, inspect and verify a shared chunk directory.
+
+Exit codes (stable, for cron jobs and probes):
+  0  done; nothing wrong (evict: below the high mark, or brought down to the low mark)
+  1  verify found bad files / evict could not reach the low mark
+  2  bad arguments
+  3  the root is missing or unreadable
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import sys
+
+from tpu_offload.core.fs import admin
+
+EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, EXIT_NO_ROOT = 0, 1, 2, 3
+
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?B)?\s*$", re.IGNORECASE)
+_UNIT = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def _size(text: str) -> int:
+    m = _SIZE.match(text)
+    if not m or float(m.group(1)) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a size such as 500GiB, 2T or 1048576")
+    return int(float(m.group(1)) * _UNIT[m.group(2).upper()])
+
+
+def _pct(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = -1.0
+    if not 0 < v <= 100:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a percentage in (0, 100]")
+    return v
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tpu-offload-fs", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n", 1)[1])
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    def common(sp):
+        sp.add_argument("root", help="the shared_storage_path all instances use")
+        sp.add_argument("--namespace", help="only this namespace (a directory under root)")
+        sp.add_argument("--json", action="store_true", help="machine-readable output")
+
+    e = sub.add_parser("evict", help="delete least recently used files above a high watermark")
+    common(e)
+    e.add_argument("--budget", type=_size,
+                   help="byte budget for our files; without it the watermarks apply to the filesystem (statvfs)")
+    e.add_argument("--high", type=_pct, default=90.0, help="start evicting at this %% (default 90)")
+    e.add_argument("--low", type=_pct, default=80.0, help="stop at this %% (default 80)")
+    e.add_argument("--tmp-age", type=float, default=600.0,
+                   help="delete temp files older than this many seconds (default 600)")
+    e.add_argument("--dry-run", action="store_true", help="report what would be deleted")
+
+    i = sub.add_parser("inspect", help="namespaces, sizes, counts and ages")
+    common(i)
+
+    v = sub.add_parser("verify", help="check every file's header and checksum")
+    common(v)
+    g = v.add_mutually_exclusive_group()
+    g.add_argument("--quarantine", action="store_true", help="move bad files to <namespace>/quarantine/")
+    g.add_argument("--delete", action="store_true", help="delete bad files")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if not os.path.isdir(args.root) or not os.access(args.root, os.R_OK | os.X_OK):
+        print(f"tpu-offload-fs: root {args.root!r} is missing or unreadable", file=sys.stderr)
+        return EXIT_NO_ROOT
+    if args.cmd == "evict":
+        if args.low > args.high:
+            print(f"tpu-offload-fs: --low {args.low} is above --high {args.high}", file=sys.stderr)
+            return EXIT_USAGE
+        rep = admin.evict(args.root, budget_bytes=args.budget, high_pct=args.high, low_pct=args.low,
+                          namespace=args.namespace, tmp_age_s=args.tmp_age, dry_run=args.dry_run)
+        _emit(args, {**dataclasses.asdict(rep), "reached_low": rep.reached_low}, _evict_text(rep))
+        return EXIT_OK if rep.reached_low else EXIT_PROBLEMS
+    if args.cmd == "inspect":
+        out = admin.inspect(args.root, args.namespace)
+        _emit(args, out, _inspect_text(out))
+        return EXIT_OK
+    action = "quarantine" if args.quarantine else "delete" if args.delete else "report"
+    rep = admin.verify(args.root, args.namespace, action)
+    _emit(args, dataclasses.asdict(rep), _verify_text(rep))
+    return EXIT_PROBLEMS if rep.bad else EXIT_OK
+
+
+def _emit(args, obj, text: str) -> None:
+    print(json.dumps(obj, indent=2, default=str) if args.json else text)
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.3f} GiB"
+
+
+def _evict_text(r: admin.EvictReport) -> str:
+    head = (f"{r.mode}: used {_gib(r.used_before)} of {_gib(r.total_bytes)} "
+            f"(high {_gib(r.high_bytes)}, low {_gib(r.low_bytes)})")
+    if not r.triggered:
+        return f"{head}; below the high mark, nothing evicted; {r.temps_removed} stale temp files removed"
+    verb = "would evict" if r.dry_run else "evicted"
+    return (f"{head}\n{verb} {r.evicted_files} files ({_gib(r.evicted_bytes)}), now {_gib(r.used_after)}; "
+            f"{r.temps_removed} stale temps removed; skipped: {r.skipped_vanished} vanished, "
+            f"{r.skipped_recently_used} used meanwhile, {r.skipped_not_ours} without our magic"
+            + ("" if r.reached_low else "\nWARNING: could not reach the low mark"))
+
+
+def _age(s) -> str:
+    return "-" if s is None else f"{s:.0f}s"
+
+
+def _inspect_text(out: dict) -> str:
+    lines = [f"{out['root']}: filesystem {_gib(out['fs_used_bytes'])} used of {_gib(out['fs_total_bytes'])}",
+             f"{'namespace':<60} {'files':>8} {'size':>12} {'temps':>6} {'quar':>5} "
+             f"{'newest':>8} {'median':>8} {'oldest':>8}"]
+    for n in out["namespaces"]:
+        lines.append(f"{n['namespace'][:60]:<60} {n['files']:>8} {_gib(n['bytes']):>12} {n['temps']:>6} "
+                     f"{n['quarantined']:>5} {_age(n['newest_access_age_s']):>8} "
+                     f"{_age(n['median_access_age_s']):>8} {_age(n['oldest_access_age_s']):>8}")
+    if not out["namespaces"]:
+        lines.append("(no namespaces)")
+    return "\n".join(lines)
+
+
+def _verify_text(r: admin.VerifyReport) -> str:
+    lines = [f"checked {r.checked} files: {r.ok} ok, {len(r.bad)} bad"
+             + (f" ({r.action}d)" if r.bad and r.action != "report" else "")
+             + (f", {r.vanished} vanished during the check" if r.vanished else "")]
+    lines += [f"BAD {path}: {reason}" for path, reason in r.bad]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

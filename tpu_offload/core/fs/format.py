@@ -1,0 +1,121 @@
+"""The on-disk chunk file: one fixed 4 KiB header, then the payload.
+
+The header is a full page so the payload starts page-aligned and the same
+file works with and without ``O_DIRECT``. It carries everything a reader
+needs to refuse bytes that are not exactly the chunk it asked for: magic,
+format version, layout digest, the key itself, payload length and an xxh3-64
+checksum of the payload; its own xxh3-64 protects those fields. No pickle,
+no JSON: a fixed little-endian struct any language can parse.
+
+Layout of the header (little-endian)::
+
+    0   8s  magic  b"TPUOFFKV"
+    8   H   format version
+    10  H   header size (4096)
+    12  I   flags (0)
+    16  16s layout fingerprint digest
+    32  Q   payload length in bytes
+    40  Q   xxh3-64 of the payload
+    48  H   key length
+    50  ..  key bytes, zero padding
+    4088 Q  xxh3-64 of bytes [0, 4088)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+
+import xxhash
+
+MAGIC = b"TPUOFFKV"
+VERSION = 1
+HEADER_SIZE = 4096
+MAX_KEY_BYTES = 120  # the file name is the key's hex: keep it under NAME_MAX
+
+_FIXED = struct.Struct("<8sHHI16sQQH")
+_KEY_OFF = _FIXED.size
+_HCHK = struct.Struct("<Q")
+_HCHK_OFF = HEADER_SIZE - _HCHK.size
+_VERSION_AT = struct.Struct("<H")
+_ZERO = bytes(HEADER_SIZE)
+
+
+class HeaderError(ValueError):
+    """A header we must not trust; ``reason`` names the check that failed."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+@dataclasses.dataclass(frozen=True)
+class Header:
+    version: int
+    digest: bytes
+    key: bytes
+    payload_len: int
+    checksum: int
+
+    @property
+    def file_size(self) -> int:
+        return HEADER_SIZE + self.payload_len
+
+
+def payload_checksum(data) -> int:
+    return xxhash.xxh3_64_intdigest(data)
+
+
+def pack_header(buf, digest: bytes, key: bytes, payload_len: int, checksum: int) -> None:
+    """Fill ``buf`` (a writable 4096-byte buffer, e.g. an aligned numpy row)."""
+    if len(key) > MAX_KEY_BYTES or not key:
+        raise ValueError(f"key of {len(key)} bytes; allowed 1..{MAX_KEY_BYTES}")
+    if len(digest) != 16:
+        raise ValueError("layout digest must be 16 bytes")
+    mv = memoryview(buf).cast("B")
+    if len(mv) != HEADER_SIZE:
+        raise ValueError(f"header buffer must be {HEADER_SIZE} bytes, got {len(mv)}")
+    mv[:] = _ZERO
+    _FIXED.pack_into(mv, 0, MAGIC, VERSION, HEADER_SIZE, 0, digest, payload_len, checksum, len(key))
+    mv[_KEY_OFF : _KEY_OFF + len(key)] = key
+    _HCHK.pack_into(mv, _HCHK_OFF, xxhash.xxh3_64_intdigest(mv[:_HCHK_OFF]))
+
+
+def has_magic(buf) -> bool:
+    return bytes(memoryview(buf).cast("B")[: len(MAGIC)]) == MAGIC
+
+
+def parse_header(buf) -> Header:
+    """Decode and self-check a header; raise ``HeaderError`` on anything odd.
+
+    Version is checked before the header checksum: another version may lay
+    out (and checksum) its header differently, and "foreign version" is the
+    more useful diagnosis than "corrupt".
+    """
+    mv = memoryview(buf).cast("B")
+    if len(mv) < HEADER_SIZE:
+        raise HeaderError("truncated", f"header has {len(mv)} of {HEADER_SIZE} bytes")
+    if bytes(mv[: len(MAGIC)]) != MAGIC:
+        raise HeaderError("magic", "not a tpu-offload chunk file")
+    (version,) = _VERSION_AT.unpack_from(mv, len(MAGIC))
+    if version != VERSION:
+        raise HeaderError("version", f"format version {version}, this reader knows {VERSION}")
+    (hchk,) = _HCHK.unpack_from(mv, _HCHK_OFF)
+    if xxhash.xxh3_64_intdigest(mv[:_HCHK_OFF]) != hchk:
+        raise HeaderError("header_checksum", "header bytes do not match their checksum")
+    _, _, hsize, _flags, digest, plen, chk, klen = _FIXED.unpack_from(mv, 0)
+    if hsize != HEADER_SIZE or klen == 0 or klen > MAX_KEY_BYTES:
+        raise HeaderError("header", f"header size {hsize}, key length {klen}")
+    key = bytes(mv[_KEY_OFF : _KEY_OFF + klen])
+    return Header(version=version, digest=digest, key=key, payload_len=plen, checksum=chk)
+
+
+def check_header(h: Header, digest: bytes, key: bytes, payload_len: int) -> str | None:
+    """Reason the header is not the one a reader of (digest, key, length) wants."""
+    if h.digest != digest:
+        return "layout"
+    if h.key != key:
+        return "key"
+    if h.payload_len != payload_len:
+        return "length"
+    return None

@@ -1,0 +1,189 @@
+"""Warm restart of the host tier: save the ready chunks at shutdown, load at start.
+
+Format: a directory with ``chunks.npy`` (a standard ``.npy`` of shape
+``[n, chunk_bytes]`` uint8, rows in LRU order, least recent first) and
+``index.json`` (format, version, layout fingerprint and its digest, chunk
+size, key hex, original slot and xxh3-64 per row, plus an xxh3-64 of the
+index itself). It is published by renaming a fully written temp directory.
+
+Why not orbax: orbax-checkpoint imports jax, and this core is shared with
+the torch (GPU) backend whose installs have no jax; the host slab is a plain
+numpy array anyway, so ``.npy`` + JSON is as portable and needs nothing
+more. Rows are streamed from and into slot views, so neither save nor
+restore holds a second copy of the slab.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import secrets
+import shutil
+
+import numpy as np
+import xxhash
+
+from tpu_offload.core.fs.fileio import read_all
+from tpu_offload.core.fs.layout import DIR_MODE, FILE_MODE, make_dirs
+from tpu_offload.core.keys import ChunkKey, LayoutFingerprint
+from tpu_offload.core.lru import LRUChunkManager
+from tpu_offload.core.manager import Medium
+from tpu_offload.core.pool import HostChunkPool
+
+log = logging.getLogger("tpu_offload.fs")
+
+FORMAT = "tpu-offload-host-snapshot"
+VERSION = 1
+INDEX = "index.json"
+DATA = "chunks.npy"
+
+
+def snapshot_host_tier(
+    manager: LRUChunkManager, pool: HostChunkPool, path: str, fingerprint: LayoutFingerprint
+) -> int:
+    """Write every ready, valid chunk to ``path``; returns how many were saved."""
+    items = [(k, s) for k, s in manager.items_lru_order() if pool.valid[s]]
+    cb = pool.chunk_bytes
+    path = os.path.abspath(path)
+    parent = os.path.dirname(path)
+    make_dirs(parent)
+    tmp = os.path.join(parent, f".{os.path.basename(path)}.tmp.{os.getpid()}.{secrets.token_hex(4)}")
+    os.mkdir(tmp, DIR_MODE)
+    os.chmod(tmp, DIR_MODE)
+    try:
+        sums = []
+        data_path = os.path.join(tmp, DATA)
+        with open(data_path, "wb") as f:
+            os.fchmod(f.fileno(), FILE_MODE)
+            np.lib.format.write_array_header_1_0(
+                f, {"descr": "|u1", "fortran_order": False, "shape": (len(items), cb)}
+            )
+            offset = f.tell()
+            for _, slot in items:
+                row = pool.row(slot)
+                sums.append(format(xxhash.xxh3_64_intdigest(row), "016x"))
+                f.write(memoryview(row))
+            f.flush()
+            os.fsync(f.fileno())
+        index = {
+            "format": FORMAT,
+            "version": VERSION,
+            "fingerprint": dataclasses.asdict(fingerprint),
+            "fingerprint_digest": fingerprint.digest().hex(),
+            "chunk_bytes": cb,
+            "num_chunks": len(items),
+            "data": DATA,
+            "data_offset": offset,
+            "keys": [bytes(k).hex() for k, _ in items],
+            "slots": [int(s) for _, s in items],
+            "checksums": sums,
+        }
+        index["index_xxh3"] = _index_digest(index)
+        with open(os.path.join(tmp, INDEX), "w") as f:
+            os.fchmod(f.fileno(), FILE_MODE)
+            json.dump(index, f)
+            f.flush()
+            os.fsync(f.fileno())
+        _publish_dir(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return len(items)
+
+
+def restore_host_tier(
+    path: str,
+    fingerprint: LayoutFingerprint,
+    num_slots: int,
+    chunk_bytes: int,
+    *,
+    enable_events: bool = True,
+    medium: Medium = Medium.CPU,
+) -> tuple[LRUChunkManager, HostChunkPool] | None:
+    """A manager and pool holding the snapshot's chunks, or None if unusable.
+
+    A snapshot of another layout, chunk size, format or a damaged index is
+    refused whole (None, one warning). A row whose checksum fails is left
+    out. When the new tier is smaller, the most recent chunks are kept.
+    """
+    index = _load_index(path, fingerprint, chunk_bytes)
+    if index is None:
+        return None
+    keys = [ChunkKey(bytes.fromhex(h)) for h in index["keys"]]
+    sums = index["checksums"]
+    first = max(0, len(keys) - num_slots)  # drop the least recent that do not fit
+    manager = LRUChunkManager(num_slots, chunk_bytes, medium=medium, enable_events=enable_events)
+    pool = HostChunkPool(num_slots, chunk_bytes)
+    alloc = manager.prepare_store(keys[first:])
+    assert alloc is not None and len(alloc.keys) == len(keys) - first  # empty manager, fits
+    good, bad = [], []
+    offset = index["data_offset"] + first * chunk_bytes
+    try:
+        fd = os.open(os.path.join(path, index["data"]), os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            for i, (key, slot) in enumerate(zip(alloc.keys, alloc.slots), start=first):
+                row = pool.row(int(slot))
+                n = read_all(fd, [memoryview(row)], offset)
+                offset += chunk_bytes
+                if n == chunk_bytes and format(xxhash.xxh3_64_intdigest(row), "016x") == sums[i]:
+                    pool.valid[slot] = True
+                    good.append(key)
+                else:
+                    bad.append(key)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        log.warning("host snapshot %s unreadable (%s); starting cold", path, e)
+        return None
+    manager.complete_store(good, success=True)  # in LRU order: recency is restored
+    manager.complete_store(bad, success=False)
+    if bad:
+        log.warning("host snapshot %s: %d of %d chunks failed their checksum and were dropped",
+                    path, len(bad), len(alloc.keys))
+    return manager, pool
+
+
+def _load_index(path: str, fingerprint: LayoutFingerprint, chunk_bytes: int) -> dict | None:
+    try:
+        with open(os.path.join(path, INDEX)) as f:
+            index = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        log.warning("host snapshot %s: unreadable index (%s); starting cold", path, e)
+        return None
+    problem = None
+    if not isinstance(index, dict) or index.get("format") != FORMAT:
+        problem = "not a host-tier snapshot"
+    elif index.get("version") != VERSION:
+        problem = f"format version {index.get('version')}, expected {VERSION}"
+    elif index.get("index_xxh3") != _index_digest(index):
+        problem = "index checksum mismatch"
+    elif index["fingerprint_digest"] != fingerprint.digest().hex():
+        problem = f"layout {index['fingerprint']} differs from {dataclasses.asdict(fingerprint)}"
+    elif index["chunk_bytes"] != chunk_bytes:
+        problem = f"chunk size {index['chunk_bytes']}, expected {chunk_bytes}"
+    elif not (len(index["keys"]) == len(index["checksums"]) == index["num_chunks"]):
+        problem = "inconsistent index"
+    if problem:
+        log.warning("host snapshot %s rejected: %s; starting cold", path, problem)
+        return None
+    return index
+
+
+def _index_digest(index: dict) -> str:
+    body = {k: v for k, v in index.items() if k != "index_xxh3"}
+    return format(xxhash.xxh3_64_intdigest(json.dumps(body, sort_keys=True).encode()), "016x")
+
+
+def _publish_dir(tmp: str, path: str) -> None:
+    """Swap ``tmp`` in at ``path``; an old snapshot is removed only after."""
+    old = None
+    if os.path.exists(path):
+        old = f"{tmp}.old"
+        os.rename(path, old)
+    os.rename(tmp, path)
+    if old:
+        shutil.rmtree(old, ignore_errors=True)

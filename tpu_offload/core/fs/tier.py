@@ -1,0 +1,531 @@
+"""The shared-filesystem tier: host chunk bytes <-> one file per chunk.
+
+Why it is built this way:
+
+* The engine must never block on a filesystem: writes are queued on a fixed
+  thread pool and dropped (and counted) when the queue is full or the tier
+  cannot write; reads are synchronous (``read_into``) or queued before writes.
+* A file is published by ``rename`` of a fully written ``O_EXCL`` temp file,
+  so other processes, a ``kill -9`` or ENOSPC never expose a partial chunk,
+  and two writers of one key are harmless (same bytes, last rename wins).
+* Every read re-checks the header (magic, version, layout, key, length) and
+  the payload checksum; anything else is a miss, counted, and the file is
+  deleted or quarantined. Wrong bytes are never returned as a hit.
+* ENOSPC, a read-only mount or EACCES turn the tier read-only (or off) with
+  one warning; callers only see dropped writes and misses.
+* Recency is the file mtime (restamped on access, throttled), so LRU order is
+  shared with other instances and the ``tpu-offload-fs evict`` CLI, and
+  survives restarts; the in-memory index is rebuilt from the directory.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import functools
+import logging
+import os
+import threading
+import time
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Callable
+
+import numpy as np
+
+from tpu_offload.core.fs import layout
+from tpu_offload.core.fs.chunkfile import CORRUPT, ERROR, HIT, MISS, ChunkFiles
+from tpu_offload.core.fs.fileio import byte_view
+from tpu_offload.core.fs.format import HEADER_SIZE
+from tpu_offload.core.fs.index import FileIndex
+from tpu_offload.core.fs.metrics import FsMetrics
+from tpu_offload.core.fs.ticket import TierState, WriteTicket, done_future
+from tpu_offload.core.fs.workers import IOWorkers
+from tpu_offload.core.keys import ChunkKey, LayoutFingerprint
+from tpu_offload.core.manager import TierStats
+
+if TYPE_CHECKING:
+    from tpu_offload.core.config import OffloadConfig
+    from tpu_offload.core.metrics import OffloadMetrics
+
+log = logging.getLogger("tpu_offload.fs")
+
+_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+_DENIED_ERRNOS = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
+
+
+class FileTier:
+    def __init__(
+        self,
+        root: str,
+        fingerprint: LayoutFingerprint,
+        chunk_bytes: int,
+        *,
+        capacity_bytes: int | None,
+        threads: int = 8,
+        queue_depth: int = 256,
+        fsync: bool = False,
+        o_direct: bool = False,
+        metrics: "OffloadMetrics | None" = None,
+        fs_metrics: FsMetrics | None = None,
+        name: str = "fs",
+        quarantine: bool = False,
+        stale_tmp_s: float = 600.0,
+        rescan_interval_s: float = 60.0,
+        readonly_retry_s: float = 30.0,
+        touch_interval_s: float = 1.0,
+    ):
+        if chunk_bytes <= 0:
+            raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes}")
+        if capacity_bytes is not None and capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be > 0 or None, got {capacity_bytes}")
+        if queue_depth < 1:
+            raise ValueError(f"queue_depth must be >= 1, got {queue_depth}")
+        self.name = name
+        self.root = os.path.abspath(root)
+        self.fingerprint = fingerprint
+        self.ns_dir = os.path.join(self.root, fingerprint.namespace())
+        self.chunk_bytes = chunk_bytes
+        self.file_bytes = HEADER_SIZE + chunk_bytes
+        self.capacity_bytes = capacity_bytes
+        self.queue_depth = queue_depth
+        self.quarantine = quarantine
+        self.stale_tmp_s = stale_tmp_s
+        self.rescan_interval_s = rescan_interval_s
+        self.readonly_retry_s = readonly_retry_s
+        self.files = ChunkFiles(fingerprint.digest(), fsync=fsync, o_direct=o_direct, name=name)
+        self._index = FileIndex(touch_interval_s)
+        self._lock = threading.RLock()  # state, counters, in-flight writes
+        self._scan_lock = threading.Lock()
+        self._inflight: dict[bytes, Future] = {}
+        self._writes = 0
+        self._counts: collections.Counter[str] = collections.Counter()
+        self._touch_q: dict[bytes, None] = {}
+        self._touch_scheduled = False
+        self._state = TierState.RW
+        self._retry_at: float | None = None
+        self._warned = False
+        self._warned_errnos: set[int] = set()
+        self._last_scan = 0.0
+        self._fs_total = 0
+        self._offload_metrics = metrics
+        if fs_metrics is None:
+            fs_metrics = FsMetrics.for_registry(metrics.registry, metrics.labels) if metrics else FsMetrics()
+        self.fs_metrics = fs_metrics
+        self._m = fs_metrics.for_tier(name)
+        self._workers: IOWorkers | None = None
+        self._open_namespace()
+        if self._state is not TierState.OFF:
+            self._workers = IOWorkers(threads, name=f"{name}-io")
+        fs_metrics.add_tier(name, self.usage)
+        if metrics is not None:
+            metrics.add_tier(name, self.stats)
+
+    @classmethod
+    def from_config(
+        cls, cfg: "OffloadConfig", fingerprint: LayoutFingerprint, chunk_bytes: int,
+        metrics: "OffloadMetrics | None" = None, **kw,
+    ) -> "FileTier | None":
+        """The configured tier, or None when no ``shared_storage_path`` is set."""
+        if not cfg.shared_storage_path:
+            return None
+        return cls(
+            cfg.shared_storage_path, fingerprint, chunk_bytes,
+            capacity_bytes=cfg.fs_capacity_bytes, threads=cfg.fs_threads,
+            queue_depth=cfg.fs_queue_depth, fsync=cfg.fs_fsync, o_direct=cfg.fs_o_direct,
+            metrics=metrics, **kw,
+        )
+
+    # ---- lookups -------------------------------------------------------
+    @property
+    def state(self) -> TierState:
+        return self._state
+
+    def path_of(self, key: ChunkKey) -> str:
+        return layout.chunk_dir_and_path(self.ns_dir, layout.key_hex(key))[1]
+
+    def contains(self, key: ChunkKey) -> bool:
+        """Index first; a stat finds files other processes wrote. No side effects."""
+        if self._state in (TierState.OFF, TierState.CLOSED):
+            return False
+        if key in self._index:
+            return True
+        try:
+            st = os.stat(self.path_of(key))
+        except (OSError, ValueError):
+            return False
+        return st.st_size == self.file_bytes
+
+    # ---- writes --------------------------------------------------------
+    def submit_write(self, key: ChunkKey, data: np.ndarray) -> WriteTicket | None:
+        """Queue a write of ``data`` (a slot view, not copied); None if dropped."""
+        mv = byte_view(data)
+        if len(mv) != self.chunk_bytes:
+            raise ValueError(f"chunk of {len(mv)} bytes; this tier stores {self.chunk_bytes}")
+        layout.key_hex(key)  # validates the key before anything is queued
+        with self._lock:
+            if self._state is TierState.READ_ONLY and self._retry_at is not None \
+                    and time.monotonic() >= self._retry_at:
+                self._state, self._retry_at = TierState.RW, None
+                log.info("fs tier %s: retrying writes at %s", self.name, self.ns_dir)
+            if self._state is not TierState.RW:
+                self._drop(self._state.value)
+                return None
+            if key in self._inflight:
+                self._count("writes_dedup")
+                return WriteTicket(key, done_future(True))
+            if self._writes >= self.queue_depth:
+                self._drop("queue_full")
+                return None
+            try:
+                fut = self._workers.submit(self._write_task, key, mv)
+            except RuntimeError:  # closed under us
+                self._drop("closed")
+                return None
+            self._writes += 1
+            self._inflight[key] = fut
+            fut.add_done_callback(functools.partial(self._write_done, key))
+        return WriteTicket(key, fut)
+
+    def _write_done(self, key: bytes, fut: Future) -> None:
+        with self._lock:
+            self._writes -= 1
+            if self._inflight.get(key) is fut:
+                del self._inflight[key]
+            if fut.cancelled():
+                self._drop("cancelled")
+
+    def _write_task(self, key: bytes, mv: memoryview) -> bool:
+        if self._state is not TierState.RW:
+            self._drop(self._state.value)
+            return False
+        khex = layout.key_hex(key)
+        d, path = layout.chunk_dir_and_path(self.ns_dir, khex)
+        t0 = time.perf_counter()
+        try:
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:
+                st = None
+            if st is not None and st.st_size == self.file_bytes:
+                # Someone (maybe another instance) already published it.
+                self._index.add(key, st.st_size, disk_time=st.st_mtime)
+                self._count("writes_exist")
+                self._m.op("write", "exists")
+                self.touch(key)
+                return True
+            self.files.write(d, path, key, khex, mv)
+        except OSError as e:
+            self._write_error(e)
+            return False
+        dt = time.perf_counter() - t0
+        self._index.add(key, self.file_bytes)
+        self._count("writes_ok", 1, "bytes_written", len(mv))
+        self._m.write_bytes.inc(len(mv))
+        self._m.write_latency.observe(dt)
+        self._m.op("write", "ok")
+        if self._offload_metrics is not None:
+            self._offload_metrics.stored_chunks.labels(tier=self.name, **self._offload_metrics.labels).inc()
+        self._after_write()
+        return True
+
+    def _write_error(self, e: OSError) -> None:
+        self._count("writes_failed")
+        self._m.op("write", "error")
+        if e.errno in _SPACE_ERRNOS or e.errno in _DENIED_ERRNOS:
+            self._to_read_only(e)
+            self._drop(errno.errorcode.get(e.errno, "oserror").lower())
+        elif e.errno not in self._warned_errnos:
+            self._warned_errnos.add(e.errno)
+            log.warning("fs tier %s: write failed (%s); the chunk is not cached", self.name, e)
+
+    def _after_write(self) -> None:
+        if self.capacity_bytes is None:
+            return
+        if time.monotonic() - self._last_scan >= self.rescan_interval_s:
+            try:
+                self._rescan(block=False)  # picks up what other instances wrote
+            except OSError as e:
+                log.debug("fs tier %s: rescan failed: %s", self.name, e)
+        if self._index.used_bytes > self.capacity_bytes:
+            self._evict_to(self.capacity_bytes)
+
+    # ---- reads ---------------------------------------------------------
+    def read_into(self, key: ChunkKey, out: np.ndarray) -> bool:
+        """Fill ``out`` with the chunk; False on a miss or a rejected file.
+
+        On False ``out`` may hold garbage: the caller must treat it as empty.
+        """
+        if self._state in (TierState.OFF, TierState.CLOSED):
+            return False
+        mv = byte_view(out, writable=True)
+        if len(mv) != self.chunk_bytes:
+            raise ValueError(f"buffer of {len(mv)} bytes; this tier stores {self.chunk_bytes}")
+        t0 = time.perf_counter()
+        path = self.path_of(key)
+        outcome, detail = self.files.read(path, key, mv)
+        if outcome is MISS:
+            return self._miss(key)
+        if outcome is ERROR:
+            return self._read_error(detail)
+        if outcome is CORRUPT:
+            reason, ino = detail
+            return self._reject(key, path, ino, reason)
+        assert outcome is HIT
+        self._m.read_latency.observe(time.perf_counter() - t0)
+        self._m.read_bytes.inc(len(mv))
+        self._m.op("read", "hit")
+        self._count("reads_ok", 1, "bytes_read", len(mv))
+        if self._offload_metrics is not None:
+            self._offload_metrics.loaded_chunks.labels(tier=self.name, **self._offload_metrics.labels).inc()
+        if key not in self._index:  # another instance wrote it: restamp its mtime too
+            self._index.add(key, self.file_bytes, disk_time=0.0)
+        self.touch(key)
+        return True
+
+    def submit_read(self, key: ChunkKey, out: np.ndarray, on_done: Callable[[bool], None]) -> bool:
+        """Queue ``read_into`` ahead of writes; ``on_done(ok)`` runs on an I/O thread.
+
+        False (and no callback) if the tier cannot read at all.
+        """
+        if self._state in (TierState.OFF, TierState.CLOSED) or self._workers is None:
+            return False
+        if len(byte_view(out, writable=True)) != self.chunk_bytes:
+            raise ValueError(f"buffer is not {self.chunk_bytes} bytes")
+
+        def task() -> bool:
+            ok = False
+            try:
+                ok = self.read_into(key, out)
+            finally:
+                try:
+                    on_done(ok)
+                except Exception:
+                    log.exception("fs tier %s: read callback failed", self.name)
+            return ok
+
+        try:
+            self._workers.submit(task, high=True)
+        except RuntimeError:
+            return False
+        return True
+
+    def _miss(self, key: bytes) -> bool:
+        self._index.remove(key)
+        self._count("read_misses")
+        self._m.op("read", "miss")
+        return False
+
+    def _read_error(self, e: OSError) -> bool:
+        self._count("read_errors")
+        self._m.op("read", "error")
+        if e.errno not in self._warned_errnos:
+            self._warned_errnos.add(e.errno)
+            log.warning("fs tier %s: read failed (%s); treated as a miss", self.name, e)
+        return False
+
+    def _reject(self, key: bytes, path: str, ino: int, reason: str) -> bool:
+        """A file that must not be served: count it and take it out of sight."""
+        self._index.remove(key)
+        self._count("corrupt", 1, f"corrupt_{reason}", 1)
+        self._m.corrupt(reason)
+        self._m.op("read", "corrupt")
+        if self._offload_metrics is not None:
+            self._offload_metrics.record_load_errors(1, tier=self.name)
+        log.warning("fs tier %s: rejected %s (%s)", self.name, path, reason)
+        try:
+            if os.lstat(path).st_ino != ino:
+                return False  # replaced by a fresh write since we read it
+            if self.quarantine:
+                qdir = os.path.join(self.ns_dir, layout.QUARANTINE)
+                layout.make_dirs(qdir)
+                os.rename(path, os.path.join(qdir, f"{os.path.basename(path)}.{reason}.{os.getpid()}"))
+            else:
+                os.unlink(path)
+        except OSError:
+            pass  # gone already, or not ours to delete: still a miss
+        return False
+
+    # ---- recency -------------------------------------------------------
+    def touch(self, key: ChunkKey) -> None:
+        """Mark as used: index now, file mtime (throttled) on an I/O thread."""
+        if self._state in (TierState.OFF, TierState.CLOSED):
+            return
+        if key in self._index and not self._index.touch(key):
+            return
+        with self._lock:
+            self._touch_q[key] = None
+            if self._touch_scheduled or self._workers is None:
+                return
+            try:
+                self._workers.submit(self._touch_task)
+                self._touch_scheduled = True
+            except RuntimeError:
+                pass
+
+    def _touch_task(self) -> None:
+        with self._lock:
+            keys, self._touch_q = self._touch_q, {}
+            self._touch_scheduled = False
+        for key in keys:
+            try:
+                os.utime(self.path_of(key))
+            except OSError:
+                pass  # evicted meanwhile, or another uid's file
+
+    def keys_lru_order(self) -> list[bytes]:
+        return self._index.keys_lru_order()
+
+    # ---- capacity ------------------------------------------------------
+    def _evict_to(self, budget: int) -> int:
+        victims = self._index.pop_lru_until(budget)
+        n = 0
+        for key, _size in victims:
+            try:
+                n += layout.unlink_quiet(self.path_of(key))
+            except OSError as e:
+                log.debug("fs tier %s: evicting %s failed: %s", self.name, key.hex(), e)
+        if n:
+            self._count("evicted", n)
+            self._m.evicted.inc(n)
+            if self._offload_metrics is not None:
+                self._offload_metrics.record_evictions(n, tier=self.name)
+        return n
+
+    def rescan(self) -> None:
+        """Re-read the directory now (new files from other instances, deletions)."""
+        self._rescan(block=True)
+
+    def _rescan(self, block: bool) -> None:
+        if not self._scan_lock.acquire(blocking=block):
+            return  # another thread is scanning
+        try:
+            started = time.time()
+            scan = layout.scan_namespace(self.ns_dir)
+            for t in scan.temps:
+                if started - t.mtime > self.stale_tmp_s and layout.unlink_quiet(t.path):
+                    self._count("stale_temps_removed")
+            self._index.replace(((bytes.fromhex(f.name), f.size, f.mtime) for f in scan.chunks), started)
+            self._last_scan = time.monotonic()
+        finally:
+            self._scan_lock.release()
+        if self.capacity_bytes is not None and self._index.used_bytes > self.capacity_bytes:
+            self._evict_to(self.capacity_bytes)
+
+    # ---- state ---------------------------------------------------------
+    def _open_namespace(self) -> None:
+        try:
+            layout.make_dirs(self.ns_dir)
+        except OSError as e:
+            if not os.path.isdir(self.ns_dir):
+                self._to_off(e)
+                return
+            self._to_read_only(e)
+        try:
+            st = os.statvfs(self.ns_dir)
+            self._fs_total = st.f_blocks * st.f_frsize
+        except OSError:
+            self._fs_total = 0
+        if self._state is TierState.RW:
+            probe = os.path.join(self.ns_dir, layout.temp_name("probe"))
+            try:
+                os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, layout.FILE_MODE))
+                os.unlink(probe)
+            except OSError as e:
+                self._to_read_only(e)
+        try:
+            self._rescan(block=True)
+        except OSError as e:
+            self._to_off(e)
+
+    def _to_read_only(self, e: OSError) -> None:
+        with self._lock:
+            if self._state is not TierState.RW:
+                return
+            self._state = TierState.READ_ONLY
+            space = e.errno in _SPACE_ERRNOS
+            self._retry_at = time.monotonic() + self.readonly_retry_s if space else None
+            self._announce(
+                f"fs tier {self.name} at {self.ns_dir} is read-only ({e.strerror or e}); "
+                "writes are dropped and counted, reads continue"
+                + (f"; writes retried after {self.readonly_retry_s:g}s" if space else "")
+            )
+
+    def _to_off(self, e: OSError) -> None:
+        with self._lock:
+            self._state = TierState.OFF
+            self._announce(f"fs tier {self.name} at {self.ns_dir} is off ({e.strerror or e}); every lookup misses")
+
+    def _announce(self, msg: str) -> None:
+        if self._warned:
+            log.info(msg)
+        else:
+            self._warned = True
+            log.warning(msg)
+
+    def _drop(self, reason: str) -> None:
+        with self._lock:
+            self._counts["dropped"] += 1
+            self._counts[f"dropped_{reason}"] += 1
+        self._m.dropped(reason)
+
+    def _count(self, name: str, n: int = 1, *more) -> None:
+        """Add to counters under one lock: ``_count(name, n, name2, n2, ...)``."""
+        with self._lock:
+            self._counts[name] += n
+            for i in range(0, len(more), 2):
+                self._counts[more[i]] += more[i + 1]
+
+    # ---- lifecycle and stats -------------------------------------------
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait for queued I/O; then re-read the directory and enforce the budget.
+
+        The rescan makes the last instance to flush see every file all
+        instances wrote, so a shared directory ends within the budget.
+        """
+        if self._workers is None:
+            return True
+        ok = self._workers.drain(timeout)
+        if ok and self.capacity_bytes is not None and self._state is not TierState.CLOSED:
+            try:
+                self._rescan(block=True)
+            except OSError as e:
+                log.debug("fs tier %s: rescan failed: %s", self.name, e)
+        return ok
+
+    def close(self, timeout: float | None = None) -> None:
+        if self._state is TierState.CLOSED:
+            return
+        self.flush(timeout)
+        if self._workers is not None:
+            self._workers.close(timeout)
+        with self._lock:
+            self._state = TierState.CLOSED
+        self.fs_metrics.remove_tier(self.name, self.usage)
+
+    def __enter__(self) -> "FileTier":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def stats(self) -> TierStats:
+        budget = self.capacity_bytes if self.capacity_bytes is not None else self._fs_total
+        return TierStats(
+            capacity_chunks=budget // self.file_bytes,
+            used_chunks=len(self._index),
+            pinned_chunks=0,
+            pending_chunks=self._writes,
+            chunk_bytes=self.chunk_bytes,
+        )
+
+    def usage(self) -> dict:
+        budget = self.capacity_bytes if self.capacity_bytes is not None else self._fs_total
+        return {
+            "capacity_bytes": budget, "used_bytes": self._index.used_bytes, "files": len(self._index),
+            "writes_in_flight": self._writes, "state": self._state.value,
+        }
+
+    def counters(self) -> dict[str, int]:
+        """Monotonic event counts (for tests, logs and the CLI)."""
+        with self._lock:
+            return dict(self._counts)
