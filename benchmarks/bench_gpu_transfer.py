@@ -1,0 +1,173 @@
+"""Transfer-engine bandwidth vs one contiguous pinned memcpy of the same bytes.
+
+    python benchmarks/bench_gpu_transfer.py                 # CUDA if present, else CPU
+    python benchmarks/bench_gpu_transfer.py --device cuda   # CUDA only (skips without it)
+    python benchmarks/bench_gpu_transfer.py --device cpu    # CPU tensors, labelled cpu
+
+For each page size (bytes of one engine block in one layer) the engine moves
+the same total bytes: ``layers`` KV tensors, scattered engine blocks, host
+slots as the LRU hands them out (consecutive; ``--scatter-slots`` for
+random). Store = device -> host slots, load = host slots -> device, timed from
+submit to ``wait()``. The baseline is one ``copy_`` of the same number of
+bytes between a contiguous device buffer and a pinned host buffer (on CPU:
+``np.copyto`` between two host buffers). Every load is checked bit-exact.
+
+On CUDA the host slab is pinned with ``cudaHostRegister`` and transfers run
+on the engine's own streams ("staged": device gather into a slot-shaped
+staging buffer, then one DMA per run of consecutive slots). Results go to
+``results/gpu_transfer_<device>.json`` and ``.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+import types
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from _common import print_table, pyplot, save_figure, write_json  # noqa: E402
+from gpu_offload.transfer import HostTransferEngine  # noqa: E402
+
+KIB = 1 << 10
+
+
+def gpu_spec(blocks: np.ndarray):
+    return types.SimpleNamespace(block_ids=blocks.astype(np.int32), group_sizes=[len(blocks)], block_indices=[0])
+
+
+def host_spec(slots: np.ndarray):
+    return types.SimpleNamespace(block_ids=slots.astype(np.int32))
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device: torch.device, reps: int) -> float:
+    """Median seconds of ``fn`` (which must finish its own work), after one warm-up."""
+    fn()
+    out = []
+    for _ in range(reps):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        out.append(time.perf_counter() - t0)
+    return statistics.median(out)
+
+
+def memcpy_baseline(nbytes: int, device: torch.device, reps: int) -> tuple[float, float]:
+    """(device->host, host->device) seconds for one contiguous copy of ``nbytes``."""
+    if device.type == "cuda":
+        dev = torch.full((nbytes,), 1, dtype=torch.int8, device=device)
+        host = torch.full((nbytes,), 2, dtype=torch.int8, pin_memory=True)
+        d2h = timed(lambda: host.copy_(dev, non_blocking=True), device, reps)
+        h2d = timed(lambda: dev.copy_(host, non_blocking=True), device, reps)
+        return d2h, h2d
+    a, b = np.full(nbytes, 1, np.int8), np.full(nbytes, 2, np.int8)  # CPU: a plain memcpy
+    return timed(lambda: np.copyto(b, a), device, reps), timed(lambda: np.copyto(a, b), device, reps)
+
+
+def bench_page(page: int, args, device: torch.device, rng) -> dict:
+    layers, k = args.layers, args.blocks_per_chunk
+    n = max(k, args.total_mib * 2**20 // (layers * page) // k * k)  # blocks per transfer, whole chunks
+    num_blocks = 2 * n
+    tensors = [torch.randint(-128, 128, (num_blocks, page), dtype=torch.int8, device=device) for _ in range(layers)]
+    n_chunks = n // k
+    engine = HostTransferEngine(tensors, [page] * layers, [tuple(range(layers))], 2 * n_chunks, k,
+                                staging_blocks=args.staging_blocks, strategy=args.strategy)
+    perm = rng.permutation(num_blocks)
+    blocks, dst = perm[:n], perm[n:]  # stored from `blocks`, loaded into the disjoint `dst`
+    slots = rng.permutation(2 * n_chunks)[:n_chunks] if args.scatter_slots else np.arange(n_chunks)
+    job = iter(range(1 << 30))
+
+    def store():
+        j = next(job)
+        engine.submit_store(j, gpu_spec(blocks), host_spec(slots))
+        engine.wait({j})
+        assert all(r.transfer_size for r in engine.get_finished()), "store failed"
+
+    def load():
+        j = next(job)
+        engine.submit_load(j, host_spec(slots), gpu_spec(dst))
+        engine.wait({j})
+        engine.get_finished()
+        assert not engine.take_load_error_blocks(), "load error"
+
+    t_store = timed(store, device, args.reps)
+    t_load = timed(load, device, args.reps)
+    for t in tensors[:2]:  # bit-exact: the loaded blocks equal the stored ones
+        assert torch.equal(t[torch.as_tensor(dst, device=device)], t[torch.as_tensor(blocks, device=device)])
+    nbytes = n * layers * page
+    d2h, h2d = memcpy_baseline(nbytes, device, args.reps)
+    engine.shutdown()
+    gb = nbytes / 1e9
+    return {
+        "device": device.type,
+        "page KiB": page // KIB,
+        "blocks": n,
+        "MiB": nbytes / 2**20,
+        "store GB/s": gb / t_store,
+        "load GB/s": gb / t_load,
+        "memcpy D2H GB/s": gb / d2h,
+        "memcpy H2D GB/s": gb / h2d,
+        "store % memcpy": 100 * d2h / t_store,
+        "load % memcpy": 100 * h2d / t_load,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    ap.add_argument("--page-kib", type=int, nargs="+", default=[16, 64, 256, 1024, 2048])
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--blocks-per-chunk", type=int, default=1)
+    ap.add_argument("--total-mib", type=int, default=0, help="bytes per transfer (default 512 cuda, 32 cpu)")
+    ap.add_argument("--staging-blocks", type=int, default=128)
+    ap.add_argument("--strategy", default="auto", choices=["auto", "direct", "staged"])
+    ap.add_argument("--scatter-slots", action="store_true")
+    ap.add_argument("--reps", type=int, default=5)
+    args = ap.parse_args()
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("CUDA is not available: skipping the CUDA transfer benchmark "
+              "(run with --device cpu to exercise the same code on CPU tensors).")
+        return 0
+    if args.device == "auto" and not torch.cuda.is_available():
+        print("CUDA is not available: running on CPU tensors (labelled cpu); these are not GPU numbers.")
+    device = torch.device("cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu")
+    args.total_mib = args.total_mib or (512 if device.type == "cuda" else 32)
+    rng = np.random.default_rng(0)
+    rows = [bench_page(p * KIB, args, device, rng) for p in args.page_kib]
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print_table(rows, title=f"transfer engine vs contiguous memcpy ({name}, {args.layers} layers, "
+                            f"{args.blocks_per_chunk} blocks/chunk, median of {args.reps})")
+    path = write_json(f"gpu_transfer_{device.type}", {"device_name": name, "args": vars(args), "rows": rows})
+    plt = pyplot()
+    if plt is not None:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        x = [r["page KiB"] for r in rows]
+        for key, style in [("store GB/s", "o-"), ("load GB/s", "s-"),
+                           ("memcpy D2H GB/s", "o--"), ("memcpy H2D GB/s", "s--")]:
+            ax.plot(x, [r[key] for r in rows], style, label=key)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("page size (KiB)")
+        ax.set_ylabel("GB/s")
+        ax.set_title(f"host tier transfers ({name})")
+        ax.legend(fontsize=8)
+        save_figure(fig, f"gpu_transfer_{device.type}")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

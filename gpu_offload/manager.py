@@ -1,0 +1,218 @@
+"""vLLM ``OffloadingManager`` over the shared core ``LRUChunkManager``.
+
+Runs in the scheduler process. Slots handed out here index the host slab of
+every worker (all workers hold the same slot layout for their own shard).
+
+Reset: vLLM's scheduler never calls ``complete_load`` / ``complete_store``
+for jobs issued before ``reset_cache`` (it fences them by job id and flushes
+the workers), so a reset drops every chunk at once, pinned and in-flight
+ones included, by starting a fresh index. Completions that still arrive for
+keys the index does not know are ignored with a warning instead of crashing
+the engine.
+
+Failed loads: ``forget_chunks`` hides chunks a load failed on. They read as
+misses (so vLLM recomputes instead of reloading them forever) and are never
+loaded again; their slots return when the LRU evicts them, since nothing
+touches them any more. Done here, over the core index's public API.
+"""
+
+from __future__ import annotations
+
+from typing import Collection, Iterable
+
+from tpu_offload.core.lru import LRUChunkManager
+from tpu_offload.core.manager import Lookup
+
+from gpu_offload import metrics, testing
+from gpu_offload.vllm_compat import (
+    HOST_HIT_SOURCE,
+    CPULoadStoreSpec,
+    LookupResult,
+    ManagerCompat,
+    get_logger,
+    OffloadingManager,
+    PrepareStoreOutput,
+    RequestOffloadingContext,
+    make_event,
+    require_vllm,
+)
+
+require_vllm("gpu_offload.manager")
+logger = get_logger(__name__)
+
+_LOOKUP = {Lookup.MISS: LookupResult.MISS, Lookup.HIT: LookupResult.HIT, Lookup.PENDING: LookupResult.HIT_PENDING}
+
+
+class HostTierManager(ManagerCompat, OffloadingManager):
+    def __init__(
+        self,
+        num_chunks: int,
+        chunk_bytes: int,
+        *,
+        blocks_per_chunk: int = 1,
+        tokens_per_block: int = 0,
+        enable_events: bool = False,
+    ):
+        """``chunk_bytes``: host bytes of one chunk summed over all workers."""
+        self.num_chunks = num_chunks
+        self.chunk_bytes = chunk_bytes
+        self.blocks_per_chunk = blocks_per_chunk
+        self.tokens_per_chunk = blocks_per_chunk * tokens_per_block
+        self.enable_events = enable_events
+        self._lru = self._new_index()
+        # Monotonic, across resets (read by tests and the demo).
+        self.hit_chunks = 0
+        self.stored_chunks = 0
+        self.resets = 0
+        self.ignored_completions = 0
+        self.forgotten_chunks = 0  # hidden after a failed load
+        self._forgotten: set = set()  # still in the index, never served again
+        self._removal_announced: set = set()  # forgotten keys already reported removed
+        self._extra_events: list = []
+        # Since the last get_stats.
+        self._pending_hits = self._pending_stored = 0
+        self._evictions_seen = 0
+        self._alloc_sizes: list[int] = []
+        testing.register_manager(self)
+
+    def shutdown(self) -> None:
+        testing.unregister_manager(self)
+
+    def _new_index(self) -> LRUChunkManager:
+        return LRUChunkManager(self.num_chunks, self.chunk_bytes, enable_events=self.enable_events)
+
+    @property
+    def index(self) -> LRUChunkManager:
+        return self._lru
+
+    # ---- lookups and loads ----------------------------------------------------
+    def lookup(self, key, req_context) -> LookupResult:
+        if key in self._forgotten:
+            return LookupResult.MISS
+        return _LOOKUP[self._lru.lookup(key)]
+
+    def get_load_source(self, key, req_context):
+        return HOST_HIT_SOURCE if HOST_HIT_SOURCE is not None else super().get_load_source(key, req_context)
+
+    def prepare_load(self, keys: Collection, req_context) -> CPULoadStoreSpec:
+        keys = list(keys)
+        slots = self._lru.prepare_load(keys)
+        self.hit_chunks += len(keys)
+        self._pending_hits += len(keys)
+        return CPULoadStoreSpec(slots.tolist())
+
+    def touch(self, keys: Collection, req_context) -> None:
+        if self._forgotten:
+            keys = [k for k in keys if k not in self._forgotten]
+        self._lru.touch(keys)
+
+    def complete_load(self, keys: Collection, req_context) -> None:
+        self._complete(self._lru.complete_load, keys, Lookup.HIT, "complete_load")
+
+    # ---- stores ------------------------------------------------------------------
+    def prepare_store(self, keys: Collection, req_context) -> PrepareStoreOutput | None:
+        alloc = self._lru.prepare_store(list(keys))
+        if alloc is None:
+            return None
+        if alloc.keys:
+            self._alloc_sizes.append(len(alloc.keys))
+        if self._forgotten and alloc.evicted:
+            self._forgotten.difference_update(alloc.evicted)
+        return PrepareStoreOutput(
+            keys_to_store=list(alloc.keys),
+            store_spec=CPULoadStoreSpec(alloc.slots.tolist()),
+            evicted_keys=list(alloc.evicted),
+        )
+
+    def complete_store(self, keys: Collection, req_context, success: bool = True) -> None:
+        done = self._complete(lambda ks: self._lru.complete_store(ks, success), keys, Lookup.PENDING,
+                              "complete_store")
+        if success:
+            self.stored_chunks += done
+            self._pending_stored += done
+
+    def _complete(self, fn, keys: Collection, state: Lookup, what: str) -> int:
+        """Batch call for the keys in ``state``; the rest (dropped by a reset)
+        are ignored. Per key only if the batch is refused."""
+        keys = list(keys)
+        ok = [k for k in keys if self._lru.lookup(k) is state]
+        for k in keys if len(ok) != len(keys) else ():
+            if self._lru.lookup(k) is not state:
+                self._ignore(what, k)
+        try:
+            fn(ok)
+            return len(ok)
+        except ValueError:
+            done = 0
+            for k in ok:
+                try:
+                    fn((k,))
+                    done += 1
+                except ValueError:
+                    self._ignore(what, k)
+            return done
+
+    # ---- requests, events, reset, stats -----------------------------------------
+    def on_new_request(self, req_context) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def take_events(self) -> Iterable:
+        extra, self._extra_events = self._extra_events, []
+        yield from extra
+        for ev in self._lru.take_events():
+            keys = ev.keys
+            if ev.removed and self._removal_announced:
+                keys = [k for k in keys if k not in self._removal_announced]
+                self._removal_announced.difference_update(ev.keys)
+            if keys:
+                yield make_event(keys, ev.removed)
+
+    def reset_cache(self) -> None:
+        evictions = self._lru.evictions
+        self._lru = self._new_index()
+        self._lru.evictions = evictions  # keep the counter monotonic
+        self._forgotten.clear()
+        self._removal_announced.clear()
+        self._extra_events.clear()
+        self.resets += 1
+
+    def get_stats(self):
+        evicted = self._lru.evictions - self._evictions_seen
+        self._evictions_seen = self._lru.evictions
+        out = metrics.build_stats(
+            self._lru.stats(),
+            hit_chunks=self._pending_hits,
+            tokens_per_chunk=self.tokens_per_chunk,
+            stored_chunks=self._pending_stored,
+            evicted_chunks=evicted,
+            allocation_sizes=self._alloc_sizes,
+        )
+        self._pending_hits = self._pending_stored = 0
+        self._alloc_sizes = []
+        return out
+
+    def forget_chunks(self, keys: Iterable) -> int:
+        """Hide chunks a load failed on; see the module docstring."""
+        fresh = [k for k in keys if k not in self._forgotten and self._lru.lookup(k) is not Lookup.MISS]
+        if not fresh:
+            return 0
+        self._forgotten.update(fresh)
+        ready = [k for k in fresh if self._lru.lookup(k) is Lookup.HIT]
+        if ready and self.enable_events:
+            self._removal_announced.update(ready)
+            self._extra_events.append(make_event(ready, removed=True))
+        self.forgotten_chunks += len(fresh)
+        logger.warning("host tier: %d chunk(s) failed to load; they will be recomputed", len(fresh))
+        return len(fresh)
+
+    def config_info(self):
+        return [{
+            "cpu_num_chunks": self.num_chunks,
+            "cpu_blocks_per_chunk": self.blocks_per_chunk,
+            "cpu_kv_cache_size_bytes": self.num_chunks * self.chunk_bytes,
+            "cpu_kv_cache_size_tokens": self.num_chunks * self.tokens_per_chunk,
+        }]
+
+    def _ignore(self, what: str, key: bytes) -> None:
+        self.ignored_completions += 1
+        logger.warning("%s for a chunk this index does not track (reset?): %s", what, bytes(key).hex()[:16])

@@ -1,0 +1,140 @@
+"""``HostOffloadSpec``: our host tier as a vLLM ``OffloadingSpec``.
+
+Select it with::
+
+    --kv-transfer-config '{"kv_connector":"OffloadingConnector","kv_role":"kv_both",
+      "kv_load_failure_policy":"recompute",
+      "kv_connector_extra_config":{"spec_name":"HostOffloadSpec",
+        "spec_module_path":"gpu_offload.spec","cpu_bytes_to_use":68719476736}}'
+
+``kv_load_failure_policy`` must be ``"recompute"``: a chunk that cannot be
+loaded (failed transfer, slot whose store failed) is then recomputed; with
+vLLM's default ``"fail"`` the request fails instead (never wrong KV either way).
+
+Sizing and tensor parallelism. ``cpu_bytes_to_use`` (or ``cpu_bytes`` /
+``cpu_gib`` / ``TPU_OFFLOAD_CPU_BYTES``) is the host budget of the whole
+engine, as for vLLM's own CPU spec and ``--kv-offloading-size``: with TP=N
+each worker allocates ``cpu_bytes / N`` for its own KV shard. A chunk on one
+worker is ``worker_kv_bytes_per_block * blocks_per_chunk`` bytes, rounded up
+to 4 KiB; every worker has the same number of slots, which is the manager's
+capacity. ``num_cpu_chunks`` sets that slot count directly instead.
+``blocks_per_chunk`` / ``block_size`` are read by vLLM itself; the spec only
+checks that our config agrees.
+
+The spec object exists once in the scheduler process (``get_manager``) and
+once per worker (``get_worker``); the API server only calls the classmethods.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tpu_offload.core.config import ConfigError, OffloadConfig
+from tpu_offload.core.pool import PAGE
+
+from gpu_offload import metrics
+from gpu_offload.vllm_compat import (
+    OffloadingSpec,
+    current_load_failure_policy,
+    get_logger,
+    install_load_error_reporting,
+    require_vllm,
+)
+
+require_vllm("gpu_offload.spec")
+logger = get_logger(__name__)
+
+install_load_error_reporting()
+
+
+class HostOffloadSpec(OffloadingSpec):
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict:
+        return metrics.metric_definitions()
+
+    @classmethod
+    def config_info_keys(cls, extra_config: dict[str, Any] | None = None) -> tuple[str, ...]:
+        return metrics.CONFIG_INFO_KEYS
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.offload_config = OffloadConfig.from_sources(dict(self.extra_config))
+        oc = self.offload_config
+        self.tokens_per_block_0 = config.groups[0].tokens_per_block if config.groups else 0
+        if self.tokens_per_block_0:
+            ours = oc.resolve_blocks_per_chunk(self.tokens_per_block_0)
+            if ours != self.blocks_per_chunk:
+                raise ConfigError(
+                    f"chunk size: vLLM uses blocks_per_chunk={self.blocks_per_chunk} (from "
+                    f"kv_connector_extra_config) but the tpu_offload config resolves {ours} "
+                    f"(TPU_OFFLOAD_BLOCKS_PER_CHUNK?); set the chunk size only in kv_connector_extra_config"
+                )
+        self.world_size = max(1, config.parallel.world_size)
+        self.worker_chunk_bytes = config.worker_kv_bytes_per_block * self.blocks_per_chunk
+        self.num_chunks = 0
+        if self.worker_chunk_bytes > 0:
+            stride = -(-self.worker_chunk_bytes // PAGE) * PAGE
+            self.num_chunks = oc.resolve_num_chunks(stride * self.world_size)
+        elif oc.num_cpu_chunks is None and oc.cpu_bytes is None:
+            oc.resolve_num_chunks(1)  # raises the "no host-tier size" ConfigError
+        self._manager = None
+        self._worker = None
+        self._warn_about_config()
+
+    def _warn_about_config(self) -> None:
+        policy = current_load_failure_policy()
+        if policy is not None and policy != "recompute":
+            logger.warning(
+                "kv_load_failure_policy=%r: a host-tier chunk that fails to load will fail its "
+                "request; set \"kv_load_failure_policy\":\"recompute\" to recompute it instead", policy,
+            )
+        if self.config.canonical_layout:
+            logger.warning("canonical_layout is not supported by HostOffloadSpec; using the per-worker layout")
+        if self.offload_config.shared_storage_path:
+            logger.warning("shared_storage_path is ignored by HostOffloadSpec (host tier only)")
+
+    def _check_sized(self) -> None:
+        if self.num_chunks < 1:
+            raise ConfigError(
+                "host tier cannot be sized: vLLM reported "
+                f"worker_kv_bytes_per_block={self.config.worker_kv_bytes_per_block}"
+            )
+
+    def get_manager(self):
+        if self._manager is None:
+            self._check_sized()
+            from gpu_offload.manager import HostTierManager
+
+            stride = -(-self.worker_chunk_bytes // PAGE) * PAGE
+            self._manager = HostTierManager(
+                self.num_chunks,
+                stride * self.world_size,
+                blocks_per_chunk=self.blocks_per_chunk,
+                tokens_per_block=self.tokens_per_block_0,
+                enable_events=self.kv_events_config.enable_kv_cache_events and self.offload_config.enable_events,
+            )
+            logger.info(
+                "host tier: %d chunks x %d blocks, %.1f MiB per chunk over %d worker(s)",
+                self.num_chunks, self.blocks_per_chunk, stride * self.world_size / 2**20, self.world_size,
+            )
+        return self._manager
+
+    def get_worker(self, kv_caches):
+        if self._worker is None:
+            self._check_sized()
+            install_load_error_reporting()
+            from gpu_offload.transfer import HostTransferEngine
+
+            self._worker = HostTransferEngine.from_canonical(
+                kv_caches,
+                num_slots=self.num_chunks,
+                blocks_per_chunk=self.blocks_per_chunk,
+                staging_blocks=self.offload_config.staging_blocks,
+            )
+            actual = self._worker.layout.chunk_bytes
+            if actual > self.worker_chunk_bytes:
+                logger.warning(
+                    "worker chunk is %d B, vLLM sized %d B: the host tier uses %d B more than budgeted",
+                    actual, self.worker_chunk_bytes, (actual - self.worker_chunk_bytes) * self.num_chunks,
+                )
+        return self._worker

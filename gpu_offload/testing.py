@@ -1,0 +1,93 @@
+"""TEST-ONLY hooks into live transfer engines. Not for production use.
+
+End-to-end tests run a real vLLM engine whose worker lives deep inside the
+engine core; these hooks reach it without monkey-patching vLLM:
+
+* ``live_workers()`` / ``the_manager()`` — engines (and scheduler-side
+  managers) created in this process and not shut down.
+* ``corrupt_slot(worker, slot)`` — overwrite a host slot's bytes while it
+  stays marked valid, to prove restored KV is what the model reads.
+* ``fail_next_loads(worker, n)`` — the next ``n`` load jobs raise inside the
+  transfer, to exercise the load-error → recompute path.
+* ``fail_next_stores(worker, n)`` — the next ``n`` store jobs raise, leaving
+  their slots invalid, so a later hit on them must be recomputed.
+
+They only work when the worker shares the test's process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``, uniprocess executor).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+
+_LIVE: "weakref.WeakSet" = weakref.WeakSet()
+_MANAGERS: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def register(worker) -> None:
+    _LIVE.add(worker)
+
+
+def unregister(worker) -> None:
+    _LIVE.discard(worker)
+
+
+def live_workers() -> list:
+    return list(_LIVE)
+
+
+def register_manager(manager) -> None:
+    _MANAGERS.add(manager)
+
+
+def live_managers() -> list:
+    return list(_MANAGERS)
+
+
+def unregister_manager(manager) -> None:
+    _MANAGERS.discard(manager)
+
+
+def the_manager():
+    """The single live scheduler-side manager; raises if there is not exactly one."""
+    managers = list(_MANAGERS)
+    if len(managers) != 1:
+        raise RuntimeError(f"expected one live host-tier manager, found {len(managers)}")
+    return managers[0]
+
+
+def the_worker():
+    """The single live engine; raises if there is not exactly one."""
+    workers = live_workers()
+    if len(workers) != 1:
+        raise RuntimeError(f"expected one live host-tier worker, found {len(workers)}")
+    return workers[0]
+
+
+def valid_slots(worker) -> np.ndarray:
+    return np.flatnonzero(worker.pool.valid)
+
+
+def corrupt_slot(worker, slot: int, mode: str = "zeros", seed: int = 0) -> None:
+    """Overwrite ``slot``; its valid flag is left as it was.
+
+    ``zeros`` keeps the KV finite (so the model still runs, just on the wrong
+    context); ``random`` writes random bytes (may decode to NaN/Inf floats).
+    """
+    row = worker.pool.row(int(slot))
+    if mode == "zeros":
+        row[:] = 0
+    elif mode == "random":
+        row[:] = np.random.default_rng(seed).integers(0, 256, size=row.shape, dtype=np.uint8)
+    else:
+        raise ValueError(f"mode must be 'zeros' or 'random', got {mode!r}")
+
+
+def fail_next_loads(worker, n: int = 1) -> None:
+    worker._forced_load_failures += int(n)
+
+
+def fail_next_stores(worker, n: int = 1) -> None:
+    worker._forced_store_failures += int(n)

@@ -1,0 +1,318 @@
+"""Transfer engine: engine KV blocks <-> slots of a host ``HostChunkPool``.
+
+It is vLLM's ``OffloadingWorker`` for our host tier (one instance per worker
+rank). On CUDA, transfers are asynchronous on per-direction streams
+(``cuda_lane``); on vLLM's CPU platform they are plain synchronous copies, so
+the whole path runs in CI.
+
+Failure contract. A failed transfer must become a recompute, never wrong KV
+and never a crash: vLLM 0.32 asserts ``TransferResult.success``. So every job
+is reported finished with ``success=True``; a failed load keeps the engine
+block ids it could not fill, and ``take_load_error_blocks`` hands them to the
+scheduler (see ``vllm_compat.install_load_error_reporting``) in the same step
+the job is reported. A failed store leaves its slots marked invalid in
+``pool.valid``, so any later load from them is a load error too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from gpu_offload import testing
+from gpu_offload.copy_ops import DirectCopier, StagedCopier
+from gpu_offload.layout import HostLayout, PagedRows
+from gpu_offload.plan import TransferPlan, TransferPlanner
+from gpu_offload.vllm_compat import OffloadingWorker, TransferResult, get_logger
+from tpu_offload.core.pool import PAGE, HostChunkPool
+
+logger = get_logger(__name__)
+
+
+class InjectedFailure(RuntimeError):
+    """Raised inside a transfer by the test hooks in ``gpu_offload.testing``."""
+
+
+@dataclasses.dataclass
+class _Job:
+    job_id: int
+    is_store: bool
+    engine_blocks: np.ndarray  # every engine block of the job (load: reported if it fails)
+    slots: np.ndarray | None = None  # store: slots to mark valid on success
+    failed: list[int] = dataclasses.field(default_factory=list)  # load: blocks left unfilled
+    nbytes: int = 0
+    seconds: float | None = None
+    error: BaseException | None = None
+    events: Any = None
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """Monotonic counters of one engine (read by tests, the demo and benchmarks)."""
+
+    store_jobs: int = 0
+    load_jobs: int = 0
+    stored_bytes: int = 0
+    loaded_bytes: int = 0
+    stored_pages: int = 0
+    loaded_pages: int = 0
+    store_seconds: float = 0.0
+    load_seconds: float = 0.0
+    store_failures: int = 0  # jobs whose slots stayed invalid
+    load_error_jobs: int = 0
+    load_error_blocks: int = 0
+
+
+class _SyncLane:
+    """CPU: a transfer completes inside submit."""
+
+    def __init__(self, copier):
+        self.copier = copier
+
+    def submit(self, job: _Job, plan: TransferPlan, to_host: bool) -> int:
+        t0 = time.perf_counter()
+        nbytes = self.copier.copy(plan, to_host)
+        job.seconds = time.perf_counter() - t0
+        return nbytes
+
+
+def _prefault(slab: np.ndarray) -> None:
+    """Touch every page now: the budget is claimed at startup (fail fast) and
+    the first stores do not pay page faults. ``cudaHostRegister`` does this
+    itself when it pins the slab."""
+    slab.reshape(-1)[::PAGE] = 0
+
+
+def _as_pages(tensor: torch.Tensor, page_bytes: int) -> torch.Tensor:
+    """The canonical tensor as int8 ``(num_blocks, page_bytes)`` without copying."""
+    t = tensor if tensor.dtype == torch.int8 else tensor.view(torch.int8)
+    if t.dim() != 2:
+        t = t.view(t.shape[0], -1)
+    if t.shape[1] != page_bytes:
+        raise ValueError(f"canonical KV tensor rows are {t.shape[1]} B, page size is {page_bytes} B")
+    return t
+
+
+class HostTransferEngine(OffloadingWorker):
+    """Moves chunks between engine blocks and a preallocated host slab.
+
+    ``strategy``: ``"direct"`` (same-device page copies; the CPU default),
+    ``"staged"`` (device gather + whole-row DMA; the CUDA default, also
+    runnable on CPU for tests) or ``"auto"``.
+    """
+
+    def __init__(
+        self,
+        tensors: Sequence[torch.Tensor],
+        page_bytes: Sequence[int],
+        group_tensors: Sequence[tuple[int, ...]],
+        num_slots: int,
+        blocks_per_chunk: int,
+        *,
+        staging_blocks: int = 128,
+        strategy: str = "auto",
+        pin: bool = True,
+        zero_pool: bool = False,
+    ):
+        self.layout = HostLayout.build(page_bytes, blocks_per_chunk)
+        self.engine = [_as_pages(t, p) for t, p in zip(tensors, page_bytes)]
+        nblocks = {t.shape[0] for t in self.engine}
+        if len(nblocks) != 1:
+            raise ValueError(f"canonical KV tensors disagree on num_blocks: {sorted(nblocks)}")
+        self.num_engine_blocks = nblocks.pop()
+        self.device = self.engine[0].device
+        self.is_cuda = self.device.type == "cuda" and torch.cuda.is_available()
+        if strategy == "auto":
+            strategy = "staged" if self.is_cuda else "direct"
+        if strategy not in ("direct", "staged") or (strategy == "direct" and self.device.type != "cpu"):
+            raise ValueError(f"strategy {strategy!r} is not available on device {self.device}")
+        self.strategy = strategy
+        self.pool = HostChunkPool(num_slots, self.layout.chunk_bytes, zero=zero_pool)
+        self.host_rows = torch.from_numpy(self.pool.slab).view(torch.int8)
+        self.planner = TransferPlanner(blocks_per_chunk, group_tensors, self.num_engine_blocks, num_slots)
+        self.stats = EngineStats()
+        self._done: list[_Job] = []
+        self._load_errors: set[int] = set()
+        self._forced_load_failures = 0  # test hooks (gpu_offload.testing)
+        self._forced_store_failures = 0
+        self._registered: list[int] = []
+        if self.is_cuda and pin:
+            from gpu_offload import cuda_lane
+
+            self._registered = cuda_lane.register_host_rows(self.host_rows)
+        if not self._registered:
+            _prefault(self.pool.slab)
+        staging_slots = max(1, staging_blocks // blocks_per_chunk)
+        self._store_lane, self._load_lane, self._make_expedited = self._lanes(staging_slots)
+        self._expedited_lane = None
+        testing.register(self)
+        logger.info(
+            "host tier worker: %d slots x %d B (%.1f MiB), %d tensors, %d blocks/chunk, %s on %s%s",
+            num_slots, self.layout.chunk_bytes, self.pool.nbytes / 2**20, self.layout.num_tensors,
+            blocks_per_chunk, strategy, self.device, ", pinned" if self._registered else "",
+        )
+
+    @classmethod
+    def from_canonical(cls, kv_caches, num_slots: int, blocks_per_chunk: int, **kw) -> "HostTransferEngine":
+        """From vLLM's ``CanonicalKVCaches``."""
+        tensors = [ct.tensor for ct in kv_caches.tensors]
+        pages = [ct.page_size_bytes for ct in kv_caches.tensors]
+        groups = [tuple(sorted({r.tensor_idx for r in refs})) for refs in kv_caches.group_data_refs]
+        return cls(tensors, pages, groups, num_slots, blocks_per_chunk, **kw)
+
+    # ---- OffloadingWorker ----------------------------------------------------
+    def submit_store(self, job_id: int, src_spec, dst_spec) -> bool:
+        job = _Job(job_id, True, np.asarray(src_spec.block_ids))
+        try:
+            plan = self.planner.plan(src_spec.block_ids, src_spec.group_sizes,
+                                     src_spec.block_indices, dst_spec.block_ids)
+            self.pool.valid[plan.slots] = False  # stale until this write completes
+            job.slots = plan.slots.copy()
+            if self._forced_store_failures > 0:
+                self._forced_store_failures -= 1
+                raise InjectedFailure(f"injected failure of store job {job_id} (test hook)")
+            self.stats.stored_pages += plan.num_pages
+            job.nbytes = self._store_lane.submit(job, plan, to_host=True)
+        except Exception as e:
+            job.error = e
+            self._settle(self._store_lane)
+        if job.events is None:
+            self._done.append(job)
+        return True
+
+    def submit_load(self, job_id: int, src_spec, dst_spec, expedited: bool = False) -> bool:
+        job = _Job(job_id, False, np.asarray(dst_spec.block_ids))
+        try:
+            if self._forced_load_failures > 0:
+                self._forced_load_failures -= 1
+                raise InjectedFailure(f"injected failure of load job {job_id} (test hook)")
+            plan = self.planner.plan(dst_spec.block_ids, dst_spec.group_sizes,
+                                     dst_spec.block_indices, src_spec.block_ids)
+            plan = self._drop_invalid(plan, job)
+            self.stats.loaded_pages += plan.num_pages
+            lane = self._lane_for(expedited)
+            job.nbytes = lane.submit(job, plan, to_host=False) if plan.num_pages else 0
+        except Exception as e:
+            job.error = e
+            self._settle(self._lane_for(expedited))
+        if job.events is None:
+            self._done.append(job)
+        return True
+
+    def get_finished(self) -> list[TransferResult]:
+        done, self._done = self._done, []
+        if self.is_cuda:
+            lanes = {id(x): x for x in (self._store_lane, self._load_lane, self._expedited_lane) if x}
+            for lane in lanes.values():
+                done += lane.poll()
+        return [self._finish(job) for job in done]
+
+    def wait(self, job_ids: set[int]) -> None:
+        if self.is_cuda:
+            for lane in (self._store_lane, self._load_lane, self._expedited_lane):
+                if lane is not None:
+                    lane.wait(job_ids)
+
+    def shutdown(self) -> None:
+        if self.is_cuda:
+            for lane in (self._store_lane, self._load_lane, self._expedited_lane):
+                if lane is not None:
+                    try:
+                        lane.drain()
+                    except Exception:
+                        logger.exception("draining a transfer lane failed")
+            from gpu_offload import cuda_lane
+
+            if self._registered:
+                cuda_lane.unregister_host(self._registered)
+        testing.unregister(self)
+        logger.debug("host tier worker shut down: %s", self.stats)
+
+    # ---- load errors -----------------------------------------------------------
+    def take_load_error_blocks(self) -> set[int]:
+        """Engine blocks of finished loads that were not filled; cleared on read."""
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    # ---- internals -------------------------------------------------------------
+    def _lanes(self, staging_slots: int):
+        """(store lane, load lane, factory of the expedited-load lane)."""
+        if self.is_cuda:
+            from gpu_offload import cuda_lane
+
+            def lane(priority: int = 0):
+                return cuda_lane.CudaLane(self.engine, self.host_rows, self.layout, staging_slots,
+                                          index_capacity=4 * self.num_engine_blocks, priority=priority)
+
+            return lane(), lane(), lambda: lane(-1)  # expedited: higher stream priority
+        if self.strategy == "direct":
+            copier = DirectCopier(self.engine, PagedRows(self.host_rows, self.layout))
+        else:
+            staging = torch.empty((staging_slots, self.pool.stride), dtype=torch.int8, device=self.device)
+            copier = StagedCopier(self.engine, self.host_rows, PagedRows(staging, self.layout),
+                                  upload=torch.from_numpy, non_blocking=False)
+        sync = _SyncLane(copier)
+        return sync, sync, lambda: sync
+
+    def _lane_for(self, expedited: bool):
+        if not expedited:
+            return self._load_lane
+        if self._expedited_lane is None:
+            self._expedited_lane = self._make_expedited()
+        return self._expedited_lane
+
+    def _settle(self, lane) -> None:
+        """After a failed submit, let any half-queued copies land before the
+        blocks are recomputed (error path only: a host sync is fine here)."""
+        if self.is_cuda:
+            try:
+                lane.drain()
+            except Exception:
+                logger.exception("draining a transfer lane after a failed submit")
+
+    def _drop_invalid(self, plan: TransferPlan, job: _Job) -> TransferPlan:
+        """Pages from slots that never completed a store are load errors."""
+        if self.pool.valid[plan.slots].all():
+            return plan
+        groups = []
+        for g in plan.groups:
+            ok = self.pool.valid[g.slot]
+            job.failed += g.gpu[~ok].tolist()
+            groups.append(g.select(ok))
+        return TransferPlan(groups, plan.slots)
+
+    def _finish(self, job: _Job) -> TransferResult:
+        s = self.stats
+        if job.error is not None:
+            logger.error("%s job %d failed: %r", "store" if job.is_store else "load", job.job_id, job.error)
+            if job.is_store:
+                s.store_failures += 1
+            else:
+                job.failed = job.engine_blocks.tolist()
+        if job.is_store:
+            s.store_jobs += 1
+            if job.error is None:
+                self.pool.valid[job.slots] = True
+                s.stored_bytes += job.nbytes
+                s.store_seconds += job.seconds or 0.0
+        else:
+            s.load_jobs += 1
+            if job.failed:
+                s.load_error_jobs += 1
+                s.load_error_blocks += len(job.failed)
+                self._load_errors.update(job.failed)
+            if job.error is None:
+                s.loaded_bytes += job.nbytes
+                s.load_seconds += job.seconds or 0.0
+        ok = job.error is None
+        # success=True even for a failed job: vLLM 0.32 asserts it; the failure
+        # travels as load-error block ids instead.
+        return TransferResult(
+            job_id=job.job_id, success=True,
+            transfer_size=job.nbytes if ok else None,
+            transfer_time=job.seconds if ok else None,
+        )
