@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import re
 from typing import Any, Callable, Mapping
@@ -29,30 +30,41 @@ _SIZE_ALLOWED = "a byte count or a size such as '512MiB', '64GiB', '1.5TiB'"
 
 
 def _bytes(v: Any) -> int:
-    if isinstance(v, bool):
+    if isinstance(v, bool) or not isinstance(v, (int, float, str)):
         raise ValueError(_SIZE_ALLOWED)
-    if isinstance(v, (int, float)):
+    if isinstance(v, int):
+        n = v
+    elif isinstance(v, float):
+        if not math.isfinite(v) or not v.is_integer():
+            raise ValueError(_SIZE_ALLOWED + " (a whole number of bytes)")
         n = int(v)
     else:
-        m = _SIZE_RE.match(str(v))
+        m = _SIZE_RE.match(v)
         if not m:
             raise ValueError(_SIZE_ALLOWED)
-        unit = (m.group(2) or "").lower()[:1]
-        n = int(float(m.group(1)) * _UNITS[unit])
-    if n <= 0:
-        raise ValueError(_SIZE_ALLOWED + ", greater than 0")
+        number, unit = m.group(1), _UNITS[(m.group(2) or "").lower()[:1]]
+        if "." in number:
+            f = float(number) * unit
+            if not math.isfinite(f):
+                raise ValueError(_SIZE_ALLOWED)
+            n = int(f)
+        else:  # exact: a float would round sizes above 2**53
+            n = int(number) * unit
+    if not 0 < n < 1 << 63:
+        raise ValueError(_SIZE_ALLOWED + ", greater than 0 and below 2**63")
     return n
 
 
 def _gib(v: Any) -> int:
-    if isinstance(v, bool):
-        raise ValueError("a number of GiB greater than 0")
+    allowed = "a number of GiB greater than 0 (below 2**33), e.g. 64 or 0.5"
+    if isinstance(v, bool) or not isinstance(v, (int, float, str)):
+        raise ValueError(allowed)
     try:
         g = float(v)
-    except (TypeError, ValueError):
-        raise ValueError("a number of GiB greater than 0") from None
-    if g <= 0:
-        raise ValueError("a number of GiB greater than 0")
+    except (ValueError, OverflowError):
+        raise ValueError(allowed) from None
+    if not (math.isfinite(g) and 0 < int(g * GIB) < 1 << 63):
+        raise ValueError(allowed)
     return int(g * GIB)
 
 
@@ -81,9 +93,9 @@ def _float(lo: float) -> Callable[[Any], float]:
             raise ValueError(f"a number >= {lo}")
         try:
             f = float(v)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             raise ValueError(f"a number >= {lo}") from None
-        if not f >= lo:
+        if not (math.isfinite(f) and f >= lo):
             raise ValueError(f"a number >= {lo}")
         return f
 
@@ -130,9 +142,12 @@ def _int_list(v: Any) -> tuple[int, ...]:
 
 
 def _path(v: Any) -> str:
-    s = str(v).strip()
+    if not isinstance(v, (str, os.PathLike)):
+        raise ValueError("a non-empty filesystem path (a string)")
+    s = os.fspath(v)
+    s = s.strip() if isinstance(s, str) else ""
     if not s or "\x00" in s:
-        raise ValueError("a non-empty filesystem path")
+        raise ValueError("a non-empty filesystem path (a string)")
     return s
 
 
@@ -166,6 +181,7 @@ _SETTINGS: tuple[_Setting, ...] = (
     _Setting("batched_save", _bool, "TPU_OFFLOAD_BATCHED_SAVE", ()),  # always batched; accepted
     _Setting("metrics_interval_s", _float(0.1), "TPU_OFFLOAD_METRICS_LOG_INTERVAL", ("metrics_interval_s",)),
     _Setting("enable_events", _bool, "TPU_OFFLOAD_ENABLE_EVENTS", ("enable_events",)),
+    _Setting("verify_checksums", _bool, "TPU_OFFLOAD_VERIFY_CHECKSUMS", ("verify_checksums",)),
     # shared-filesystem tier
     _Setting("shared_storage_path", _path, "TPU_OFFLOAD_SHARED_STORAGE_PATH", ("shared_storage_path",)),
     _Setting("fs_write_mode", _choice("write_back", "write_through"), "TPU_OFFLOAD_FS_WRITE_MODE", ("fs_write_mode",)),
@@ -210,6 +226,7 @@ class OffloadConfig:
     save_threads: int = 1
     metrics_interval_s: float = 10.0
     enable_events: bool = True
+    verify_checksums: bool = False  # per-chunk xxhash of host bytes, checked before each load
     shared_storage_path: str | None = None
     fs_write_mode: str = "write_back"
     fs_capacity_bytes: int | None = None
@@ -276,9 +293,9 @@ def _fail(where: str, value: Any, allowed: str) -> ConfigError:
     return ConfigError(f"{where}: value {value!r} is not allowed; allowed: {allowed}")
 
 
-def _did_you_mean(name: str, candidates) -> str:
-    close = difflib.get_close_matches(name, sorted(candidates), n=1, cutoff=0.6)
-    return f"; did you mean {close[0]!r}?" if close else ""
+def _did_you_mean(name: Any, candidates) -> str:
+    close = difflib.get_close_matches(str(name), sorted(candidates), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def _parse_extra(extra: Mapping[str, Any]) -> dict[str, Any]:
@@ -294,21 +311,25 @@ def _parse_extra(extra: Mapping[str, Any]) -> dict[str, Any]:
             known = set(_BY_KEY) | ENGINE_KEYS
             raise ConfigError(
                 f"kv_connector_extra_config key {key!r} (value {value!r}) is unknown"
-                f"{_did_you_mean(key, known)} Known keys: {', '.join(sorted(_BY_KEY))}"
+                f"{_did_you_mean(key, known)}. Allowed keys: {', '.join(sorted(_BY_KEY))} "
+                f"(and vLLM's own: {', '.join(sorted(ENGINE_KEYS))})"
             )
         try:
             parsed = setting.parse(value)
         except ValueError as e:
             raise _fail(f"kv_connector_extra_config key {key!r}", value, str(e)) from None
-        _claim(seen, setting.field, key, "kv_connector_extra_config")
+        _claim(seen, setting.field, key, value, "kv_connector_extra_config")
         out[setting.field] = parsed
     _check_contradictions(seen, "kv_connector_extra_config")
     if extra.get("offload_prompt_only") is not None and out.get("decode_save") is not None:
-        prompt_only = _bool(extra["offload_prompt_only"])
+        try:
+            prompt_only = _bool(extra["offload_prompt_only"])
+        except ValueError as e:
+            raise _fail("kv_connector_extra_config key 'offload_prompt_only'", extra["offload_prompt_only"], str(e)) from None
         if prompt_only == out["decode_save"]:
             raise ConfigError(
                 f"kv_connector_extra_config keys 'offload_prompt_only'={extra['offload_prompt_only']!r} "
-                f"and 'decode_save'={out['decode_save']!r} contradict each other; set only one"
+                f"and 'decode_save'={extra['decode_save']!r} contradict each other; allowed: set only one"
             )
     return out
 
@@ -323,33 +344,32 @@ def _parse_env(env: Mapping[str, str]) -> dict[str, Any]:
         if setting is None:
             raise ConfigError(
                 f"environment variable {name}={value!r} is unknown"
-                f"{_did_you_mean(name, _BY_ENV)} Known: {', '.join(sorted(_BY_ENV))}"
+                f"{_did_you_mean(name, _BY_ENV)}. Allowed: {', '.join(sorted(_BY_ENV))}"
             )
         try:
             parsed = setting.parse(value)
         except ValueError as e:
             raise _fail(f"environment variable {name}", value, str(e)) from None
-        _claim(seen, setting.field, name, "environment")
+        _claim(seen, setting.field, name, value, "environment")
         out[setting.field] = parsed
     _check_contradictions(seen, "environment")
     return out
 
 
-def _claim(seen: dict[str, str], field: str, name: str, source: str) -> None:
+def _claim(seen: dict[str, str], field: str, name: str, value: Any, source: str) -> None:
+    """Record which key set ``field`` (as ``name=value`` for messages)."""
+    here = f"{name}={value!r}"
     if field in seen:
-        raise ConfigError(
-            f"{source}: {seen[field]!r} and {name!r} both set {field}; set only one"
-        )
-    seen[field] = name
+        raise ConfigError(f"{source}: {seen[field]} and {here} both set {field}; allowed: set only one")
+    seen[field] = here
 
 
 def _check_contradictions(seen: dict[str, str], source: str) -> None:
     sizes = [seen[f] for f in _SIZE_FIELDS if f in seen]
     if len(sizes) > 1:
-        raise ConfigError(
-            f"{source}: {sizes[0]!r} and {sizes[1]!r} both size the host tier; set only one"
-        )
+        raise ConfigError(f"{source}: {sizes[0]} and {sizes[1]} both size the host tier; allowed: set only one")
     if "blocks_per_chunk" in seen and "chunk_tokens" in seen:
         raise ConfigError(
-            f"{source}: 'blocks_per_chunk' and 'block_size' both set the chunk size; set only one"
+            f"{source}: {seen['blocks_per_chunk']} and {seen['chunk_tokens']} both set the chunk size; "
+            "allowed: set only one"
         )

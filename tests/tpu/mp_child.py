@@ -1,0 +1,88 @@
+"""One of two JAX processes for test_multiprocess.py (not a test module).
+
+Joins a 2-process JAX job on loopback with 4 CPU devices of its own; the
+8-device mesh shards KV heads over both, so each process holds half. Runs a
+real ``OffloadWorker`` and answers JSON commands on stdin with its reports.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+pid, port = int(sys.argv[1]), sys.argv[2]
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=pid,
+                           initialization_timeout=60)
+
+from types import SimpleNamespace  # noqa: E402
+
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+from prometheus_client import CollectorRegistry  # noqa: E402
+
+from tpu_offload.connector.metadata import LoadOp, OffloadMetadata, StoreOp  # noqa: E402
+from tpu_offload.connector.metrics import ConnectorMetrics  # noqa: E402
+from tpu_offload.connector.settings import Settings  # noqa: E402
+from tpu_offload.connector.worker import OffloadWorker  # noqa: E402
+from tpu_offload.core.config import OffloadConfig  # noqa: E402
+
+NB, BS, HEADS, DIM, LAYERS = 16, 4, 8, 16, 2
+
+
+def reply(obj):
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def main():
+    mesh = jax.make_mesh((1, 8), ("data", "model"))
+    sh = NamedSharding(mesh, P(None, None, "model", None))
+    shape = (NB, BS, HEADS, DIM)
+    data = [np.random.default_rng(layer).standard_normal(shape).astype(np.float32) for layer in range(LAYERS)]
+    caches = [jax.make_array_from_callback(shape, sh, lambda idx, d=d: d[idx]) for d in data]
+    runner = SimpleNamespace(kv_caches=caches, mesh=mesh, get_kv_cache_layout=lambda: "NHD")
+    cfg = OffloadConfig(num_cpu_chunks=8, staging_blocks=4, blocks_per_chunk=1)
+    settings = Settings(config=cfg, block_size=BS, blocks_per_chunk=1, num_slots=8, chunk_bytes=0, staging_blocks=4)
+    worker = OffloadWorker(settings, ConnectorMetrics(CollectorRegistry()))
+    worker.register_runner(runner)
+    slab = worker.engine.slabs[0][0]
+    reply({"ready": True, "process_count": jax.process_count(),
+           "local_shards": len(slab.addressable_shards), "global_devices": len(slab.sharding.device_set),
+           "local_heads": sorted({s.data.shape[4] for s in slab.addressable_shards})})
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        meta = OffloadMetadata(loads=[LoadOp(**x) for x in cmd.get("loads", [])],
+                               stores=[StoreOp(**x) for x in cmd.get("stores", [])])
+        if cmd["op"] == "store":
+            worker.wait_for_save(meta)
+        elif cmd["op"] == "load":
+            worker.start_load_kv(meta)
+        else:
+            break
+        deadline = time.monotonic() + 60
+        report = None
+        while report is None and time.monotonic() < deadline:
+            worker.get_finished()
+            report = worker.take_report()
+            if report is None:
+                time.sleep(0.01)
+        ok = None
+        if cmd["op"] == "load":  # every local shard of every destination block == its source block
+            ok = all(
+                np.array_equal(np.asarray(s.data)[dst], data[layer][s.index][src])
+                for layer, c in enumerate(runner.kv_caches) for s in c.addressable_shards
+                for src, dst in cmd["expect"]
+            )
+        reply({"report": report.to_dict() if report else None, "ok": ok, "pid": jax.process_index()})
+    worker.shutdown()
+
+
+if __name__ == "__main__":
+    main()

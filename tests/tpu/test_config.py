@@ -1,0 +1,89 @@
+"""Configuration: llm-d's environment works unchanged, JSON overrides it,
+contradictions and impossible sizes fail with a clear message."""
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from tpu_offload.connector.settings import resolve
+from tpu_offload.core.config import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+LLMD_ENV = {  # guides/tiered-prefix-cache TPU v7 overlay, plus knobs tpu-inference reads
+    "TPU_OFFLOAD_NUM_CPU_CHUNKS": "25000",
+    "TPU_OFFLOAD_NUM_STAGING_BLOCKS": "1000",
+    "TPU_OFFLOAD_DECODE_SAVE": "1",
+    "TPU_OFFLOAD_SKIP_JAX_PRECOMPILE": "0",
+    "TPU_OFFLOAD_BATCHED_SAVE": "1",
+    "TPU_OFFLOAD_SAVE_THREADS": "1",
+    "SKIP_JAX_PRECOMPILE": "0",
+}
+
+
+def page(block_size=128, kv_heads=8, head=128, layers=64, itemsize=2):
+    """vLLM's spec for Qwen3-32B-like KV: 32 KiB/token per rank x 8 ranks in one process."""
+    spec = SimpleNamespace(page_size_bytes=2 * block_size * kv_heads * head * itemsize)
+    return SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, layer_names=[f"l{i}" for i in range(layers)])])
+
+
+def vllm_config(extra=None, block_size=128, pp=1, dp=1, policy="recompute"):
+    return SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra or {}, kv_load_failure_policy=policy),
+        parallel_config=SimpleNamespace(pipeline_parallel_size=pp, data_parallel_size=dp),
+        cache_config=SimpleNamespace(block_size=block_size),
+    )
+
+
+def test_llmd_overlay_env_unchanged():
+    s = resolve(vllm_config(), page(), env=LLMD_ENV)
+    assert s.num_slots == 25000 and s.staging_blocks == 1000 and s.blocks_per_chunk == 1
+    assert s.config.decode_save and not s.config.skip_precompile
+    assert s.chunk_bytes == 64 * 2 * 128 * 8 * 128 * 2  # 32 MiB: one 128-token block, all layers
+
+
+def test_extra_config_overrides_env_and_sizes_in_bytes():
+    s = resolve(vllm_config({"cpu_bytes": "720GiB", "staging_blocks": 512, "decode_save": False}), page(), env=LLMD_ENV)
+    assert s.num_slots == 720 * 1024 // 32  # bytes replace the env's chunk count
+    assert s.staging_blocks == 512 and not s.config.decode_save
+    s = resolve(vllm_config({"block_size": 512}), page(), env=LLMD_ENV)  # vLLM's tokens-per-chunk key
+    assert s.blocks_per_chunk == 4 and s.chunk_tokens == 512
+    assert s.staging_blocks == 1000  # whole chunks of 4 blocks
+
+
+@pytest.mark.parametrize("extra,env,needle", [
+    ({"num_cpu_chunks": 10, "cpu_bytes": "1GiB"}, {}, "both size the host tier"),
+    ({"blocks_per_chunk": 8, "staging_blocks": 4, "num_cpu_chunks": 4}, {}, "at least 8"),
+    ({"block_size": 100}, {}, "multiple of the engine block size 128"),
+    ({"num_cpu_chunk": 10}, {}, "did you mean 'num_cpu_chunks'"),
+    ({}, {"TPU_OFFLOAD_NUM_STAGING_BLOCK": "8"}, "did you mean"),
+    ({"host_memory_kind": "device"}, {}, "pinned_host"),
+])
+def test_bad_settings_fail_clearly(extra, env, needle):
+    with pytest.raises(ConfigError, match=needle):
+        resolve(vllm_config(extra), page(), env=env)
+
+
+def test_parallelism_guards():
+    with pytest.raises(ConfigError, match="pipeline_parallel_size"):
+        resolve(vllm_config({"num_cpu_chunks": 4}, pp=2), page(), env={})
+    with pytest.raises(ConfigError, match="data_parallel_size"):
+        resolve(vllm_config({"num_cpu_chunks": 4}, dp=2), page(), env={})
+
+
+def test_unpinned_host_env():
+    s = resolve(vllm_config({"num_cpu_chunks": 4}), page(), env={"TPU_OFFLOAD_USE_UNPINNED_HOST": "1"})
+    assert s.config.host_memory_kind == "unpinned_host"
+
+
+@pytest.mark.parametrize("name", ["offload.json", "offload-fs.json"])
+def test_shipped_kv_transfer_configs(name):
+    cfg = json.loads((REPO / "configs" / "tpu-inference" / name).read_text())
+    assert cfg["kv_connector"] == "TPUOffloadConnector"
+    assert cfg["kv_connector_module_path"] == "tpu_offload.connector"
+    assert cfg["kv_load_failure_policy"] == "recompute"
+    s = resolve(vllm_config(cfg["kv_connector_extra_config"]), page(), env=LLMD_ENV)
+    assert s.num_slots > 0 and s.staging_blocks >= s.blocks_per_chunk
+    if name == "offload-fs.json":
+        assert s.config.shared_storage_path

@@ -1,0 +1,147 @@
+"""Two JAX processes on loopback, each holding half of the KV heads.
+
+The scheduler (this process) must not treat a chunk as loadable until both
+worker processes have stored their shards of it, and must keep a loaded
+chunk pinned until both have finished reading it (tpu-inference#3152).
+"""
+
+import dataclasses
+import json
+import os
+import queue
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from tpu_offload.connector.metadata import OffloadReport
+from tpu_offload.connector.metrics import ConnectorMetrics
+from tpu_offload.connector.scheduler import OffloadScheduler
+from tpu_offload.connector.settings import Settings
+from tpu_offload.core.config import OffloadConfig
+from tpu_offload.core.keys import make_chunk_key
+from tpu_offload.core.manager import Lookup
+
+pytestmark = pytest.mark.jax
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+BS, TIMEOUT = 4, 240
+
+
+class Child:
+    def __init__(self, pid, port):
+        env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+        env.pop("XLA_FLAGS", None)
+        self.log = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen([sys.executable, str(HERE / "mp_child.py"), str(pid), str(port)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
+                                     text=True, env=env)
+        self.lines: queue.Queue = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self):
+        for line in self.proc.stdout:
+            if line.startswith("{"):
+                self.lines.put(json.loads(line))
+        self.lines.put(None)
+
+    def recv(self, timeout=TIMEOUT):
+        try:
+            msg = self.lines.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"worker process {self.proc.pid} sent nothing for {timeout}s") from None
+        if msg is None:
+            self.proc.wait(timeout=30)
+            self.log.seek(0)
+            tail = self.log.read()[-3000:]
+            raise AssertionError(f"worker process exited with {self.proc.returncode}:\n{tail}")
+        return msg
+
+    def send(self, obj):
+        self.proc.stdin.write(json.dumps(obj) + "\n")
+        self.proc.stdin.flush()
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=30)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def fake_request(req_id, n_blocks, computed=0):
+    hashes = [bytes([i + 1]) * 32 for i in range(n_blocks)]
+    return SimpleNamespace(request_id=req_id, block_hashes=hashes, num_tokens=n_blocks * BS,
+                           num_prompt_tokens=n_blocks * BS, num_computed_tokens=computed,
+                           all_token_ids=list(range(n_blocks * BS)), lora_request=None)
+
+
+def step_output(req_id, n_tokens):
+    return SimpleNamespace(scheduled_new_reqs=[SimpleNamespace(req_id=req_id)],
+                           scheduled_cached_reqs=SimpleNamespace(req_ids=[]),
+                           num_scheduled_tokens={req_id: n_tokens})
+
+
+def test_chunk_loadable_only_after_every_process_reported():
+    cfg = OffloadConfig(num_cpu_chunks=8, staging_blocks=4, blocks_per_chunk=1)
+    sched = OffloadScheduler(Settings(config=cfg, block_size=BS, blocks_per_chunk=1, num_slots=8, chunk_bytes=0,
+                                      staging_blocks=4), ConnectorMetrics(CollectorRegistry()))
+    sched.kv_cache_manager = SimpleNamespace(get_block_ids=lambda req_id: ([3, 5, 7],))
+    port = free_port()
+    children = [Child(0, port), Child(1, port)]
+    try:
+        hello = [c.recv() for c in children]
+        for h in hello:  # each process holds 4 of the 8 head shards, one head each
+            assert h["process_count"] == 2 and h["local_shards"] == 4 and h["global_devices"] == 8
+            assert h["local_heads"] == [1]
+
+        a = fake_request("a", 3)
+        sched.update_state_after_alloc(a, None, 0)
+        meta = sched.build_connector_meta(step_output("a", 3 * BS))
+        assert len(meta.stores) == 1 and len(meta.stores[0].slots) == 3
+        cmd = {"op": "store", "stores": [dataclasses.asdict(op) for op in meta.stores]}
+        for c in children:
+            c.send(cmd)
+        reports = [OffloadReport.coerce(c.recv()["report"]) for c in children]
+        keys = [make_chunk_key(h) for h in a.block_hashes]
+
+        sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=reports[0]))
+        assert [sched.manager.lookup(k) for k in keys] == [Lookup.PENDING] * 3  # one process is not enough
+        b = fake_request("b", 3)
+        assert sched.get_num_new_matched_tokens(b, 0) == (0, False)
+        sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=reports[1]))
+        assert [sched.manager.lookup(k) for k in keys] == [Lookup.HIT] * 3
+        assert sched.get_num_new_matched_tokens(b, 0) == (3 * BS - 1, True)
+
+        # Load into new blocks on both processes; pins stay until both report.
+        sched.update_state_after_alloc(b, SimpleNamespace(get_block_ids=lambda: ([10, 11, 12],)), 3 * BS - 1)
+        assert sched.manager.stats().pinned_chunks == 3
+        meta = sched.build_connector_meta(SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={},
+                                                          scheduled_cached_reqs=SimpleNamespace(req_ids=[])))
+        cmd = {"op": "load", "loads": [dataclasses.asdict(op) for op in meta.loads],
+               "expect": [[3, 10], [5, 11], [7, 12]]}
+        for c in children:
+            c.send(cmd)
+        replies = [c.recv() for c in children]
+        assert all(r["ok"] for r in replies), "a process's shards were not restored bit-exactly"
+        assert {r["pid"] for r in replies} == {0, 1}
+        sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=OffloadReport.coerce(replies[0]["report"])))
+        assert sched.manager.stats().pinned_chunks == 3
+        sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=OffloadReport.coerce(replies[1]["report"])))
+        assert sched.manager.stats().pinned_chunks == 0
+        for c in children:
+            c.send({"op": "exit"})
+    finally:
+        for c in children:
+            c.kill()

@@ -1,0 +1,191 @@
+"""The JAX data path on an emulated 8-device mesh: bit-exact store -> load.
+
+KV heads are sharded over the 'model' axis exactly like tpu-inference's
+caches; the host tier must keep that sharding (each device, hence each
+process, holds only its own heads).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from tpu_offload.core.config import ConfigError
+from tpu_offload.jax_backend import KVLayout, LoadChunk, StoreChunk, TransferEngine
+from tpu_offload.jax_backend.memory import check_staging_fits
+
+NB, BS, HEADS, DIM, LAYERS = 40, 16, 8, 32, 3
+
+pytestmark = pytest.mark.jax
+
+
+def make_caches(mesh, dtype, seed=0, layers=LAYERS, heads=HEADS):
+    sh = NamedSharding(mesh, P(None, None, "model", None))
+    keys = jax.random.split(jax.random.key(seed), layers)
+    return [jax.device_put(jax.random.normal(k, (NB, BS, heads, DIM)).astype(dtype), sh) for k in keys]
+
+
+def bits(x):
+    return np.asarray(x).view(np.uint8)
+
+
+class CompileCounter:
+    def __init__(self):
+        self.n = 0
+        jax.monitoring.register_event_duration_secs_listener(self._on)
+
+    def _on(self, event, duration, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            self.n += 1
+
+
+COMPILES = CompileCounter()
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("bpc,n_chunks,staging", [(1, 1, 4), (1, 9, 4), (2, 3, 4), (4, 5, 8), (3, 2, 7)])
+def test_store_load_bit_exact(mesh, dtype, bpc, n_chunks, staging):
+    """Round trips across chunk sizes and counts, including batches larger
+    than the staging buffer (several passes, nothing dropped) and a staging
+    size that is not a multiple of the chunk (7 blocks, 3-block chunks)."""
+    caches = make_caches(mesh, dtype)
+    ref = [bits(c) for c in caches]
+    eng = TransferEngine(KVLayout.from_caches(caches), num_slots=16, blocks_per_chunk=bpc, staging_blocks=staging)
+    rng = np.random.default_rng(bpc * 100 + n_chunks)
+    src = rng.permutation(NB // 2)[: n_chunks * bpc].reshape(n_chunks, bpc)  # sources in the lower half
+    slots = rng.permutation(16)[:n_chunks]
+    done = eng.store(caches, [StoreChunk(int(s), b.tolist()) for s, b in zip(slots, src)])
+    done.block_until_ready()
+    eng.complete_store(slots, True)
+    dst = NB // 2 + rng.permutation(NB // 2)[: n_chunks * bpc].reshape(n_chunks, bpc)  # upper half
+    order = rng.permutation(n_chunks)  # load in a different order than stored
+    caches, done = eng.load(caches, [LoadChunk(int(slots[i]), dst[i].tolist()) for i in order])
+    done.block_until_ready()
+    got = [bits(c) for c in caches]
+    for layer in range(LAYERS):
+        for c in range(n_chunks):
+            for b in range(bpc):
+                assert np.array_equal(got[layer][dst[c, b]], ref[layer][src[c, b]]), (layer, c, b)
+        untouched = np.setdiff1d(np.arange(NB), dst.ravel())
+        assert np.array_equal(got[layer][untouched], ref[layer][untouched])
+
+
+def test_ragged_tail_and_partial_chunk_load(mesh):
+    """A request of 7 blocks with 3-block chunks stores 2 chunks and leaves
+    the tail alone; a load that starts mid-chunk (blocks already computed
+    locally) writes only the missing blocks."""
+    caches = make_caches(mesh, jnp.bfloat16, seed=1)
+    ref = [bits(c) for c in caches]
+    eng = TransferEngine(KVLayout.from_caches(caches), num_slots=4, blocks_per_chunk=3, staging_blocks=6)
+    req_blocks = [5, 9, 2, 30, 31, 7, 11]  # 7 blocks: chunks (5,9,2) and (30,31,7); block 11 is the tail
+    chunks = [StoreChunk(0, req_blocks[0:3]), StoreChunk(1, req_blocks[3:6])]
+    eng.store(caches, chunks).block_until_ready()
+    eng.complete_store([0, 1], True)
+    # New blocks for the second request; its first 4 blocks are computed locally.
+    new = [12, 13, 14, 15, 16, 17]
+    caches, done = eng.load(caches, [LoadChunk(0, [-1, -1, -1]), LoadChunk(1, [-1, new[4], new[5]])])
+    done.block_until_ready()
+    got = [bits(c) for c in caches]
+    for layer in range(LAYERS):
+        assert np.array_equal(got[layer][16], ref[layer][31])
+        assert np.array_equal(got[layer][17], ref[layer][7])
+        for b in (12, 13, 14, 15, 11):
+            assert np.array_equal(got[layer][b], ref[layer][b])
+
+
+def test_host_tier_sharded_like_the_cache(mesh):
+    caches = make_caches(mesh, jnp.bfloat16)
+    eng = TransferEngine(KVLayout.from_caches(caches), num_slots=8, blocks_per_chunk=2, staging_blocks=4)
+    slab = eng.slabs[0][0]
+    assert slab.sharding.memory_kind == "pinned_host"
+    assert len(slab.addressable_shards) == 8
+    # slab is [slots, bpc, layers, block_size, heads, dim]: each device holds 1 of 8 heads
+    assert {s.data.shape for s in slab.addressable_shards} == {(8, 2, LAYERS, BS, 1, DIM)}
+    assert eng.staging[0].shape == (4, LAYERS, BS, HEADS, DIM)
+    assert {s.data.shape for s in eng.staging[0].addressable_shards} == {(4, LAYERS, BS, 1, DIM)}
+
+
+def test_unpinned_host_and_multiple_slabs(mesh):
+    caches = make_caches(mesh, jnp.float32, seed=3)
+    ref = [bits(c) for c in caches]
+    layout = KVLayout.from_caches(caches)
+    eng = TransferEngine(layout, num_slots=10, blocks_per_chunk=1, staging_blocks=8,
+                         memory_kind="unpinned_host", max_slab_bytes=3 * layout.block_bytes)
+    assert eng.programs.slab_rows == (3, 3, 3, 1)
+    assert eng.slabs[0][0].sharding.memory_kind == "unpinned_host"
+    slots = [9, 0, 4, 5, 8, 1]  # every slab, out of order, in one batch
+    eng.store(caches, [StoreChunk(s, [i]) for i, s in enumerate(slots)]).block_until_ready()
+    eng.complete_store(slots, True)
+    caches, done = eng.load(caches, [LoadChunk(s, [20 + i]) for i, s in enumerate(slots)])
+    done.block_until_ready()
+    for layer in range(LAYERS):
+        got = bits(caches[layer])
+        for i in range(len(slots)):
+            assert np.array_equal(got[20 + i], ref[layer][i])
+
+
+def test_no_recompilation_after_warmup(mesh):
+    caches = make_caches(mesh, jnp.bfloat16, seed=4)
+    eng = TransferEngine(KVLayout.from_caches(caches), num_slots=32, blocks_per_chunk=1, staging_blocks=8)
+    eng.precompile()
+    before, programs = COMPILES.n, eng.programs.compiles
+    assert programs == 2 * len(eng.programs.buckets) + 2  # gather+scatter per bucket, store, load
+    rng = np.random.default_rng(0)
+    for n in [1, 2, 3, 5, 7, 8, 13, 21, 1, 6]:  # every bucket, padding, and multi-pass sizes
+        blocks = rng.permutation(NB)[:n]
+        slots = rng.permutation(32)[:n]
+        eng.store(caches, [StoreChunk(int(s), [int(b)]) for s, b in zip(slots, blocks)])
+        eng.complete_store(slots, True)
+        caches, done = eng.load(caches, [LoadChunk(int(s), [int(b)]) for s, b in zip(slots, blocks)])
+    done.block_until_ready()
+    assert COMPILES.n == before, f"{COMPILES.n - before} backend compilations after warm-up"
+    assert eng.programs.compiles == programs
+
+
+def test_checksum_catches_corrupted_host_bytes(mesh):
+    caches = make_caches(mesh, jnp.bfloat16, seed=5)
+    eng = TransferEngine(KVLayout.from_caches(caches), num_slots=4, blocks_per_chunk=1, staging_blocks=2,
+                         checksums=True)
+    eng.store(caches, [StoreChunk(0, [1]), StoreChunk(1, [2])]).block_until_ready()
+    eng.complete_store([0, 1], True)
+    assert eng.check_loadable(0) and eng.check_loadable(1)
+    view = eng.row_views(1)[3]  # one device's bytes of slot 1
+    view[100] ^= 0xFF
+    assert eng.check_loadable(0)
+    assert not eng.check_loadable(1)
+    assert not eng.valid[1]
+
+
+def test_staging_must_fit_in_hbm(mesh):
+    caches = make_caches(mesh, jnp.bfloat16)
+    layout = KVLayout.from_caches(caches)
+    per_device = 100 * layout.device_block_bytes()
+    check_staging_fits(per_device, 100, devices=jax.devices()[:1], free_bytes=per_device)  # fits exactly
+    with pytest.raises(ConfigError) as e:
+        check_staging_fits(per_device, 100, devices=jax.devices()[:1], free_bytes=per_device // 4)
+    msg = str(e.value)
+    assert "missing" in msg and "TPU_OFFLOAD_NUM_STAGING_BLOCKS" in msg and "at most 25" in msg
+
+
+def test_hybrid_layer_groups_and_packed_5d_layout():
+    """tpu-inference's real cache is (blocks, block_size, heads, packing, head_dim)
+    sharded P(BATCH, KV_CONTEXT, KV_HEAD) with tuple axis names; hybrid models
+    mix layer shapes. Both must round-trip, one group per shape."""
+    mesh = jax.make_mesh((1, 1, 8), ("data", "pcp", "model"))
+    sh = NamedSharding(mesh, P(("data",), ("pcp",), ("model",)))
+    shapes = [(NB, 8, 8, 2, 16), (NB, 8, 16, 2, 16), (NB, 8, 8, 2, 16)]  # layers 0 and 2 share a shape
+    caches = [jax.device_put(jax.random.normal(jax.random.key(i), s).astype(jnp.bfloat16), sh)
+              for i, s in enumerate(shapes)]
+    ref = [bits(c) for c in caches]
+    layout = KVLayout.from_caches(caches)
+    assert [g.layers for g in layout.groups] == [(0, 2), (1,)]
+    eng = TransferEngine(layout, num_slots=4, blocks_per_chunk=2, staging_blocks=4)
+    eng.store(caches, [StoreChunk(3, [1, 2]), StoreChunk(0, [5, 6])]).block_until_ready()
+    eng.complete_store([3, 0], True)
+    caches, done = eng.load(caches, [LoadChunk(0, [30, 31]), LoadChunk(3, [32, 33])])
+    done.block_until_ready()
+    for layer in range(3):
+        got = bits(caches[layer])
+        for s, d in ((5, 30), (6, 31), (1, 32), (2, 33)):
+            assert np.array_equal(got[d], ref[layer][s])

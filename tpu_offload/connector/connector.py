@@ -1,0 +1,148 @@
+"""``TPUOffloadConnector``: the vLLM ``KVConnectorBase_V1`` tpu-inference loads.
+
+tpu-inference's platform accepts only a few connector *class names*, so the
+class carries the built-in one's name while living in our module:
+``{"kv_connector": "TPUOffloadConnector", "kv_connector_module_path":
+"tpu_offload.connector"}``. The scheduler role runs ``OffloadScheduler``,
+the worker role ``OffloadWorker``; this class only routes calls.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from tpu_offload.connector import compat
+from tpu_offload.connector.compat import KVConnectorBase_V1, KVConnectorRole
+from tpu_offload.connector.metadata import OffloadMetadata
+from tpu_offload.connector.metrics import ConnectorMetrics
+from tpu_offload.connector.settings import resolve
+from tpu_offload.connector.stats import OffloadStats
+
+log = logging.getLogger(__name__)
+
+
+class TPUOffloadConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.settings = resolve(vllm_config, kv_cache_config)
+        metrics = ConnectorMetrics.get()
+        fp = None
+        if self.settings.config.shared_storage_path:
+            from tpu_offload.connector.fs import fingerprint
+
+            fp = fingerprint(vllm_config, kv_cache_config, self.settings.blocks_per_chunk)
+        self.scheduler = self.worker = None
+        if role == KVConnectorRole.SCHEDULER:
+            from tpu_offload.connector.scheduler import OffloadScheduler
+
+            fs = None
+            if fp is not None:
+                from tpu_offload.connector.fs import FsLookup
+
+                fs = FsLookup(self.settings.config, fp)
+            self.scheduler = OffloadScheduler(self.settings, metrics, fs=fs)
+        else:
+            from tpu_offload.connector.worker import OffloadWorker  # imports jax
+
+            self.worker = OffloadWorker(self.settings, metrics, fs_fingerprint=fp)
+
+    # ---- class-level contract ---------------------------------------------
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config) -> str | None:
+        model = getattr(vllm_config, "model_config", None)
+        if model is None or getattr(model, "use_mla", False):
+            return None
+        return "NHD"
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> OffloadStats:
+        return OffloadStats.from_data(data)
+
+    # ---- scheduler side ------------------------------------------------------
+    def bind_kv_cache_manager(self, kv_cache_manager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self.scheduler is not None:
+            self.scheduler.kv_cache_manager = kv_cache_manager
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def get_external_cache_hit_sources(self, request, num_external_tokens: int) -> dict:
+        if not num_external_tokens or compat.HIT_HOST is None:
+            return super().get_external_cache_hit_sources(request, num_external_tokens)
+        disk = min(num_external_tokens, self.scheduler.file_hit_tokens(request.request_id))
+        out = {compat.HIT_HOST: num_external_tokens - disk, compat.HIT_DISK: disk}
+        return {k: v for k, v in out.items() if v}
+
+    def build_connector_meta(self, scheduler_output) -> OffloadMetadata:
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output) -> None:
+        self.scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.request_finished(request, block_ids)
+
+    def take_events(self):
+        return self.scheduler.take_events() if self.scheduler is not None else ()
+
+    def has_pending_push_work(self) -> bool:
+        # Keeps the engine stepping while stores are in flight, so their
+        # completions are collected even when no request is running.
+        return self.scheduler is not None and self.scheduler.has_pending_work()
+
+    def reset_cache(self) -> bool | None:
+        return self.scheduler.reset_cache() if self.scheduler is not None else None
+
+    # ---- worker side ---------------------------------------------------------
+    def register_kv_caches(self, kv_caches) -> None:
+        """Not used on TPU: tpu-inference calls ``register_runner`` instead."""
+
+    def register_runner(self, runner) -> None:
+        self.worker.register_runner(runner)
+
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        self.worker.start_load_kv(self._get_connector_metadata())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads are whole-model; nothing to wait for per layer."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs) -> None:
+        """Stores run once per step in ``wait_for_save``."""
+
+    def wait_for_save(self) -> None:
+        self.worker.wait_for_save(self._get_connector_metadata())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self.worker.get_finished()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.get_block_ids_with_load_errors() if self.worker is not None else set()
+
+    def build_connector_worker_meta(self):
+        if self.worker is None or not compat.HAS_WORKER_META:
+            return None
+        return self.worker.take_report()
+
+    def get_kv_connector_stats(self) -> OffloadStats | None:
+        if self.scheduler is not None:
+            return self.scheduler.get_stats()
+        stats = self.worker.get_stats()
+        if not compat.HAS_WORKER_META:  # old vLLM: completions ride in the stats
+            report = self.worker.take_report()
+            if report is not None:
+                stats = stats or OffloadStats()
+                stats.data[compat.STATS_REPORT_KEY] = report.to_dict()
+        return stats
+
+    def get_kv_connector_kv_cache_events(self):
+        """Events come from the scheduler's index (``take_events``): it is the truth about the tier."""
+        return None
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()

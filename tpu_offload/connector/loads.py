@@ -1,0 +1,136 @@
+"""Load plans: which chunks a request gets from the tiers, sent in order.
+
+A plan is built once the request's blocks exist. Chunks in the host tier
+are pinned at once; chunks only on the shared filesystem get a host slot and
+a promotion order first, and join the load when the worker has read them. A
+chunk whose promotion failed is sent with slot -1 so the worker reports its
+blocks as load errors (vLLM recomputes them). Asynchronous plans are sent in
+staging-sized parts, in order; the request's last part tells the worker to
+report it in ``finished_recving``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from tpu_offload.connector.metadata import LoadOp, OffloadMetadata, PromoteOp
+from tpu_offload.core.keys import ChunkKey
+
+
+@dataclasses.dataclass
+class Order:
+    """One work order sent to every worker process; done when all have reported."""
+
+    req_id: str
+    keys: list[ChunkKey]
+    slots: list[int]
+    items: list[int] = dataclasses.field(default_factory=list)  # plan indices (promotions)
+    reports: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # process -> bad slots
+
+
+@dataclasses.dataclass
+class LoadPlan:
+    req_id: str
+    async_load: bool
+    keys: list[ChunkKey]
+    slots: list[int]
+    blocks: list[int]  # blocks_per_chunk destination ids per chunk
+    ready: list[bool]  # pinned in the host tier (or failed: slot -1)
+    to_promote: list[int] = dataclasses.field(default_factory=list)  # indices not yet sent
+    evict: list[tuple[int, bytes]] = dataclasses.field(default_factory=list)  # write-back before promoting
+    emitted: int = 0
+    cancelled: bool = False
+
+
+class LoadPlanner:
+    def __init__(self, manager, bpc: int, next_id: Callable[[], int]):
+        self.manager = manager
+        self.bpc = bpc
+        self._next_id = next_id
+        self.plans: dict[str, LoadPlan] = {}
+        self.load_orders: dict[int, Order] = {}
+        self.promote_orders: dict[int, Order] = {}
+
+    def add(self, plan: LoadPlan) -> None:
+        self.plans[plan.req_id] = plan
+
+    def emit(self, meta: OffloadMetadata, budget_blocks: int, on_defer: Callable[[int], None]) -> int:
+        """Add this step's promotions and loads to ``meta``; returns the load budget left."""
+        for req_id in list(self.plans):
+            plan = self.plans[req_id]
+            if plan.to_promote and not plan.cancelled:
+                idx, plan.to_promote = plan.to_promote, []
+                op = PromoteOp(self._next_id(), req_id, [plan.slots[i] for i in idx],
+                               [bytes(plan.keys[i]) for i in idx], plan.evict)
+                plan.evict = []
+                meta.promotes.append(op)
+                self.promote_orders[op.op_id] = Order(req_id, [plan.keys[i] for i in idx], op.slots, idx)
+            if plan.cancelled:
+                meta.loads.append(self._load_op(plan, 0))  # empty and last
+                del self.plans[req_id]
+                continue
+            ready_end = plan.emitted
+            while ready_end < len(plan.keys) and plan.ready[ready_end]:
+                ready_end += 1
+            avail = ready_end - plan.emitted
+            take = min(avail, budget_blocks // self.bpc) if plan.async_load else avail
+            if avail > take:
+                on_defer((avail - take) * self.bpc)
+            if take:
+                if plan.async_load:
+                    budget_blocks -= take * self.bpc
+                meta.loads.append(self._load_op(plan, take))
+            if plan.emitted == len(plan.keys):
+                del self.plans[req_id]
+        return budget_blocks
+
+    def _load_op(self, plan: LoadPlan, take: int) -> LoadOp:
+        a, b = plan.emitted, plan.emitted + take
+        plan.emitted = b
+        last = plan.cancelled or b == len(plan.keys)
+        op = LoadOp(self._next_id(), plan.req_id, plan.slots[a:b], plan.blocks[a * self.bpc : b * self.bpc],
+                    async_load=plan.async_load, last=last)
+        pinned = [(k, s) for k, s in zip(plan.keys[a:b], plan.slots[a:b]) if s >= 0]
+        if pinned:
+            self.load_orders[op.op_id] = Order(plan.req_id, [k for k, _ in pinned], [s for _, s in pinned])
+        return op
+
+    def promoted(self, order: Order, failed: set[int]) -> list[ChunkKey]:
+        """A promotion finished on every process: the chunks join their plan. Returns failed keys."""
+        ok = [k for k, s in zip(order.keys, order.slots) if s not in failed]
+        bad = [k for k, s in zip(order.keys, order.slots) if s in failed]
+        if ok:
+            self.manager.complete_store(ok, True)
+        if bad:
+            self.manager.complete_store(bad, False)
+        plan = self.plans.get(order.req_id)
+        if plan is None or plan.cancelled:
+            return bad
+        for i, key, slot in zip(order.items, order.keys, order.slots):
+            if slot not in failed:
+                try:
+                    self.manager.prepare_load([key])  # pinned for the load that follows
+                except KeyError:  # dropped by a reset meanwhile
+                    plan.slots[i] = -1
+            else:
+                plan.slots[i] = -1
+            plan.ready[i] = True
+        return bad
+
+    def cancel(self, req_id: str) -> None:
+        """The request finished while waiting for its load: release what was never sent."""
+        plan = self.plans.get(req_id)
+        if plan is None:
+            return
+        unsent = range(plan.emitted, len(plan.keys))
+        pinned = [plan.keys[i] for i in unsent if plan.ready[i] and plan.slots[i] >= 0]
+        if pinned:
+            self.manager.complete_load(pinned)
+        if plan.to_promote:  # slots allocated for reads that were never sent
+            self.manager.complete_store([plan.keys[i] for i in plan.to_promote], False)
+            plan.to_promote = []
+        plan.cancelled = True  # one empty last op still goes out: the worker must report finished_recving
+
+    def pending(self) -> bool:
+        return bool(self.plans or self.load_orders or self.promote_orders)

@@ -1,0 +1,96 @@
+"""What the scheduler tells the workers each step, and what they report back.
+
+Work orders name chunk *slots* (the scheduler's manager owns the slot map)
+and engine block ids; the worker never sees a key. Every order has an id so
+completions from several processes can be counted per order: a chunk is
+loadable only once every process holding a shard of it has reported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from tpu_offload.connector.compat import KVConnectorMetadata, KVConnectorWorkerMetadata
+
+
+@dataclasses.dataclass
+class LoadOp:
+    op_id: int
+    req_id: str
+    slots: list[int]  # -1: the chunk could not be brought to the host tier (a load error)
+    blocks: list[int]  # blocks_per_chunk destination ids per slot; -1 = already computed
+    async_load: bool  # report the request in finished_recving when its last op completes
+    last: bool  # the request's final load op
+
+
+@dataclasses.dataclass
+class StoreOp:
+    op_id: int
+    req_id: str
+    slots: list[int]
+    blocks: list[int]  # blocks_per_chunk source ids per slot
+    keys: list[bytes] = dataclasses.field(default_factory=list)  # filesystem write-through only
+    evict: list[tuple[int, bytes]] = dataclasses.field(default_factory=list)  # write-back: (slot, key) first
+
+
+@dataclasses.dataclass
+class PromoteOp:
+    """Filesystem -> host slots (the chunks' load follows as a LoadOp)."""
+
+    op_id: int
+    req_id: str
+    slots: list[int]
+    keys: list[bytes]
+    evict: list[tuple[int, bytes]] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class OffloadMetadata(KVConnectorMetadata):
+    loads: list[LoadOp] = dataclasses.field(default_factory=list)
+    stores: list[StoreOp] = dataclasses.field(default_factory=list)
+    promotes: list[PromoteOp] = dataclasses.field(default_factory=list)
+    # Finished requests whose blocks vLLM keeps for us: report them in
+    # finished_sending once all their store ops (this step's included) are done.
+    release: list[str] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class OffloadReport(KVConnectorWorkerMetadata):
+    """Completed orders from one or more worker processes (merged by ``aggregate``)."""
+
+    process_count: int = 1
+    # (op_id, process_index, slots that failed)
+    stores: list[tuple[int, int, list[int]]] = dataclasses.field(default_factory=list)
+    # (op_id, process_index, slots whose bytes were bad or whose transfer failed)
+    loads: list[tuple[int, int, list[int]]] = dataclasses.field(default_factory=list)
+    # (op_id, process_index, slots whose file could not be read)
+    promotes: list[tuple[int, int, list[int]]] = dataclasses.field(default_factory=list)
+
+    def aggregate(self, other: "OffloadReport") -> "OffloadReport":
+        other = OffloadReport.coerce(other)
+        return OffloadReport(
+            process_count=max(self.process_count, other.process_count),
+            stores=self.stores + other.stores,
+            loads=self.loads + other.loads,
+            promotes=self.promotes + other.promotes,
+        )
+
+    def is_empty(self) -> bool:
+        return not self.stores and not self.loads and not self.promotes
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def coerce(cls, value) -> "OffloadReport":
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            return cls(
+                process_count=int(value.get("process_count", 1)),
+                stores=[(int(a), int(b), list(c)) for a, b, c in value.get("stores", [])],
+                loads=[(int(a), int(b), list(c)) for a, b, c in value.get("loads", [])],
+                promotes=[(int(a), int(b), list(c)) for a, b, c in value.get("promotes", [])],
+            )
+        raise TypeError(f"not an offload report: {type(value).__name__}")

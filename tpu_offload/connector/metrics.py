@@ -1,0 +1,102 @@
+"""Prometheus metrics: the core ``tpu_offload_*`` set plus tpu-inference's names.
+
+Dashboards built for tpu-inference's connector keep working: the
+``tpu_inference:prefix_cache_*`` series are exported where our meaning
+matches theirs. Two differences, both deliberate: ``hits`` counts tokens
+served from the host tier only (theirs also counts tokens already in HBM),
+and lookups are counted once per admitted request (theirs on every retry).
+Gauges are read from live state at scrape time, so they hold their value
+between readings instead of dropping to zero every logging interval.
+
+One instance per process and registry: the scheduler and worker halves of
+the connector share it when they run in one process.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+
+from tpu_offload.core.metrics import OffloadMetrics
+
+_P = "tpu_inference:prefix_cache_"
+_DURATION = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_BW = (1, 2, 5, 10, 20, 50, 100, 200, 500)
+_BYTES = (1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 23, 1 << 26, 100 << 20, 1 << 30)
+_lock = threading.Lock()
+_instances: dict[int, "ConnectorMetrics"] = {}
+
+
+class _GaugeCollector:
+    def __init__(self, fns: dict[str, tuple[str, Callable[[], float]]]):
+        self._fns = fns
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        for name, (doc, fn) in list(self._fns.items()):
+            fam = GaugeMetricFamily(name, doc)
+            fam.add_metric([], float(fn()))
+            yield fam
+
+
+class ConnectorMetrics:
+    def __init__(self, registry: CollectorRegistry):
+        self.core = OffloadMetrics(registry=registry)
+        r = registry
+        self.lookups = Counter(_P + "lookup_queries", "Requests looked up in the host tier", registry=r)
+        self.hits = Counter(_P + "hits", "Tokens served from the host tier", registry=r)
+        self.misses = Counter(_P + "miss", "Tokens looked up and not found in the host tier", registry=r)
+        self.ops = {
+            d: Counter(_P + f"{d}_operations", f"Batched {d.upper()} transfers", registry=r) for d in ("d2h", "h2d")
+        }
+        self.duration = {
+            d: Histogram(_P + f"{d}_transfer_duration_seconds", f"{d.upper()} transfer latency", buckets=_DURATION, registry=r)
+            for d in ("d2h", "h2d")
+        }
+        self.bandwidth = {
+            d: Histogram(_P + f"{d}_transfer_bw", f"{d.upper()} bandwidth in GBps", buckets=_BW, registry=r)
+            for d in ("d2h", "h2d")
+        }
+        self.size = {
+            d: Histogram(_P + f"{d}_request_bytes", f"Bytes per {d.upper()} transfer", buckets=_BYTES, registry=r)
+            for d in ("d2h", "h2d")
+        }
+        self._gauges: dict[str, tuple[str, Callable[[], float]]] = {}
+        r.register(_GaugeCollector(self._gauges))
+
+    @classmethod
+    def get(cls, registry: CollectorRegistry | None = None) -> "ConnectorMetrics":
+        registry = registry if registry is not None else REGISTRY
+        with _lock:
+            inst = _instances.get(id(registry))
+            if inst is None:
+                inst = _instances[id(registry)] = cls(registry)
+            return inst
+
+    # ---- feeding ---------------------------------------------------------
+    def set_gauges(self, host_used_bytes: Callable[[], float], staging_used: Callable[[], float],
+                   staging_total: int) -> None:
+        self._gauges[_P + "host_memory_usage"] = ("Host tier bytes in use, GiB", lambda: host_used_bytes() / (1 << 30))
+        self._gauges[_P + "staging_buffer_usage"] = ("Staging blocks used by the last step", staging_used)
+        self._gauges[_P + "staging_buffer_free"] = ("Staging blocks free in the last step", lambda: staging_total - staging_used())
+
+    def lookup(self, queried_tokens: int, hit_tokens: int, hit_chunks: int) -> None:
+        self.core.record_lookup(queried_tokens, [("cpu", hit_chunks, hit_tokens)] if hit_tokens else [])
+        self.lookups.inc()
+        self.hits.inc(hit_tokens)
+        self.misses.inc(max(0, queried_tokens - hit_tokens))
+
+    def transfer(self, direction: str, nbytes: int, seconds: float, chunks: int) -> None:
+        """``direction``: "store" (device to host) or "load"."""
+        self.core.record_transfer(direction, nbytes, seconds, chunks)
+        d = "d2h" if direction == "store" else "h2d"
+        self.ops[d].inc()
+        self.duration[d].observe(seconds)
+        self.size[d].observe(nbytes)
+        if seconds > 0:
+            self.bandwidth[d].observe(nbytes / seconds / 1e9)

@@ -1,0 +1,404 @@
+"""Scheduler half: decides what to load and store; owns the chunk index.
+
+Invariants this file keeps (each one a defect of the upstream connector):
+
+* ``get_num_new_matched_tokens`` has no side effects: vLLM calls it again
+  for every retry of a waiting request. Pins, plans and metrics happen in
+  ``update_state_after_alloc``, once the blocks exist.
+* Hits are whole chunks. A full-prompt hit reports N-1 tokens (vLLM must
+  compute at least one); all chunks are still loaded.
+* Every newly full chunk is stored the step it completes (prompt chunks
+  always, decode chunks with ``decode_save``), including chunks the request
+  got from the HBM prefix cache that the host tier no longer holds.
+* The staging budget (``staging_blocks`` per step and direction) defers work
+  to later steps; it never drops a chunk.
+* No store reads a freed block: ``request_finished`` keeps the blocks (returns
+  True) while the request still has chunks to store, and the worker reports
+  the request in ``finished_sending`` after the last one lands.
+* A chunk becomes loadable only when every worker process has stored its
+  shards (completions are counted per order and process).
+* With a shared filesystem (``fs``), a prefix may continue with chunks that
+  only exist as files; they are promoted into host slots, then loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+from typing import Any
+
+from tpu_offload.connector import compat
+from tpu_offload.connector.events import EventTranslator
+from tpu_offload.connector.loads import LoadPlan, LoadPlanner, Order
+from tpu_offload.connector.metadata import OffloadMetadata, OffloadReport, StoreOp
+from tpu_offload.connector.metrics import ConnectorMetrics
+from tpu_offload.connector.settings import Settings
+from tpu_offload.connector.stats import OffloadStats
+from tpu_offload.core.keys import ChunkKey, make_chunk_key
+from tpu_offload.core.lru import LRUChunkManager
+from tpu_offload.core.manager import Lookup
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class _Req:
+    request: Any
+    cursor: int = 0  # chunks [0, cursor) are stored, in flight, or known present
+    looked_up: bool = False  # lookup metrics recorded
+    finishing: bool = False  # request_finished returned True: blocks are ours
+    final_blocks: list[int] | None = None
+    keys: list[ChunkKey] = dataclasses.field(default_factory=list)
+
+
+class OffloadScheduler:
+    def __init__(self, settings: Settings, metrics: ConnectorMetrics | None = None, fs=None):
+        s = self.s = settings
+        cfg = settings.config
+        self.bpc = s.blocks_per_chunk
+        self.chunk_tokens = s.chunk_tokens
+        self.manager = LRUChunkManager(s.num_slots, s.chunk_bytes, enable_events=cfg.enable_events)
+        self.async_load = not cfg.sync_load
+        self.decode_save = cfg.decode_save
+        self.events = EventTranslator(s.block_size, s.blocks_per_chunk)
+        self.metrics = metrics or ConnectorMetrics.get()
+        self.metrics.core.add_tier("cpu", self.manager.stats)
+        self.metrics.set_gauges(lambda: self.manager.stats().used_bytes, lambda: self._staging_used, s.staging_blocks)
+        self.stats = OffloadStats()  # drained by vLLM every step
+        self.totals: dict[str, float] = {}  # the same counters since start (tests, debugging)
+        self.kv_cache_manager = None  # bound by vLLM (bind_kv_cache_manager)
+        self._reqs: dict[str, _Req] = {}
+        self._ids = itertools.count()
+        self.loads = LoadPlanner(self.manager, self.bpc, lambda: next(self._ids))
+        self._store_orders: dict[int, Order] = {}
+        self.fs = fs if self.async_load else None  # file hits are always loaded asynchronously
+        self.write_through = fs is not None and cfg.fs_write_mode == "write_through"
+        self.write_back = fs is not None and not self.write_through
+        self._slot_of: dict[ChunkKey, int] = {}  # for write-back: the slot an evicted chunk leaves
+        self._fs_bad: set[ChunkKey] = set()  # files that failed to promote: not offered again
+        self._procs = 1  # worker processes that must report each order (learned from reports)
+        self._quarantine: set[ChunkKey] = set()  # present in the index but proved bad: never served
+        self._staging_used = 0
+
+    # ---- keys and lookups (pure) -----------------------------------------
+    def _keys(self, request, n: int | None = None) -> list[ChunkKey]:
+        hashes = request.block_hashes
+        count = len(hashes) // self.bpc if n is None else min(n, len(hashes) // self.bpc)
+        return [make_chunk_key(bytes(hashes[(i + 1) * self.bpc - 1])) for i in range(count)]
+
+    def _req_keys(self, st: _Req, n: int) -> list[ChunkKey]:
+        hashes = st.request.block_hashes
+        while len(st.keys) < min(n, len(hashes) // self.bpc):
+            i = len(st.keys)
+            st.keys.append(make_chunk_key(bytes(hashes[(i + 1) * self.bpc - 1])))
+        return st.keys
+
+    def _ready_prefix(self, keys: list[ChunkKey]) -> int:
+        n = self.manager.lookup_prefix(keys)
+        if self._quarantine:
+            for i in range(n):
+                if keys[i] in self._quarantine:
+                    return i
+        return n
+
+    def _prefix(self, keys: list[ChunkKey]) -> tuple[int, list[bool]]:
+        """Leading chunks any tier can serve, and which of them only exist as files.
+
+        A file chunk needs a host slot to be promoted into, so the prefix stops
+        where those would exceed the slots that are free or evictable (a
+        promotion that cannot get a slot would be a load error, and vLLM would
+        ask again: a livelock).
+        """
+        n = self._ready_prefix(keys)
+        on_fs = [False] * n
+        if self.fs is not None:
+            st = self.manager.stats()
+            room = st.capacity_chunks - st.pinned_chunks - st.pending_chunks - n
+            n_fs = 0
+            while n < len(keys):
+                k = keys[n]
+                state = self.manager.lookup(k)
+                if state is Lookup.HIT and k not in self._quarantine:
+                    on_fs.append(False)
+                    room -= 1
+                elif state is Lookup.MISS and k not in self._fs_bad and self.fs.contains(k):
+                    on_fs.append(True)
+                    n_fs += 1
+                else:
+                    break
+                if n_fs > room:
+                    on_fs.pop()
+                    break
+                n += 1
+        return n, on_fs
+
+    def _hit(self, request, num_computed_tokens: int) -> tuple[int, int]:
+        """(chunks any tier can serve, tokens to report) for a request; no side effects."""
+        n_hit, _ = self._prefix(self._keys(request))
+        hit_tokens = n_hit * self.chunk_tokens
+        if hit_tokens <= num_computed_tokens:
+            return n_hit, 0
+        report = min(hit_tokens, request.num_tokens - 1)  # a full hit still computes one token
+        return n_hit, max(0, report - num_computed_tokens)
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        _, n = self._hit(request, num_computed_tokens)
+        return n, bool(n) and self.async_load
+
+    # ---- admission -------------------------------------------------------
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            st = self._reqs[request.request_id] = _Req(request=request)
+        st.request = request
+        if num_external_tokens <= 0:
+            if not st.looked_up:
+                st.looked_up = True
+                queried = request.num_tokens - request.num_computed_tokens
+                self.metrics.lookup(queried, 0, 0)
+                self._add("lookup_tokens", queried)
+            return
+        keys = self._keys(request)
+        n_hit, on_fs = self._prefix(keys)
+        hit_tokens = n_hit * self.chunk_tokens
+        local = hit_tokens - num_external_tokens - (1 if hit_tokens >= request.num_tokens else 0)
+        if local < 0 or local % self.s.block_size or hit_tokens <= local:
+            raise RuntimeError(
+                f"request {request.request_id}: {num_external_tokens} external tokens do not match the "
+                f"{n_hit} ready chunks; the tier changed between lookup and allocation"
+            )
+        first = local // self.chunk_tokens
+        skip = local // self.s.block_size  # blocks already computed locally
+        block_ids = compat.blocks_of_group0(blocks)
+        load_keys = keys[first:n_hit]
+        fs_idx = [i for i in range(len(load_keys)) if on_fs[first + i]]
+        host_idx = [i for i in range(len(load_keys)) if not on_fs[first + i]]
+        slots = [-1] * len(load_keys)
+        ready = [False] * len(load_keys)
+        for i, slot in zip(host_idx, self.manager.prepare_load([load_keys[i] for i in host_idx])):
+            slots[i], ready[i] = int(slot), True  # pinned until the worker reports the load
+        evict: list[tuple[int, bytes]] = []
+        if fs_idx:
+            alloc = self.manager.prepare_store([load_keys[i] for i in fs_idx])
+            if alloc is None:  # no host slot to promote into: those blocks become load errors
+                for i in fs_idx:
+                    ready[i] = True
+                fs_idx = []
+            else:
+                evict = self._allocated(alloc)
+                slot_of = dict(zip(alloc.keys, (int(x) for x in alloc.slots)))
+                for i in fs_idx:
+                    slots[i] = slot_of[load_keys[i]]
+                    self.events.record(load_keys[i], request, first + i)
+        dst: list[int] = []
+        for c in range(first, n_hit):
+            for b in range(c * self.bpc, (c + 1) * self.bpc):
+                dst.append(block_ids[b] if b >= skip else -1)
+        self.loads.add(LoadPlan(request.request_id, self.async_load, load_keys, slots, dst, ready,
+                                to_promote=fs_idx, evict=evict))
+        if not st.looked_up:
+            st.looked_up = True
+            queried = request.num_tokens - local
+            self.metrics.lookup(queried, num_external_tokens, len(load_keys))
+            self._add("lookup_tokens", queried)
+            self._add("hit_tokens", num_external_tokens)
+
+    # ---- per step --------------------------------------------------------
+    def build_connector_meta(self, so) -> OffloadMetadata:
+        meta = OffloadMetadata()
+        load_budget = store_budget = self.s.staging_blocks
+        # Loads: sync ones whole (the forward needs them now), async ones within the budget.
+        load_budget = self.loads.emit(meta, load_budget, lambda n: self._defer("load", n))
+        # Stores: requests whose blocks we hold first, then this step's scheduled ones.
+        for req_id, st in list(self._reqs.items()):
+            if not st.finishing:
+                continue
+            computed = st.request.num_computed_tokens
+            done, store_budget = self._plan_stores(meta, st, computed, st.final_blocks, store_budget, final=True)
+            if done:
+                meta.release.append(req_id)
+                del self._reqs[req_id]
+        scheduled = [(r.req_id, so.num_scheduled_tokens.get(r.req_id, 0)) for r in so.scheduled_new_reqs]
+        cached = so.scheduled_cached_reqs
+        scheduled += [(rid, so.num_scheduled_tokens.get(rid, 0)) for rid in cached.req_ids]
+        for req_id, n_new in scheduled:
+            st = self._reqs.get(req_id)
+            if st is None or st.finishing or store_budget < 0:
+                continue
+            computed = min(st.request.num_computed_tokens + n_new, st.request.num_tokens)
+            _, store_budget = self._plan_stores(meta, st, computed, None, store_budget, final=False)
+        self._staging_used = max(self.s.staging_blocks - load_budget, self.s.staging_blocks - max(store_budget, 0))
+        if self.fs is not None:
+            self.fs.new_step()
+        return meta
+
+    def _defer(self, direction: str, blocks: int) -> None:
+        self.metrics.core.record_deferred(direction, blocks)
+        self._add(f"deferred_{direction}_blocks", blocks)
+
+    def _allocated(self, alloc) -> list[tuple[int, bytes]]:
+        """Book a successful prepare_store; returns (slot, key) of evicted chunks to write back."""
+        self.metrics.core.record_evictions(len(alloc.evicted))
+        evict = []
+        for k in alloc.evicted:
+            slot = self._slot_of.pop(k, None)
+            if slot is not None and self.write_back:
+                evict.append((slot, bytes(k)))
+        self._slot_of.update(zip(alloc.keys, (int(x) for x in alloc.slots)))
+        return evict
+
+    def _storable(self, st: _Req, computed_tokens: int) -> int:
+        """Chunks of the request whose KV is complete and whose tokens are known."""
+        req = st.request
+        n = min(computed_tokens // self.chunk_tokens, len(req.block_hashes) // self.bpc)
+        if not self.decode_save:
+            n = min(n, req.num_prompt_tokens // self.chunk_tokens)
+        return n
+
+    def _plan_stores(self, meta, st: _Req, computed: int, block_ids, budget: int, final: bool) -> tuple[bool, int]:
+        """Plan this step's stores for one request. Returns (nothing left to store, budget left)."""
+        n = self._storable(st, computed)
+        keys = self._req_keys(st, n)
+        touched, cand = [], []
+        i = st.cursor
+        while i < n:
+            state = self.manager.lookup(keys[i])
+            if state is Lookup.MISS:
+                self._quarantine.discard(keys[i])  # evicted since it was found bad: storable again
+                if (len(cand) + 1) * self.bpc > budget:
+                    break
+                cand.append(i)
+            elif state is Lookup.HIT and keys[i] not in self._quarantine:  # let bad chunks age out
+                touched.append(keys[i])
+            i += 1
+        if touched:
+            self.manager.touch(touched)
+        if i < n:
+            self._defer("store", (n - i) * self.bpc)
+        if cand:
+            alloc = self.manager.prepare_store([keys[c] for c in cand])
+            while alloc is None and len(cand) > 1:  # store the longest prefix that fits
+                cand = cand[: len(cand) // 2]
+                i = cand[-1] + 1
+                alloc = self.manager.prepare_store([keys[c] for c in cand])
+            if alloc is None:
+                self.metrics.core.record_alloc_failure()
+                self._add("alloc_failures", 1)
+                if final:  # nothing evictable: give the blocks back rather than hold them
+                    log.warning("request %s: host tier full of pinned chunks; %d final chunks not stored",
+                                st.request.request_id, len(cand))
+                    return True, budget
+                st.cursor = cand[0]
+                return False, budget
+            evict = self._allocated(alloc)
+            slot_of = dict(zip(alloc.keys, (int(x) for x in alloc.slots)))
+            if block_ids is None:
+                block_ids = compat.request_block_ids(self.kv_cache_manager, st.request.request_id)
+            slots, blocks, okeys = [], [], []
+            for c in cand:
+                k = keys[c]
+                if k not in slot_of:
+                    continue
+                slots.append(slot_of[k])
+                okeys.append(k)
+                blocks.extend(block_ids[c * self.bpc : (c + 1) * self.bpc])
+                self.events.record(k, st.request, c)
+            if slots:
+                op = StoreOp(next(self._ids), st.request.request_id, slots, blocks,
+                             keys=[bytes(k) for k in okeys] if self.write_through else [], evict=evict)
+                meta.stores.append(op)
+                self._store_orders[op.op_id] = Order(op.req_id, okeys, slots)
+                budget -= len(slots) * self.bpc
+        st.cursor = i
+        return i >= n, budget
+
+    # ---- feedback ----------------------------------------------------------
+    def update_connector_output(self, output) -> None:
+        raw = compat.extract_report(output)
+        if raw is None:
+            return
+        report = OffloadReport.coerce(raw)
+        self._procs = max(self._procs, report.process_count)
+        for order, failed in self._complete(self._store_orders, report.stores):
+            ok = [k for k, s in zip(order.keys, order.slots) if s not in failed]
+            bad_keys = [k for k, s in zip(order.keys, order.slots) if s in failed]
+            if ok:
+                self.manager.complete_store(ok, True)
+            if bad_keys:
+                self.manager.complete_store(bad_keys, False)
+                for k in bad_keys:
+                    self.events.forget(k)
+                    self._slot_of.pop(k, None)
+        for order, failed in self._complete(self.loads.promote_orders, report.promotes):
+            for k in self.loads.promoted(order, failed):
+                self.events.forget(k)
+                self._slot_of.pop(k, None)
+                self._fs_bad.add(k)
+            if failed:
+                self.metrics.core.record_load_errors(len(failed), tier="fs")
+        for order, failed in self._complete(self.loads.load_orders, report.loads):
+            self.manager.complete_load(order.keys)
+            for k, s in zip(order.keys, order.slots):
+                if s in failed:
+                    self._quarantine.add(k)
+            if failed:
+                self.metrics.core.record_load_errors(len(failed))
+
+    def _complete(self, orders: dict[int, Order], entries):
+        """Orders every worker process has now reported, with the union of their bad slots."""
+        for op_id, proc, bad in entries:
+            order = orders.get(op_id)
+            if order is None:
+                continue
+            order.reports[proc] = bad
+            if len(order.reports) >= self._procs:
+                del orders[op_id]
+                yield order, set().union(*order.reports.values())
+
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
+        req_id = request.request_id
+        self.loads.cancel(req_id)  # aborted while its load waited: release what was never sent
+        st = self._reqs.get(req_id)
+        if st is None:
+            return False, None
+        st.request = request
+        n = self._storable(st, request.num_computed_tokens)
+        keys = self._req_keys(st, n)
+        if any(self.manager.lookup(keys[i]) is Lookup.MISS for i in range(st.cursor, n)):
+            st.finishing = True
+            st.final_blocks = list(block_ids)
+            return True, None
+        del self._reqs[req_id]
+        return False, None
+
+    def file_hit_tokens(self, req_id: str) -> int:
+        """Tokens of the request's planned load that come from the filesystem tier."""
+        plan = self.loads.plans.get(req_id)
+        return 0 if plan is None else len(plan.to_promote) * self.chunk_tokens
+
+    # ---- housekeeping -------------------------------------------------------
+    def has_pending_work(self) -> bool:
+        return bool(self._store_orders) or self.loads.pending()
+
+    def take_events(self) -> list:
+        return self.events.translate(self.manager.take_events())
+
+    def _add(self, key: str, value: float) -> None:
+        self.stats.add(key, value)
+        self.totals[key] = self.totals.get(key, 0) + value
+
+    def get_stats(self) -> OffloadStats | None:
+        return None if self.stats.is_empty() else self.stats.clone_and_reset()
+
+    def reset_cache(self) -> bool:
+        self.manager.reset()
+        self._quarantine.clear()
+        self._slot_of.clear()
+        self.events.reset()
+        for st in self._reqs.values():
+            st.cursor = 0
+        return True
+
+    def pinned_chunks(self) -> int:
+        return self.manager.stats().pinned_chunks

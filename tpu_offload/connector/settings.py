@@ -1,0 +1,81 @@
+"""Resolves the typed config against the engine: chunk size, capacity, staging.
+
+Both halves of the connector call ``resolve`` with the same inputs and must
+agree on the slot count (the scheduler hands out slots the worker's slabs
+hold), so sizes come only from the config and the engine's KV-cache spec,
+never from anything process-local. ``cpu_bytes`` sizes the whole replica's
+tier (all hosts together): with KV heads sharded over hosts, each host holds
+``cpu_bytes / hosts``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Mapping
+
+from tpu_offload.core.config import ConfigError, OffloadConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    config: OffloadConfig
+    block_size: int  # tokens per engine block
+    blocks_per_chunk: int
+    num_slots: int  # host-tier capacity in chunks
+    chunk_bytes: int  # bytes of one chunk across all layers and shards (0 if unknown)
+    staging_blocks: int  # whole chunks' worth of blocks
+
+    @property
+    def chunk_tokens(self) -> int:
+        return self.block_size * self.blocks_per_chunk
+
+    @property
+    def staging_chunks(self) -> int:
+        return self.staging_blocks // self.blocks_per_chunk
+
+
+def kv_bytes_per_block(kv_cache_config) -> int:
+    """Bytes of one block over all layers, from vLLM's KV-cache spec (0 if unknown)."""
+    if kv_cache_config is None:
+        return 0
+    total = 0
+    for group in getattr(kv_cache_config, "kv_cache_groups", ()):
+        total += group.kv_cache_spec.page_size_bytes * len(group.layer_names)
+    return total
+
+
+def resolve(vllm_config, kv_cache_config, env: Mapping[str, str] | None = None) -> Settings:
+    ktc = vllm_config.kv_transfer_config
+    extra = dict(getattr(ktc, "kv_connector_extra_config", None) or {})
+    cfg = OffloadConfig.from_sources(extra, os.environ if env is None else env)
+    parallel = vllm_config.parallel_config
+    if getattr(parallel, "pipeline_parallel_size", 1) > 1:
+        raise ConfigError(f"pipeline_parallel_size={parallel.pipeline_parallel_size}: KV offloading supports PP=1 only")
+    if getattr(parallel, "data_parallel_size", 1) > 1:
+        raise ConfigError(f"data_parallel_size={parallel.data_parallel_size}: KV offloading supports DP=1 only")
+    if getattr(ktc, "kv_load_failure_policy", "recompute") != "recompute":
+        log.warning(
+            "kv_load_failure_policy=%r: a chunk that fails to load fails its request; set "
+            '"kv_load_failure_policy": "recompute" in --kv-transfer-config to recompute it instead',
+            ktc.kv_load_failure_policy,
+        )
+    block_size = vllm_config.cache_config.block_size
+    bpc = cfg.resolve_blocks_per_chunk(block_size)
+    chunk_bytes = kv_bytes_per_block(kv_cache_config) * bpc
+    if cfg.num_cpu_chunks is None and chunk_bytes == 0:
+        raise ConfigError("cannot size the host tier in bytes without the KV-cache spec; set num_cpu_chunks "
+                          "(TPU_OFFLOAD_NUM_CPU_CHUNKS)")
+    num_slots = cfg.resolve_num_chunks(chunk_bytes or 1)
+    if cfg.staging_blocks < bpc:
+        raise ConfigError(
+            f"staging_blocks={cfg.staging_blocks} cannot hold one chunk of {bpc} blocks; raise "
+            f"staging_blocks (TPU_OFFLOAD_NUM_STAGING_BLOCKS) to at least {bpc} or lower blocks_per_chunk"
+        )
+    return Settings(
+        config=cfg, block_size=block_size, blocks_per_chunk=bpc, num_slots=num_slots,
+        chunk_bytes=chunk_bytes, staging_blocks=cfg.staging_blocks // bpc * bpc,
+    )

@@ -1,0 +1,311 @@
+"""Worker half: runs the scheduler's orders on the JAX data path.
+
+tpu-inference calls ``register_runner`` (never ``register_kv_caches``) and
+rebinds ``runner.kv_caches`` every step, so the caches are read from the
+runner at the moment of use and the arrays a donating program returns are
+written back to it.
+
+Nothing here waits on a transfer: each step dispatches its loads (before or
+after the forward, as vLLM decides) and its stores (after the forward), then
+polls the "done" arrays of earlier transfers. A load that cannot be served
+(slot not valid in this process, checksum mismatch, failed dispatch or
+transfer) is reported as invalid blocks so vLLM recomputes them.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import time
+from typing import Any, Sequence
+
+import jax
+
+from tpu_offload.connector.metadata import LoadOp, OffloadMetadata, OffloadReport
+from tpu_offload.connector.metrics import ConnectorMetrics
+from tpu_offload.connector.settings import Settings
+from tpu_offload.connector.stats import OffloadStats
+from tpu_offload.core.config import ConfigError
+from tpu_offload.jax_backend import memory
+from tpu_offload.jax_backend.engine import LoadChunk, StoreChunk, TransferEngine
+from tpu_offload.jax_backend.layout import KVLayout
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class _Flight:
+    done: Any  # jax.Array that becomes ready when the transfer finished (None: nothing sent)
+    kind: str  # "store" | "load"
+    ops: list
+    bad: dict[int, list[int]]  # op_id -> slots refused or failed
+    nbytes: int
+    started: float
+
+
+class OffloadWorker:
+    def __init__(self, settings: Settings, metrics: ConnectorMetrics | None = None, *,
+                 free_hbm_bytes: int | None = None, free_host_bytes: int | None = None,
+                 max_slab_bytes: int | None = None, fs_fingerprint=None):
+        self.s = settings
+        self._fs_fp = fs_fingerprint
+        self.fs = None  # FsMover, when shared_storage_path is set
+        self.metrics = metrics or ConnectorMetrics.get()
+        self.stats = OffloadStats()  # drained by vLLM every step
+        self.totals: dict[str, float] = {}  # the same counters since start (tests, debugging)
+        self.runner = None
+        self.engine: TransferEngine | None = None
+        self._free_hbm = free_hbm_bytes  # overrides the allocator's figure (tests, CPU)
+        self._free_host = free_host_bytes
+        self._max_slab_bytes = max_slab_bytes
+        self._flights: list[_Flight] = []
+        self._store_ops_left: dict[str, int] = {}  # req -> store ops not yet completed
+        self._releasing: set[str] = set()  # finished reqs to report once their stores are done
+        self._finished_sending: set[str] = set()
+        self._finished_recving: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._report = OffloadReport()
+        self._pidx = 0  # set at registration, once JAX (and jax.distributed) is initialized
+        self._loaded_meta = None
+        self._saved_meta = None
+        self._to_read: collections.deque = collections.deque()  # (op_id, key, slot) waiting for a buffer
+        self._promoting: dict[int, tuple[set[int], list[int]]] = {}  # op_id -> (slots left, failed slots)
+
+    # ---- setup -------------------------------------------------------------
+    def register_runner(self, runner) -> None:
+        cfg = self.s.config
+        self.runner = runner
+        self._pidx = jax.process_index()
+        self._report = OffloadReport(process_count=jax.process_count())
+        layout = KVLayout.from_caches(runner.kv_caches, getattr(runner, "mesh", None))
+        layout_name = runner.get_kv_cache_layout() if hasattr(runner, "get_kv_cache_layout") else "NHD"
+        if layout_name not in (None, "NHD"):
+            raise ValueError(f"KV cache layout {layout_name!r}: the offload connector needs NHD")
+        staging_per_device = self.s.staging_blocks * layout.device_block_bytes()
+        memory.check_staging_fits(staging_per_device, self.s.staging_blocks, free_bytes=self._free_hbm)
+        kw = {} if self._max_slab_bytes is None else {"max_slab_bytes": self._max_slab_bytes}
+        local_share = sum(d.process_index == self._pidx for d in layout.mesh.devices.flat) / layout.mesh.devices.size
+        memory.check_host_fits(int(self.s.num_slots * layout.block_bytes * self.s.blocks_per_chunk * local_share),
+                               self.s.num_slots, available=self._free_host)
+        self.engine = TransferEngine(
+            layout, num_slots=self.s.num_slots, blocks_per_chunk=self.s.blocks_per_chunk,
+            staging_blocks=self.s.staging_blocks, memory_kind=cfg.host_memory_kind,
+            extra_buckets=cfg.block_buckets, checksums=cfg.verify_checksums, **kw,
+        )
+        if cfg.shared_storage_path:
+            if jax.process_count() > 1:
+                raise ConfigError("shared_storage_path with several JAX processes is not supported yet: "
+                                  "each host holds only its own KV heads")
+            from tpu_offload.connector.fs import FsMover
+
+            self.fs = FsMover(cfg, self._fs_fp, self.engine, self.metrics.core)
+        if not cfg.skip_precompile:
+            t0 = time.perf_counter()
+            self.engine.precompile()
+            log.info("tpu_offload: compiled %d transfer programs in %.1fs", self.engine.programs.compiles,
+                     time.perf_counter() - t0)
+        log.info("tpu_offload: %d host chunks x %d blocks (%.2f GiB, %s), staging %d blocks (%.2f GiB per device)",
+                 self.s.num_slots, self.s.blocks_per_chunk, self.engine.slab_bytes / (1 << 30),
+                 cfg.host_memory_kind, self.s.staging_blocks, staging_per_device / (1 << 30))
+
+    # ---- per step ----------------------------------------------------------
+    def start_load_kv(self, meta: OffloadMetadata) -> None:
+        if not isinstance(meta, OffloadMetadata) or meta is self._loaded_meta:
+            return
+        self._loaded_meta = meta
+        for op in meta.promotes:
+            self._write_back(op.evict)
+            self._promoting[op.op_id] = (set(op.slots), [])
+            for slot, key in zip(op.slots, op.keys):
+                self.engine.valid[slot] = False
+                self._to_read.append((op.op_id, key, slot))
+        if meta.promotes:
+            self._poll_fs()
+        if not meta.loads:
+            return
+        chunks: list[LoadChunk] = []
+        bad: dict[int, list[int]] = {}
+        bpc = self.s.blocks_per_chunk
+        for op in meta.loads:
+            for i, slot in enumerate(op.slots):
+                blocks = op.blocks[i * bpc : (i + 1) * bpc]
+                if slot >= 0 and self.engine.check_loadable(slot):
+                    chunks.append(LoadChunk(slot, blocks))
+                else:
+                    bad.setdefault(op.op_id, []).append(slot)
+                    self._load_errors.update(b for b in blocks if b >= 0)
+        nbytes = len(chunks) * self.engine.chunk_bytes
+        done = None
+        if chunks:
+            try:
+                self.runner.kv_caches, done = self.engine.load(self.runner.kv_caches, chunks)
+            except Exception:  # dispatch failed: nothing was written
+                log.exception("tpu_offload: load dispatch failed; %d chunks will be recomputed", len(chunks))
+                self._fail_loads(meta.loads, bad)
+                done = None
+        self._flights.append(_Flight(done, "load", list(meta.loads), bad, nbytes, time.perf_counter()))
+
+    def wait_for_save(self, meta: OffloadMetadata) -> None:
+        if not isinstance(meta, OffloadMetadata) or meta is self._saved_meta:
+            return
+        self._saved_meta = meta
+        for op in meta.stores:
+            self._store_ops_left[op.req_id] = self._store_ops_left.get(op.req_id, 0) + 1
+        self._releasing.update(meta.release)
+        for op in meta.stores:
+            self._write_back(op.evict)  # before the slots get new bytes
+        if meta.stores:
+            bpc = self.s.blocks_per_chunk
+            chunks = [StoreChunk(slot, op.blocks[i * bpc : (i + 1) * bpc])
+                      for op in meta.stores for i, slot in enumerate(op.slots)]
+            bad: dict[int, list[int]] = {}
+            try:
+                done = self.engine.store(self.runner.kv_caches, chunks)
+            except Exception:
+                log.exception("tpu_offload: store dispatch failed; %d chunks not stored", len(chunks))
+                done = None
+                bad = {op.op_id: list(op.slots) for op in meta.stores}
+            self._flights.append(_Flight(done, "store", list(meta.stores), bad,
+                                         len(chunks) * self.engine.chunk_bytes, time.perf_counter()))
+        self._poll()
+
+    def _fail_loads(self, ops: Sequence[LoadOp], bad: dict[int, list[int]]) -> None:
+        for op in ops:
+            bad[op.op_id] = list(op.slots)
+            self._load_errors.update(b for b in op.blocks if b >= 0)
+
+    def _write_back(self, evict) -> None:
+        if self.fs is None:
+            return
+        for slot, key in evict:
+            if self.engine.valid[slot]:
+                self.fs.write(key, slot)
+
+    def _poll_fs(self) -> None:
+        """Start queued file reads, land finished ones in their slots, report done promotions."""
+        if self.fs is None:
+            for op_id, _key, slot in self._to_read:  # no tier (should not happen): fail them
+                self._promoting[op_id][1].append(slot)
+                self._promoting[op_id][0].discard(slot)
+            self._to_read.clear()
+        while self._to_read:
+            op_id, key, slot = self._to_read[0]
+            if not self.fs.read(op_id, key, slot):
+                break  # every buffer busy: the rest start on a later poll
+            self._to_read.popleft()
+        if self.fs is not None:
+            for op_id, slot, ok in self.fs.finished_reads():
+                self.engine.complete_store([slot], ok)
+                left, failed = self._promoting[op_id]
+                left.discard(slot)
+                if not ok:
+                    failed.append(slot)
+        for op_id in [o for o, (left, _) in self._promoting.items() if not left]:
+            _, failed = self._promoting.pop(op_id)
+            self._report.promotes.append((op_id, self._pidx, failed))
+
+    def _poll(self, wait: bool = False) -> None:
+        if self._promoting:
+            self._poll_fs()
+        still = []
+        for f in self._flights:
+            if f.done is not None and not wait and not f.done.is_ready():
+                still.append(f)
+                continue
+            ok = True
+            if f.done is not None:
+                try:
+                    jax.block_until_ready(f.done)
+                except Exception:
+                    log.exception("tpu_offload: a %s transfer failed", f.kind)
+                    ok = False
+            self._complete(f, ok)
+        self._flights = still
+        self._maybe_release()
+
+    def _complete(self, f: _Flight, ok: bool) -> None:
+        seconds = time.perf_counter() - f.started
+        if f.kind == "store":
+            for op in f.ops:
+                failed = list(op.slots) if not ok else f.bad.get(op.op_id, [])
+                good = [s for s in op.slots if s not in set(failed)]
+                self.engine.complete_store(good, True)
+                self.engine.complete_store(failed, False)
+                if self.fs is not None and op.keys:  # write-through
+                    for slot, key in zip(op.slots, op.keys):
+                        if slot in good:
+                            self.fs.write(key, slot)
+                self._report.stores.append((op.op_id, self._pidx, failed))
+                self._store_ops_left[op.req_id] -= 1
+                if not self._store_ops_left[op.req_id]:
+                    del self._store_ops_left[op.req_id]
+                self._add("store_errors", len(failed))
+            if ok and f.done is not None:
+                n = sum(len(op.slots) for op in f.ops)
+                self._add("store_bytes", f.nbytes)
+                self._add("store_seconds", seconds)
+                self._add("stored_chunks", n)
+                self.metrics.transfer("store", f.nbytes, seconds, n)
+            return
+        if not ok:
+            self._fail_loads(f.ops, f.bad)
+        for op in f.ops:
+            bad = sorted(set(f.bad.get(op.op_id, [])))
+            self._report.loads.append((op.op_id, self._pidx, bad))
+            self._add("load_errors", len(bad))
+            if op.last and op.async_load:
+                self._finished_recving.add(op.req_id)
+        if ok and f.done is not None:
+            n = sum(len(op.slots) for op in f.ops) - sum(len(v) for v in f.bad.values())
+            self._add("load_bytes", f.nbytes)
+            self._add("load_seconds", seconds)
+            self._add("loaded_chunks", n)
+            self.metrics.transfer("load", f.nbytes, seconds, n)
+
+    def _maybe_release(self) -> None:
+        for req_id in list(self._releasing):
+            if req_id not in self._store_ops_left:
+                self._releasing.discard(req_id)
+                self._finished_sending.add(req_id)
+
+    # ---- results -----------------------------------------------------------
+    def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+        self._poll()
+        sending, recving = self._finished_sending, self._finished_recving
+        self._finished_sending, self._finished_recving = set(), set()
+        return sending or None, recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def take_report(self) -> OffloadReport | None:
+        if self._report.is_empty():
+            return None
+        report, self._report = self._report, OffloadReport(process_count=jax.process_count())
+        return report
+
+    def _add(self, key: str, value: float) -> None:
+        self.stats.add(key, value)
+        self.totals[key] = self.totals.get(key, 0) + value
+
+    def get_stats(self) -> OffloadStats | None:
+        return None if self.stats.is_empty() else self.stats.clone_and_reset()
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self._flights and time.monotonic() < deadline:
+            self._poll()
+            time.sleep(0.001)
+        if self._flights:
+            log.warning("tpu_offload: %d transfers still in flight at shutdown", len(self._flights))
+        self._flights.clear()
+        if self.fs is not None:
+            self.fs.close()
+            self.fs = None
+        self.engine = None
+        self.runner = None
+
+    def pending(self) -> int:
+        return len(self._flights)

@@ -1,0 +1,11 @@
+"""JAX data path: HBM staging buffer, host-memory slabs, compiled transfers.
+
+Imported only on the worker side (it imports jax); the scheduler side and
+``tpu_offload.core`` never need it.
+"""
+
+from tpu_offload.jax_backend.engine import LoadChunk, StoreChunk, TransferEngine
+from tpu_offload.jax_backend.layout import KVLayout, LayerGroup
+from tpu_offload.jax_backend.programs import make_buckets, pick_bucket
+
+__all__ = ["KVLayout", "LayerGroup", "LoadChunk", "StoreChunk", "TransferEngine", "make_buckets", "pick_bucket"]

@@ -1,0 +1,198 @@
+"""Moves whole chunks between the paged KV caches and the host tier.
+
+Owns the preallocated buffers: an HBM staging buffer (``staging_blocks``
+blocks, all layers) and the host tier (``num_slots`` chunk slots in a few
+host-memory-kind slabs, sharded like the caches). Every call dispatches
+asynchronously and returns a tiny "done" array to poll; nothing here blocks.
+
+A batch larger than the staging buffer is split into staging-sized passes
+through the same buffer (donation orders them), never truncated.
+
+``valid[slot]`` is this process's truth about a slot: cleared when a store
+into it is dispatched, set when that store completed. Loading an invalid
+slot (or one whose checksum no longer matches) is refused per chunk so the
+caller can report those blocks as load errors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Sequence
+
+import jax
+import numpy as np
+
+from tpu_offload.jax_backend import hostview
+from tpu_offload.jax_backend.layout import KVLayout
+from tpu_offload.jax_backend.programs import Programs, ints, make_buckets, pick_bucket
+
+log = logging.getLogger(__name__)
+
+# A single pinned allocation of hundreds of GiB fails on some hosts; the tier
+# is split into slabs of at most this many bytes per process.
+DEFAULT_MAX_SLAB_BYTES = 16 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadChunk:
+    slot: int
+    blocks: Sequence[int]  # bpc destination block ids; -1 = already computed, skip
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreChunk:
+    slot: int
+    blocks: Sequence[int]  # bpc source block ids
+
+
+class TransferEngine:
+    def __init__(
+        self,
+        layout: KVLayout,
+        *,
+        num_slots: int,
+        blocks_per_chunk: int,
+        staging_blocks: int,
+        memory_kind: str = "pinned_host",
+        extra_buckets: tuple[int, ...] = (),
+        checksums: bool = False,
+        max_slab_bytes: int = DEFAULT_MAX_SLAB_BYTES,
+    ):
+        if staging_blocks < blocks_per_chunk:
+            raise ValueError(
+                f"staging_blocks={staging_blocks} cannot hold one chunk of {blocks_per_chunk} blocks; "
+                f"raise staging_blocks (TPU_OFFLOAD_NUM_STAGING_BLOCKS) to at least {blocks_per_chunk}"
+            )
+        self.layout = layout
+        self.bpc = blocks_per_chunk
+        self.num_slots = num_slots
+        # Whole chunks only: a staging buffer of 10 blocks with 4-block chunks uses 8.
+        self.staging_blocks = staging_blocks // blocks_per_chunk * blocks_per_chunk
+        self.staging_chunks = self.staging_blocks // blocks_per_chunk
+        self.memory_kind = memory_kind
+        self.chunk_bytes = layout.block_bytes * blocks_per_chunk
+        local_chunk_bytes = max(1, self.chunk_bytes * _local_fraction(layout))
+        self.rows_per_slab = max(1, min(num_slots, int(max_slab_bytes // local_chunk_bytes)))
+        n_full, rest = divmod(num_slots, self.rows_per_slab)
+        rows = (self.rows_per_slab,) * n_full + ((rest,) if rest else ())
+        self.programs = Programs(
+            layout, staging_blocks=self.staging_blocks, blocks_per_chunk=blocks_per_chunk,
+            slab_rows=rows, memory_kind=memory_kind, buckets=make_buckets(self.staging_blocks, extra_buckets),
+        )
+        self.staging = self.programs.alloc_staging()
+        self.slabs = self.programs.alloc_slabs()
+        self.valid = np.zeros(num_slots, dtype=bool)
+        self.checksums = np.zeros(num_slots, dtype=np.uint64) if checksums else None
+        self._oob = layout.num_blocks  # scatter index that writes nothing
+
+    # ---- public ----------------------------------------------------------
+    @property
+    def staging_bytes(self) -> int:
+        return self.staging_blocks * self.layout.block_bytes
+
+    @property
+    def slab_bytes(self) -> int:
+        return self.num_slots * self.chunk_bytes
+
+    def precompile(self) -> None:
+        self.programs.precompile()
+
+    def check_loadable(self, slot: int) -> bool:
+        """True if this process holds good bytes for ``slot`` (valid, checksum matches)."""
+        if not self.valid[slot]:
+            return False
+        if self.checksums is not None and self._checksum(slot) != self.checksums[slot]:
+            log.error("host chunk slot %d failed its checksum; it will be recomputed", slot)
+            self.valid[slot] = False
+            return False
+        return True
+
+    def load(self, kv_caches: list, chunks: Sequence[LoadChunk]) -> tuple[list, jax.Array | None]:
+        """Host slots -> paged blocks. Returns the new caches (the old ones are donated)."""
+        done = None
+        for part in _split(chunks, self.staging_chunks):
+            kv_caches, done = self._load_pass(kv_caches, part)
+        return kv_caches, done
+
+    def store(self, kv_caches: list, chunks: Sequence[StoreChunk]) -> jax.Array | None:
+        """Paged blocks -> host slots. The caches are only read, so they are not returned."""
+        for c in chunks:
+            self.valid[c.slot] = False
+        done = None
+        for part in _split(chunks, self.staging_chunks):
+            done = self._store_pass(kv_caches, part)
+        return done
+
+    def complete_store(self, slots: Sequence[int], ok: bool) -> None:
+        """Called once the store's done array is ready (or failed)."""
+        slots = np.asarray(slots, dtype=np.int64)
+        self.valid[slots] = ok
+        if ok and self.checksums is not None:
+            for s in slots:
+                self.checksums[s] = self._checksum(int(s))
+
+    def row_views(self, slot: int) -> list[np.ndarray]:
+        """This process's bytes of ``slot`` in every group's slab (writable views)."""
+        k, row = divmod(slot, self.rows_per_slab)
+        return [v for per_group in self.slabs for v in hostview.row_views(per_group[k], row)]
+
+    # ---- passes ------------------------------------------------------------
+    def _grouped(self, kv_caches):
+        return tuple(tuple(kv_caches[i] for i in g.layers) for g in self.layout.groups)
+
+    def _ungroup(self, grouped, like: list) -> list:
+        out = list(like)
+        for g, arrays in zip(self.layout.groups, grouped):
+            for i, a in zip(g.layers, arrays):
+                out[i] = a
+        return out
+
+    def _slab_order(self, slots: Sequence[int]):
+        """Chunk order sorted by slab, rows within the slab, and per-slab bounds."""
+        slots = np.asarray(slots, dtype=np.int64)
+        slab, row = np.divmod(slots, self.rows_per_slab)
+        order = np.argsort(slab, kind="stable")
+        bounds = np.searchsorted(slab[order], np.arange(len(self.programs.slab_rows) + 1))
+        return order, row[order], bounds.astype(np.int32)
+
+    def _load_pass(self, kv_caches, part: Sequence[LoadChunk]):
+        c = self.staging_chunks
+        order, rows, bounds = self._slab_order([x.slot for x in part])
+        ids = np.full(len(part) * self.bpc, -1, dtype=np.int64)
+        for pos, i in enumerate(order):  # chunk i goes to staging chunk position pos
+            ids[pos * self.bpc : (pos + 1) * self.bpc] = part[i].blocks
+        n = pick_bucket(self.programs.buckets, len(ids))
+        scatter_ids = np.arange(self._oob, self._oob + n, dtype=np.int64)  # distinct, all dropped
+        keep = ids >= 0
+        scatter_ids[: len(ids)][keep] = ids[keep]
+        self.staging, _ = self.programs.load()(
+            self.staging, self.slabs, ints(rows, c, 0), ints(np.arange(len(part)), c, 0), bounds
+        )
+        grouped, done = self.programs.scatter(n)(self._grouped(kv_caches), self.staging, scatter_ids.astype(np.int32))
+        return self._ungroup(grouped, kv_caches), done
+
+    def _store_pass(self, kv_caches, part: Sequence[StoreChunk]):
+        c = self.staging_chunks
+        ids = np.concatenate([np.asarray(x.blocks, dtype=np.int32) for x in part])
+        n = pick_bucket(self.programs.buckets, len(ids))
+        self.staging = self.programs.gather(n)(self._grouped(kv_caches), self.staging, ints(ids, n, 0))
+        order, rows, bounds = self._slab_order([x.slot for x in part])
+        self.slabs, done = self.programs.store()(self.slabs, self.staging, ints(rows, c, 0), ints(order, c, 0), bounds)
+        return done
+
+    def _checksum(self, slot: int) -> int:
+        k, row = divmod(slot, self.rows_per_slab)
+        return hostview.row_checksum([per_group[k] for per_group in self.slabs], row)
+
+
+def _split(items: Sequence, n: int):
+    for i in range(0, len(items), n):
+        yield items[i : i + n]
+
+
+def _local_fraction(layout: KVLayout) -> float:
+    """Share of every buffer that lives in this process (its addressable devices)."""
+    total = layout.mesh.devices.size
+    local = sum(1 for d in layout.mesh.devices.flat if d.process_index == jax.process_index())
+    return local / total if total else 1.0
