@@ -1,13 +1,29 @@
 """Chunk LRU manager: the shared scheduler-side index for both backends.
 
-Every operation is O(1) per key. Only chunks that are ready and unpinned sit
-in the ``_evictable`` ordered dict (LRU first), so eviction never scans past
-pinned or in-flight chunks, which is where peer managers go quadratic.
+The scheduler calls this for every request on every step, so its per-key
+cost is engine overhead on the critical path. Hence:
+
+* The common path of every call runs as bulk C-level container operations
+  (``map``/``filter``/``takewhile`` over bound methods of long-lived dicts),
+  never a Python loop per key; Python loops only run on rare paths (errors,
+  reset leftovers, pinned chunks at the least recent end).
+* State is a few flat dicts from chunk key to slot, one per state (ready,
+  parked, write in flight), not an object per chunk: nothing per chunk for
+  the garbage collector to walk.
+* Pinning a chunk for a load costs no LRU-list operation: the chunk keeps
+  its place in ``_lru`` and moves to the recent end when its last pin goes.
+  Eviction takes victims from the least recent end; a pinned chunk it meets
+  there is unlinked ("parked") once and relinked as most recent when its
+  last pin goes. So eviction never rescans pinned chunks (peers do, every
+  time) and every operation is O(1) amortized per key.
 """
 
 from __future__ import annotations
 
 import collections
+from collections import _count_elements  # Counter.update's C loop, without its Python wrapper
+from itertools import compress, filterfalse, islice, repeat, takewhile
+from operator import is_not, sub
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -21,17 +37,28 @@ from tpu_offload.core.manager import (
     StoreAllocation,
     TierStats,
 )
-from tpu_offload.core.slots import SlotAllocator
+
+_HIT, _PENDING, _MISS = Lookup.HIT, Lookup.PENDING, Lookup.MISS
+_consume = collections.deque(maxlen=0).extend  # drains an iterator in C
+_NONES = repeat(None)  # endless: zip/map stop at the shorter input
+_ONES = repeat(1)
+_ZEROS = repeat(0)
+_is_one = (1).__eq__
+_above_one = (1).__lt__
 
 
-class _Entry:
-    __slots__ = ("slot", "pins", "pending", "doomed")
+_new = object.__new__
 
-    def __init__(self, slot: int):
-        self.slot = slot
-        self.pins = 0
-        self.pending = True  # a write is in flight until complete_store
-        self.doomed = False  # reset() dropped it while in use; freed on release
+
+def _allocation(keys: list, slots: np.ndarray, evicted: list) -> StoreAllocation:
+    # Frozen-dataclass __init__ costs ~1 us a call; this builds the same object.
+    out = _new(StoreAllocation)
+    out.__dict__.update(keys=keys, slots=slots, evicted=evicted)
+    return out
+
+
+def _name(key) -> str:
+    return key.hex() if isinstance(key, (bytes, bytearray)) else repr(key)
 
 
 class LRUChunkManager(ChunkManager):
@@ -44,101 +71,218 @@ class LRUChunkManager(ChunkManager):
         enable_events: bool = True,
         max_pending_events: int = 1 << 20,
     ):
+        if num_chunks <= 0:
+            raise ValueError(f"num_chunks must be > 0, got {num_chunks}")
         self.medium = medium
         self.chunk_bytes = chunk_bytes
-        self._slots = SlotAllocator(num_chunks)
-        self._index: dict[ChunkKey, _Entry] = {}
-        self._evictable: collections.OrderedDict[ChunkKey, None] = collections.OrderedDict()
-        self._num_pinned = 0
-        self._num_pending = 0
+        self.num_chunks = num_chunks
+        self._free: list[int] = list(range(num_chunks - 1, -1, -1))  # stack; slot 0 is handed out first
+        # key -> slot, by state. Ready chunks sit in _lru, least recent first;
+        # a pinned one keeps its place until eviction meets it, then it is
+        # parked until its last unpin.
+        self._lru: collections.OrderedDict[ChunkKey, int] = collections.OrderedDict()
+        self._parked: dict[ChunkKey, int] = {}
+        self._pending: dict[ChunkKey, int] = {}  # write in flight
+        self._pins: dict[ChunkKey, int] = {}  # ready and pinned -> count
+        # Dropped by reset() while a transfer still uses the slot: [slot, pins]
+        # (pins -1: a write in flight). The slot is freed when it ends.
+        self._doomed: dict[ChunkKey, list[int]] = {}
+        self._doomed_pins = 0
+        self._doomed_writes = 0
         self._enable_events = enable_events
         self._events: collections.deque[ChunkEvent] = collections.deque(maxlen=max_pending_events)
         self.events_dropped = 0
         # Monotonic counters the metrics layer reads; never reset with the tier.
         self.evictions = 0
         self.allocation_failures = 0
+        # Bound methods, made once: the hot paths map them over keys.
+        self._in_lru = self._lru.__contains__
+        self._in_pending = self._pending.__contains__
+        self._lru_slot = self._lru.__getitem__
+        self._move = self._lru.move_to_end
 
-    # ---- lookups -------------------------------------------------------
+    # ---- lookups (no side effects) ---------------------------------------
     def lookup(self, key: ChunkKey) -> Lookup:
-        entry = self._index.get(key)
-        if entry is None or entry.doomed:
-            return Lookup.MISS
-        return Lookup.PENDING if entry.pending else Lookup.HIT
+        if key in self._lru or key in self._parked:
+            return _HIT
+        return _PENDING if key in self._pending else _MISS
+
+    def lookup_prefix(self, keys: Sequence[ChunkKey]) -> int:
+        if type(keys) is not list and type(keys) is not tuple:
+            keys = list(keys)
+        n = len(list(takewhile(self._in_lru, keys)))
+        if self._parked:  # parked chunks are ready too
+            parked, lru = self._parked, self._lru
+            while n < len(keys) and (keys[n] in parked or keys[n] in lru):
+                n += 1
+        return n
 
     def slot_of(self, key: ChunkKey) -> int | None:
         """Slot of a ready chunk, for tiers that copy out of the host slab."""
-        entry = self._index.get(key)
-        if entry is None or entry.pending or entry.doomed:
-            return None
-        return entry.slot
+        slot = self._lru.get(key)
+        return self._parked.get(key) if slot is None else slot
 
-    # ---- loads ---------------------------------------------------------
+    # ---- loads -------------------------------------------------------------
     def prepare_load(self, keys: Sequence[ChunkKey]) -> np.ndarray:
+        if type(keys) is not list and type(keys) is not tuple:
+            keys = list(keys)
+        try:
+            slots = list(map(self._lru_slot, keys))
+        except KeyError:
+            slots = self._ready_slots(keys)  # raises before any change
+        _count_elements(self._pins, keys)  # +1 per occurrence, in C
+        return np.fromiter(slots, np.int64, len(slots))
+
+    def _ready_slots(self, keys: Sequence[ChunkKey]) -> list[int]:
+        out = []
         for key in keys:
-            if self.lookup(key) is not Lookup.HIT:
-                raise KeyError(f"prepare_load of a chunk that is not ready: {key.hex()}")
-        slots = np.empty(len(keys), dtype=np.int64)
-        for i, key in enumerate(keys):
-            entry = self._index[key]
-            if entry.pins == 0:
-                self._evictable.pop(key, None)
-                self._num_pinned += 1
-            entry.pins += 1
-            slots[i] = entry.slot
-        return slots
+            slot = self.slot_of(key)
+            if slot is None:
+                raise KeyError(f"prepare_load of a chunk that is not ready: {_name(key)}")
+            out.append(slot)
+        return out
 
     def complete_load(self, keys: Iterable[ChunkKey]) -> None:
+        if type(keys) is not list and type(keys) is not tuple:
+            keys = list(keys)
+        pins = self._pins
+        counts = list(map(pins.pop, keys, _ZEROS))  # 0: not pinned, or given twice
+        if counts.count(1) == len(keys):  # the last pin of each: the common case
+            return self._release(keys)
+        if 0 in counts:  # undo, then report (or release chunks reset() dropped)
+            pins.update(compress(zip(keys, counts), counts))
+            return self._unpin_slow(keys)
+        # distinct keys, some still pinned by other loads (shared prefixes)
+        pins.update(zip(compress(keys, map(_above_one, counts)), map(sub, filter(_above_one, counts), _ONES)))
+        self._release(list(compress(keys, map(_is_one, counts))))
+
+    def _release(self, keys: Sequence[ChunkKey]) -> None:
+        """Last pin gone: most recent, in call order."""
+        if self._parked:
+            parked = self._parked
+            back = [k for k in keys if k in parked]
+            self._lru.update(zip(back, map(parked.pop, back)))
+        _consume(map(self._move, keys))
+
+    def _unpin_slow(self, keys: Sequence[ChunkKey]) -> None:
+        pins, doomed = self._pins, self._doomed
+        for key, n in collections.Counter(keys).items():  # all or nothing
+            have = pins.get(key) or doomed.get(key, (0, 0))[1]
+            if have < n:
+                raise ValueError(f"complete_load of a chunk that is not pinned: {_name(key)}")
         for key in keys:
-            entry = self._index.get(key)
-            if entry is None or entry.pins == 0:
-                raise ValueError(f"complete_load of a chunk that is not pinned: {key.hex()}")
-            entry.pins -= 1
-            if entry.pins == 0:
-                self._num_pinned -= 1
-                self._release(key, entry)
+            n = pins.get(key)
+            if n is not None:
+                if n == 1:
+                    del pins[key]
+                    self._release((key,))
+                else:
+                    pins[key] = n - 1
+            else:
+                entry = doomed[key]
+                entry[1] -= 1
+                if entry[1] == 0:
+                    del doomed[key]
+                    self._doomed_pins -= 1
+                    self._free.append(entry[0])
 
     def touch(self, keys: Iterable[ChunkKey]) -> None:
         # Reverse, so the head of a prefix ends most recent: every longer
         # prefix needs it, so it is worth more than the tail.
-        for key in reversed(list(keys)):
-            if key in self._evictable:
-                self._evictable.move_to_end(key)
+        if type(keys) is not list and type(keys) is not tuple:
+            keys = list(keys)
+        _consume(map(self._move, filter(self._in_lru, reversed(keys))))
 
-    # ---- stores --------------------------------------------------------
+    # ---- stores --------------------------------------------------------------
     def prepare_store(self, keys: Sequence[ChunkKey]) -> StoreAllocation | None:
-        new_keys = list(dict.fromkeys(k for k in keys if k not in self._index))
-        need = len(new_keys) - self._slots.free_count
-        if need > 0:
-            protected = [k for k in dict.fromkeys(keys) if k in self._evictable]
-            if need > len(self._evictable) - len(protected):
+        if type(keys) is not list and type(keys) is not tuple:
+            keys = list(keys)
+        free = self._free
+        new = list(filterfalse(self._in_pending, filterfalse(self._in_lru, keys)))
+        if new and (self._parked or self._doomed):
+            new = [k for k in new if k not in self._parked and k not in self._doomed]
+        n = len(new)
+        if n > 1 and len(set(new)) != n:  # a key offered twice
+            new = list(dict.fromkeys(new))
+            n = len(new)
+        evicted: list[ChunkKey] = []
+        if n > len(free):
+            evicted = self._evict(n - len(free), keys, protect=n < len(keys))
+            if evicted is None:
                 self.allocation_failures += 1
                 return None
-            evicted = self._evict(need, set(protected))
-        else:
-            evicted = []
-        slots = self._slots.allocate(len(new_keys))
-        for key, slot in zip(new_keys, slots):
-            self._index[key] = _Entry(int(slot))
-        self._num_pending += len(new_keys)
-        return StoreAllocation(keys=new_keys, slots=slots, evicted=evicted)
+        slots = free[: -n - 1 : -1]
+        if n:
+            del free[-n:]
+            self._pending.update(zip(new, slots))
+        return _allocation(new, np.fromiter(slots, np.int64, n), evicted)
+
+    def _evict(self, need: int, keys: Sequence[ChunkKey], protect: bool) -> list[ChunkKey] | None:
+        """Free ``need`` slots from the LRU end, never evicting ``keys``; None if impossible."""
+        lru, pins = self._lru, self._pins
+        if need > len(lru) - (len(pins) - len(self._parked)):  # fewer unpinned ready chunks
+            return None
+        victims = list(islice(lru, need))
+        if (pins and not pins.keys().isdisjoint(victims)) or (protect and not set(keys).isdisjoint(victims)):
+            victims = self._scan(need, set(keys) if protect else ())
+            if victims is None:
+                return None
+        self._free.extend(map(lru.pop, victims))
+        self.evictions += need
+        self._emit(victims, removed=True)
+        return victims
+
+    def _scan(self, need: int, protected) -> list[ChunkKey] | None:
+        """Victims past pinned and protected chunks; parks the pinned ones it meets."""
+        lru, pins = self._lru, self._pins
+        victims, parked = [], []
+        for key in lru:
+            if key in pins:
+                parked.append(key)
+            elif key not in protected:
+                victims.append(key)
+                if len(victims) == need:
+                    break
+        self._parked.update(zip(parked, map(lru.pop, parked)))  # never scanned again while pinned
+        return victims if len(victims) == need else None
 
     def complete_store(self, keys: Iterable[ChunkKey], success: bool = True) -> None:
+        if type(keys) is not list and type(keys) is not tuple:
+            keys = list(keys)
+        pending = self._pending
+        before = len(pending)
+        slots = list(map(pending.pop, keys, _NONES))  # None: no write in flight, or given twice
+        if before - len(pending) != len(slots):  # undo, then report (or drop chunks reset() dropped)
+            pending.update(compress(zip(keys, slots), map(is_not, slots, _NONES)))
+            return self._complete_store_slow(keys, success)
+        if success:
+            self._lru.update(zip(keys, slots))  # appended: most recent
+            self._emit(keys, removed=False)
+        else:
+            self._free.extend(slots)
+
+    def _complete_store_slow(self, keys: Sequence[ChunkKey], success: bool) -> None:
+        pending, doomed = self._pending, self._doomed
+        seen: set[ChunkKey] = set()
+        for key in keys:  # all or nothing
+            if key in seen or (key not in pending and doomed.get(key, (0, 0))[1] != -1):
+                raise ValueError(f"complete_store of a chunk with no write in flight: {_name(key)}")
+            seen.add(key)
         stored = []
         for key in keys:
-            entry = self._index.get(key)
-            if entry is None or not entry.pending:
-                raise ValueError(f"complete_store of a chunk with no write in flight: {key.hex()}")
-            entry.pending = False
-            self._num_pending -= 1
-            if success and not entry.doomed:
-                self._evictable[key] = None
-                stored.append(key)
-            else:
-                self._drop(key, entry)
-        if stored:
-            self._emit(stored, removed=False)
+            if key in pending:
+                slot = pending.pop(key)
+                if success:
+                    self._lru[key] = slot
+                    stored.append(key)
+                    continue
+            else:  # reset() dropped it: it vanishes whatever the outcome
+                slot = doomed.pop(key)[0]
+                self._doomed_writes -= 1
+            self._free.append(slot)
+        self._emit(stored, removed=False)
 
-    # ---- housekeeping --------------------------------------------------
+    # ---- housekeeping --------------------------------------------------------
     def take_events(self) -> list[ChunkEvent]:
         events = list(self._events)
         self._events.clear()
@@ -146,68 +290,54 @@ class LRUChunkManager(ChunkManager):
 
     def stats(self) -> TierStats:
         return TierStats(
-            capacity_chunks=self._slots.num_slots,
-            used_chunks=self._slots.num_slots - self._slots.free_count,
-            pinned_chunks=self._num_pinned,
-            pending_chunks=self._num_pending,
+            capacity_chunks=self.num_chunks,
+            used_chunks=self.num_chunks - len(self._free),
+            pinned_chunks=len(self._pins) + self._doomed_pins,
+            pending_chunks=len(self._pending) + self._doomed_writes,
             chunk_bytes=self.chunk_bytes,
         )
 
     def reset(self) -> None:
-        removed = []
-        for key, entry in list(self._index.items()):
-            if entry.doomed:
-                continue
-            if not entry.pending:
-                removed.append(key)
-            if entry.pins or entry.pending:
-                entry.doomed = True
-            else:
-                self._drop(key, entry)
-        self._evictable.clear()
-        if removed:
-            self._emit(removed, removed=True)
+        lru, parked, pins, doomed = self._lru, self._parked, self._pins, self._doomed
+        removed = [*lru, *parked]  # every ready chunk
+        for key, n in pins.items():
+            doomed[key] = [self.slot_of(key), n]
+        for key, slot in self._pending.items():
+            doomed[key] = [slot, -1]
+        self._doomed_pins += len(pins)
+        self._doomed_writes += len(self._pending)
+        self._free.extend(slot for key, slot in lru.items() if key not in pins)
+        lru.clear()
+        parked.clear()
+        pins.clear()
+        self._pending.clear()
+        self._emit(removed, removed=True)
 
     def __len__(self) -> int:
-        return len(self._index)
+        """Chunks holding a slot (ready, in flight, or dropped but still in use)."""
+        return len(self._lru) + len(self._parked) + len(self._pending) + len(self._doomed)
 
     def keys_lru_order(self) -> list[ChunkKey]:
-        """Evictable keys, least recent first (for tests and snapshots)."""
-        return list(self._evictable)
+        """Evictable keys (ready, unpinned), least recent first."""
+        return list(filterfalse(self._pins.__contains__, self._lru))
 
-    # ---- internals -----------------------------------------------------
-    def _evict(self, n: int, protected: set[ChunkKey]) -> list[ChunkKey]:
-        evicted: list[ChunkKey] = []
-        skipped: list[ChunkKey] = []
-        while len(evicted) < n:
-            key, _ = self._evictable.popitem(last=False)
-            if key in protected:
-                skipped.append(key)
-                continue
-            entry = self._index.pop(key)
-            self._slots.free(entry.slot)
-            evicted.append(key)
-        for key in reversed(skipped):  # put protected keys back where they were
-            self._evictable[key] = None
-            self._evictable.move_to_end(key, last=False)
-        self.evictions += len(evicted)
-        self._emit(evicted, removed=True)
-        return evicted
+    def items_lru_order(self) -> list[tuple[ChunkKey, int]]:
+        """Every ready chunk with its slot, least recent first (for snapshots).
 
-    def _release(self, key: ChunkKey, entry: _Entry) -> None:
-        if entry.doomed:
-            self._drop(key, entry)
-        else:
-            self._evictable[key] = None  # just used: most recent
+        Pinned chunks are being loaded right now, so they count as the most
+        recent; chunks whose write is in flight are not ready and are left out.
+        """
+        pins = self._pins
+        items = [(k, s) for k, s in self._lru.items() if k not in pins]
+        return items + [(k, self.slot_of(k)) for k in pins]
 
-    def _drop(self, key: ChunkKey, entry: _Entry) -> None:
-        del self._index[key]
-        self._evictable.pop(key, None)
-        self._slots.free(entry.slot)
-
-    def _emit(self, keys: list[ChunkKey], removed: bool) -> None:
+    # ---- internals -----------------------------------------------------------
+    def _emit(self, keys: Sequence[ChunkKey], removed: bool) -> None:
         if not self._enable_events or not keys:
             return
-        if len(self._events) == self._events.maxlen:
+        events = self._events
+        if len(events) == events.maxlen:
             self.events_dropped += 1
-        self._events.append(ChunkEvent(keys=tuple(keys), medium=self.medium, removed=removed))
+        ev = _new(ChunkEvent)  # frozen-dataclass __init__ costs ~1 us a call; this is the same object
+        ev.__dict__.update(keys=tuple(keys), medium=self.medium, removed=removed)
+        events.append(ev)

@@ -1,0 +1,87 @@
+"""Shared benchmark helpers: a text table, a JSON result file, a PNG plot.
+
+Kept tiny and stable on purpose: every benchmark script imports it with
+``from _common import ...`` (scripts run as ``python benchmarks/<name>.py``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def machine() -> dict[str, Any]:
+    """What the numbers were measured on, stored next to them."""
+    return {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "argv": sys.argv[1:],
+    }
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        if v == 0 or 0.01 <= abs(v) < 1e6:
+            return f"{v:,.2f}"
+        return f"{v:.3g}"
+    if isinstance(v, int) and not isinstance(v, bool):
+        return f"{v:,}"
+    return str(v)
+
+
+def print_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | None = None, title: str | None = None) -> str:
+    """Print rows (dicts) as an aligned table and return the text."""
+    if not rows:
+        return ""
+    cols = list(columns or rows[0].keys())
+    cells = [[_fmt(r.get(c, "")) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
+    lines = []
+    if title:
+        lines.append(title)
+    lines.append("  ".join(c.rjust(w) for c, w in zip(cols, widths)))
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells]
+    text = "\n".join(lines)
+    print(text, flush=True)
+    return text
+
+
+def write_json(name: str, payload: Mapping[str, Any]) -> Path:
+    """Write ``results/<name>.json`` with the machine description added."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps({"machine": machine(), **payload}, indent=2, sort_keys=False) + "\n")
+    return path
+
+
+def save_figure(fig: Any, name: str) -> Path:
+    """Save a matplotlib figure as ``results/<name>.png`` and close it."""
+    import matplotlib.pyplot as plt
+
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.png"
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def pyplot():
+    """matplotlib.pyplot with a headless backend, or None if not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
