@@ -21,7 +21,6 @@ cost is engine overhead on the critical path. Hence:
 from __future__ import annotations
 
 import collections
-from collections import _count_elements  # Counter.update's C loop, without its Python wrapper
 from itertools import compress, filterfalse, islice, repeat, takewhile
 from operator import is_not, sub
 from typing import Iterable, Sequence
@@ -38,6 +37,15 @@ from tpu_offload.core.manager import (
     TierStats,
 )
 
+try:  # the C loop behind Counter.update, applied to a plain dict
+    from collections import _count_elements
+except ImportError:  # pragma: no cover - other Python implementations
+
+    def _count_elements(mapping, iterable):
+        for elem in iterable:
+            mapping[elem] = mapping.get(elem, 0) + 1
+
+
 _HIT, _PENDING, _MISS = Lookup.HIT, Lookup.PENDING, Lookup.MISS
 _consume = collections.deque(maxlen=0).extend  # drains an iterator in C
 _NONES = repeat(None)  # endless: zip/map stop at the shorter input
@@ -45,16 +53,6 @@ _ONES = repeat(1)
 _ZEROS = repeat(0)
 _is_one = (1).__eq__
 _above_one = (1).__lt__
-
-
-_new = object.__new__
-
-
-def _allocation(keys: list, slots: np.ndarray, evicted: list) -> StoreAllocation:
-    # Frozen-dataclass __init__ costs ~1 us a call; this builds the same object.
-    out = _new(StoreAllocation)
-    out.__dict__.update(keys=keys, slots=slots, evicted=evicted)
-    return out
 
 
 def _name(key) -> str:
@@ -130,7 +128,7 @@ class LRUChunkManager(ChunkManager):
             slots = list(map(self._lru_slot, keys))
         except KeyError:
             slots = self._ready_slots(keys)  # raises before any change
-        _count_elements(self._pins, keys)  # +1 per occurrence, in C
+        _count_elements(self._pins, keys)  # +1 per occurrence
         return np.fromiter(slots, np.int64, len(slots))
 
     def _ready_slots(self, keys: Sequence[ChunkKey]) -> list[int]:
@@ -215,7 +213,7 @@ class LRUChunkManager(ChunkManager):
         if n:
             del free[-n:]
             self._pending.update(zip(new, slots))
-        return _allocation(new, np.fromiter(slots, np.int64, n), evicted)
+        return StoreAllocation(new, np.fromiter(slots, np.int64, n), evicted)
 
     def _evict(self, need: int, keys: Sequence[ChunkKey], protect: bool) -> list[ChunkKey] | None:
         """Free ``need`` slots from the LRU end, never evicting ``keys``; None if impossible."""
@@ -338,6 +336,4 @@ class LRUChunkManager(ChunkManager):
         events = self._events
         if len(events) == events.maxlen:
             self.events_dropped += 1
-        ev = _new(ChunkEvent)  # frozen-dataclass __init__ costs ~1 us a call; this is the same object
-        ev.__dict__.update(keys=tuple(keys), medium=self.medium, removed=removed)
-        events.append(ev)
+        events.append(ChunkEvent(tuple(keys), self.medium, removed))

@@ -34,14 +34,16 @@ class Medium(str, enum.Enum):
     STORAGE = "STORAGE"
 
 
-@dataclasses.dataclass(frozen=True)
+# Plain slotted dataclasses: built on the scheduler's hot path, where a
+# frozen dataclass's __init__ (object.__setattr__ per field) costs ~1 us.
+@dataclasses.dataclass(slots=True)
 class ChunkEvent:
     keys: tuple[ChunkKey, ...]
     medium: Medium
     removed: bool
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)
 class StoreAllocation:
     """What ``prepare_store`` decided: which keys get which slots, what left."""
 
