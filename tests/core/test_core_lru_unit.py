@@ -191,7 +191,8 @@ def test_per_key_work_does_not_grow_with_the_cache(size):
     }
     # a few hash operations per key, whatever the cache size
     assert w["lookup_prefix"] <= 21 and w["touch"] <= 2 * 30
-    assert w["prepare_load"] <= 3 * 20 and w["complete_load"] <= 3 * 20
+    # complete_load: one more per key for its read-only check (a rejected call changes nothing)
+    assert w["prepare_load"] <= 3 * 20 and w["complete_load"] <= 4 * 20
     assert w["prepare_store"] <= 4 * 10 and w["complete_store"] <= 3 * 10
     test_per_key_work_does_not_grow_with_the_cache.seen.setdefault(tuple(sorted(w.items())), size)
     assert len(test_per_key_work_does_not_grow_with_the_cache.seen) == 1, "work differs between cache sizes"

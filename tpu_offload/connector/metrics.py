@@ -18,7 +18,6 @@ import threading
 from typing import Callable
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
 
 from tpu_offload.core.metrics import OffloadMetrics
 
@@ -28,20 +27,6 @@ _BW = (1, 2, 5, 10, 20, 50, 100, 200, 500)
 _BYTES = (1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 23, 1 << 26, 100 << 20, 1 << 30)
 _lock = threading.Lock()
 _instances: dict[int, "ConnectorMetrics"] = {}
-
-
-class _GaugeCollector:
-    def __init__(self, fns: dict[str, tuple[str, Callable[[], float]]]):
-        self._fns = fns
-
-    def describe(self):
-        return []
-
-    def collect(self):
-        for name, (doc, fn) in list(self._fns.items()):
-            fam = GaugeMetricFamily(name, doc)
-            fam.add_metric([], float(fn()))
-            yield fam
 
 
 class ConnectorMetrics:
@@ -66,8 +51,6 @@ class ConnectorMetrics:
             d: Histogram(_P + f"{d}_request_bytes", f"Bytes per {d.upper()} transfer", buckets=_BYTES, registry=r)
             for d in ("d2h", "h2d")
         }
-        self._gauges: dict[str, tuple[str, Callable[[], float]]] = {}
-        r.register(_GaugeCollector(self._gauges))
 
     @classmethod
     def get(cls, registry: CollectorRegistry | None = None) -> "ConnectorMetrics":
@@ -81,9 +64,10 @@ class ConnectorMetrics:
     # ---- feeding ---------------------------------------------------------
     def set_gauges(self, host_used_bytes: Callable[[], float], staging_used: Callable[[], float],
                    staging_total: int) -> None:
-        self._gauges[_P + "host_memory_usage"] = ("Host tier bytes in use, GiB", lambda: host_used_bytes() / (1 << 30))
-        self._gauges[_P + "staging_buffer_usage"] = ("Staging blocks used by the last step", staging_used)
-        self._gauges[_P + "staging_buffer_free"] = ("Staging blocks free in the last step", lambda: staging_total - staging_used())
+        g = self.core.add_gauge  # live gauges: never reset to zero between readings
+        g(_P + "host_memory_usage", "Host tier bytes in use, GiB", lambda: host_used_bytes() / (1 << 30))
+        g(_P + "staging_buffer_usage", "Staging blocks used by the last step", staging_used)
+        g(_P + "staging_buffer_free", "Staging blocks free in the last step", lambda: staging_total - staging_used())
 
     def lookup(self, queried_tokens: int, hit_tokens: int, hit_chunks: int) -> None:
         self.core.record_lookup(queried_tokens, [("cpu", hit_chunks, hit_tokens)] if hit_tokens else [])

@@ -63,9 +63,12 @@ def _gib(v: Any) -> int:
         g = float(v)
     except (ValueError, OverflowError):
         raise ValueError(allowed) from None
-    if not (math.isfinite(g) and 0 < int(g * GIB) < 1 << 63):
+    if not (math.isfinite(g) and 0 < g < 1 << 33):  # check before scaling: huge floats overflow
         raise ValueError(allowed)
-    return int(g * GIB)
+    n = int(g * GIB)
+    if n <= 0:
+        raise ValueError(allowed)
+    return n
 
 
 def _int(lo: int, hi: int | None = None) -> Callable[[Any], int]:

@@ -144,15 +144,17 @@ class LRUChunkManager(ChunkManager):
         if type(keys) is not list and type(keys) is not tuple:
             keys = list(keys)
         pins = self._pins
-        counts = list(map(pins.pop, keys, _ZEROS))  # 0: not pinned, or given twice
-        if counts.count(1) == len(keys):  # the last pin of each: the common case
-            return self._release(keys)
-        if 0 in counts:  # undo, then report (or release chunks reset() dropped)
-            pins.update(compress(zip(keys, counts), counts))
+        counts = list(map(pins.get, keys, _ZEROS))  # read-only: a rejected call changes nothing
+        if 0 in counts or len(set(keys)) != len(keys):  # not pinned, given twice, or reset() dropped it
             return self._unpin_slow(keys)
-        # distinct keys, some still pinned by other loads (shared prefixes)
+        if counts.count(1) == len(keys):  # the last pin of each: the common case
+            _consume(map(pins.__delitem__, keys))
+            return self._release(keys)
+        # some still pinned by other loads (shared prefixes)
+        last = list(compress(keys, map(_is_one, counts)))
         pins.update(zip(compress(keys, map(_above_one, counts)), map(sub, filter(_above_one, counts), _ONES)))
-        self._release(list(compress(keys, map(_is_one, counts))))
+        _consume(map(pins.__delitem__, last))
+        self._release(last)
 
     def _release(self, keys: Sequence[ChunkKey]) -> None:
         """Last pin gone: most recent, in call order."""
@@ -328,6 +330,23 @@ class LRUChunkManager(ChunkManager):
         pins = self._pins
         items = [(k, s) for k, s in self._lru.items() if k not in pins]
         return items + [(k, self.slot_of(k)) for k in pins]
+
+    def restore(self, items: Iterable[tuple[ChunkKey, int]]) -> int:
+        """Refill an empty manager with ready chunks at given slots, least recent first.
+
+        For a warm restart: the slots must match the bytes a host pool kept.
+        Emits no events (no request payload survives a restart). Returns the count.
+        """
+        if len(self):
+            raise ValueError("restore needs an empty manager")
+        items = [(ChunkKey(bytes(k)), int(s)) for k, s in items]
+        slots = {s for _, s in items}
+        if len(slots) != len(items) or len({k for k, _ in items}) != len(items) \
+                or any(not 0 <= s < self.num_chunks for s in slots):
+            raise ValueError("restore: duplicate keys or slots, or a slot out of range")
+        self._lru.update(items)
+        self._free = [s for s in self._free if s not in slots]
+        return len(items)
 
     # ---- internals -----------------------------------------------------------
     def _emit(self, keys: Sequence[ChunkKey], removed: bool) -> None:

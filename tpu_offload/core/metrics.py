@@ -6,13 +6,21 @@ logger zeroes its gauges every interval) and a router can size itself from
 ``tpu_offload_tier_capacity_bytes`` instead of a hand-set capacity.
 Engine-specific names (``vllm:kv_offload_*``, ``tpu_inference:prefix_cache_*``)
 are produced by the adapters from the same numbers.
+
+Under ``PROMETHEUS_MULTIPROC_DIR`` (set by the llm-d overlays) the server
+exports only what processes write to that directory, never custom
+collectors; live gauges are then mirrored into ``mostrecent`` gauges,
+refreshed at most once a second from the record paths, so they still hold
+their last value between readings.
 """
 
 from __future__ import annotations
 
+import os
+import time
 from typing import Callable, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, REGISTRY
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, REGISTRY
 from prometheus_client.core import GaugeMetricFamily
 
 from tpu_offload.core.manager import TierStats
@@ -24,9 +32,11 @@ _LATENCY_BUCKETS = (1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0
 class _TierCollector:
     """Reads tier stats when Prometheus scrapes, never caches a stale zero."""
 
-    def __init__(self, tiers: dict[str, Callable[[], TierStats]], labels: dict[str, str]):
+    def __init__(self, tiers: dict[str, Callable[[], TierStats]], labels: dict[str, str],
+                 extra: dict[str, tuple[str, Callable[[], float]]]):
         self._tiers = tiers
         self._labels = labels
+        self._extra = extra
 
     def describe(self):
         return []
@@ -53,6 +63,16 @@ class _TierCollector:
             fams["pending_chunks"].add_metric(values, s.pending_chunks)
             fams["usage"].add_metric(values, s.usage)
         yield from fams.values()
+        for name, (doc, fn) in list(self._extra.items()):
+            fam = GaugeMetricFamily(name, doc, labels=list(self._labels))
+            fam.add_metric(list(self._labels.values()), float(fn()))
+            yield fam
+
+    def samples(self):
+        """(name, doc, label names, label values, value) for the multiprocess mirror."""
+        for fam in self.collect():
+            for sample in fam.samples:
+                yield fam.name, fam.documentation, list(sample.labels), list(sample.labels.values()), sample.value
 
 
 class OffloadMetrics:
@@ -84,16 +104,45 @@ class OffloadMetrics:
             ["direction", *ln], buckets=_LATENCY_BUCKETS, registry=r,
         )
         self._tiers: dict[str, Callable[[], TierStats]] = {}
-        self.registry.register(_TierCollector(self._tiers, self.labels))
+        self._extra: dict[str, tuple[str, Callable[[], float]]] = {}
+        self._live = _TierCollector(self._tiers, self.labels, self._extra)
+        self._multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+        self._mirror: dict[str, Gauge] = {}
+        self._refreshed = 0.0
+        if not self._multiprocess:
+            self.registry.register(self._live)
 
     def _l(self, **kw) -> dict[str, str]:
         return {**kw, **self.labels}
 
     def add_tier(self, name: str, stats_fn: Callable[[], TierStats]) -> None:
         self._tiers[name] = stats_fn
+        self.refresh(force=True)
+
+    def add_gauge(self, name: str, doc: str, fn: Callable[[], float]) -> None:
+        """A gauge read from live state (an adapter's own names, e.g. staging usage)."""
+        self._extra[name] = (doc, fn)
+        self.refresh(force=True)
+
+    def refresh(self, force: bool = False) -> None:
+        """Multiprocess mode only: copy live gauges into files the server reads."""
+        if not self._multiprocess:
+            return
+        now = time.monotonic()
+        if not force and now - self._refreshed < 1.0:
+            return
+        self._refreshed = now
+        for name, doc, labelnames, labelvalues, value in self._live.samples():
+            gauge = self._mirror.get(name)
+            if gauge is None:
+                gauge = self._mirror[name] = Gauge(
+                    name, doc, labelnames, registry=self.registry, multiprocess_mode="mostrecent"
+                )
+            (gauge.labels(*labelvalues) if labelnames else gauge).set(value)
 
     def record_lookup(self, queried_tokens: int, hits: Iterable[tuple[str, int, int]] = ()) -> None:
         """``hits``: (tier, chunks, tokens) per tier that served the request."""
+        self.refresh()
         self.lookups.labels(**self.labels).inc() if self.labels else self.lookups.inc()
         self._inc(self.queried_tokens, queried_tokens)
         for tier, chunks, tokens in hits:
@@ -101,6 +150,7 @@ class OffloadMetrics:
             self.hit_tokens.labels(**self._l(tier=tier)).inc(tokens)
 
     def record_transfer(self, direction: str, nbytes: int, seconds: float, chunks: int = 0, tier: str = "cpu") -> None:
+        self.refresh()
         self.bytes.labels(**self._l(direction=direction)).inc(nbytes)
         self.seconds.labels(**self._l(direction=direction)).inc(seconds)
         self.latency.labels(**self._l(direction=direction)).observe(seconds)

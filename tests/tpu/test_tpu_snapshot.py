@@ -1,0 +1,149 @@
+"""Warm restart of the host tier (``snapshot_path``): index JSON + orbax slabs.
+
+A fresh connector pair restores what the last one saved at shutdown; the
+stand-in forward checks every KV position it reads, so a wrong restore fails.
+"""
+
+import os
+import shutil
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tpu_offload.core.keys import make_chunk_key
+from tpu_offload.core.lru import LRUChunkManager
+from tpu_standin import Harness
+
+pytestmark = pytest.mark.engine
+
+BS = 16
+CHUNKS = 4
+
+
+def prompt(n, seed):
+    return [int(x) for x in np.random.default_rng(seed).integers(10, 500, size=n)]
+
+
+@pytest.fixture
+def make(mesh, tiny_model_dir, tmp_path):
+    made = []
+
+    def _make(dtype=jnp.float32, **extra):
+        extra.setdefault("num_cpu_chunks", 16)
+        extra.setdefault("staging_blocks", 8)
+        extra.setdefault("blocks_per_chunk", 2)
+        extra.setdefault("snapshot_path", str(tmp_path / "snap"))
+        h = Harness(mesh, tiny_model_dir, block_size=BS, extra=extra, dtype=dtype)
+        made.append(h)
+        return h
+
+    yield _make
+    for h in made:
+        h.conn_w.shutdown()
+        h.conn_s.shutdown()
+
+
+def run_and_stop(h, p):
+    h.add(p, max_tokens=1)
+    h.run()
+    assert h.check_tier() == CHUNKS
+    saved = {h.sch.manager.slot_of(k): k for k in h.sch.manager.keys_lru_order()}
+    eng = h.wrk.engine
+    rows = {s: [np.asarray(g[s // eng.rows_per_slab])[s % eng.rows_per_slab].copy() for g in eng.slabs]
+            for s in saved}
+    h.conn_s.shutdown()
+    h.conn_w.shutdown()
+    return saved, rows
+
+
+def matched_of(h):
+    out = []
+    orig = h.conn_s.get_num_new_matched_tokens
+    h.conn_s.get_num_new_matched_tokens = lambda r, n: out.append(orig(r, n)) or out[-1]
+    return out
+
+
+def test_lru_restore_keeps_slots_and_order():
+    m = LRUChunkManager(4, 8)
+    keys = [make_chunk_key(bytes([i]) * 32) for i in range(3)]
+    assert m.restore([(keys[0], 3), (keys[1], 0), (keys[2], 2)]) == 3
+    assert [m.slot_of(k) for k in keys] == [3, 0, 2]
+    alloc = m.prepare_store([make_chunk_key(b"\x09" * 32), make_chunk_key(b"\x0a" * 32)])
+    assert sorted(alloc.slots) == [1, 3] and alloc.evicted == [keys[0]]  # the free slot, then the least recent
+    with pytest.raises(ValueError):
+        m.restore([(keys[0], 1)])  # not empty
+    with pytest.raises(ValueError):
+        LRUChunkManager(4, 8).restore([(keys[0], 1), (keys[1], 1)])  # one slot twice
+
+
+def test_restart_gives_full_bit_exact_hit(make, tmp_path):
+    p = prompt(CHUNKS * 2 * BS, 1)
+    a = make()
+    saved, rows = run_and_stop(a, p)
+    assert os.path.exists(tmp_path / "snap" / "index.json") and os.path.isdir(tmp_path / "snap" / "host")
+    b = make()
+    assert b.sch.manager.lookup_prefix([saved[s] for s in sorted(saved)]) >= 0
+    assert {b.sch.manager.slot_of(k): k for k in b.sch.manager.keys_lru_order()} == saved
+    eng = b.wrk.engine
+    assert sorted(np.flatnonzero(eng.valid)) == sorted(saved)
+    for s, want in rows.items():  # every restored slot holds exactly the bytes saved
+        got = [np.asarray(g[s // eng.rows_per_slab])[s % eng.rows_per_slab] for g in eng.slabs]
+        assert all(np.array_equal(x, y) for x, y in zip(got, want))
+    b.tokens.update(a.tokens)
+    assert b.check_tier() == CHUNKS  # and they are the prompt's KV
+    matched = matched_of(b)
+    checked = b.runner.checked_positions
+    b.add(p + [3, 4, 5], max_tokens=2)
+    b.run()
+    assert matched[0] == (CHUNKS * 2 * BS, True)
+    assert b.wrk.totals["loaded_chunks"] == CHUNKS and b.wrk.totals.get("load_errors", 0) == 0
+    assert b.runner.checked_positions - checked >= len(p)  # the model read the restored KV
+
+
+@pytest.mark.parametrize("change", ["dtype", "blocks_per_chunk"])
+def test_foreign_layout_starts_cold(make, change, caplog):
+    p = prompt(CHUNKS * 2 * BS, 2)
+    run_and_stop(make(), p)
+    b = make(dtype=jnp.bfloat16) if change == "dtype" else make(blocks_per_chunk=1)
+    assert b.sch.manager.stats().used_chunks == 0 and not b.wrk.engine.valid.any()
+    assert any("starting cold" in r.getMessage() for r in caplog.records)
+    matched = matched_of(b)
+    b.add(p, max_tokens=1)
+    b.run()
+    assert matched[0] == (0, False)
+
+
+@pytest.mark.parametrize("damage", ["missing", "corrupt", "stale"])
+def test_bad_slabs_with_intact_index_are_recomputed(make, tmp_path, damage):
+    p = prompt(CHUNKS * 2 * BS, 3)
+    run_and_stop(make(), p)
+    host = tmp_path / "snap" / "host"
+    if damage == "missing":
+        shutil.rmtree(host)
+    elif damage == "corrupt":  # flip bytes in the middle of the largest data file
+        files = [os.path.join(d, f) for d, _, fs in os.walk(host / "slabs") for f in fs]
+        big = max(files, key=os.path.getsize)
+        with open(big, "r+b") as f:
+            size = os.path.getsize(big)
+            f.seek(size // 2)
+            f.write(bytes(255 - x for x in f.read(64)[:64]) if size > 200 else b"\xff")
+    else:  # slabs from an older run than the index
+        old = tmp_path / "old-host"
+        shutil.copytree(host, old)
+        mid = make()
+        mid.add(prompt(2 * 2 * BS, 4), max_tokens=1)
+        mid.run()
+        mid.conn_s.shutdown()
+        mid.conn_w.shutdown()
+        shutil.rmtree(host)
+        shutil.copytree(old, host)
+    b = make()
+    assert b.sch.manager.stats().used_chunks >= CHUNKS  # the index still claims the chunks
+    matched = matched_of(b)
+    b.add(p + [7], max_tokens=2)
+    b.run()  # the stand-in fails the run if any wrong KV is read without a reported load error
+    assert matched[0][0] > 0
+    assert b.wrk.totals.get("load_errors", 0) >= 1
+    assert not b.runner.failures
+    assert b.sch.manager.stats().pinned_chunks == 0 and not b.sch.has_pending_work()
