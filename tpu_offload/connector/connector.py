@@ -28,7 +28,8 @@ class TPUOffloadConnector(KVConnectorBase_V1):
         self.settings = resolve(vllm_config, kv_cache_config)
         metrics = ConnectorMetrics.get()
         fp = None
-        if self.settings.config.shared_storage_path:
+        cfg = self.settings.config
+        if cfg.shared_storage_path or cfg.snapshot_path:
             from tpu_offload.connector.fs import fingerprint
 
             fp = fingerprint(vllm_config, kv_cache_config, self.settings.blocks_per_chunk)
@@ -37,15 +38,15 @@ class TPUOffloadConnector(KVConnectorBase_V1):
             from tpu_offload.connector.scheduler import OffloadScheduler
 
             fs = None
-            if fp is not None:
+            if cfg.shared_storage_path:
                 from tpu_offload.connector.fs import FsLookup
 
                 fs = FsLookup(self.settings.config, fp)
-            self.scheduler = OffloadScheduler(self.settings, metrics, fs=fs)
+            self.scheduler = OffloadScheduler(self.settings, metrics, fs=fs, fingerprint=fp)
         else:
             from tpu_offload.connector.worker import OffloadWorker  # imports jax
 
-            self.worker = OffloadWorker(self.settings, metrics, fs_fingerprint=fp)
+            self.worker = OffloadWorker(self.settings, metrics, fs_fingerprint=fp)  # also the snapshot's
 
     # ---- class-level contract ---------------------------------------------
     @classmethod
@@ -146,3 +147,5 @@ class TPUOffloadConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.shutdown()
+        if self.scheduler is not None:
+            self.scheduler.shutdown()

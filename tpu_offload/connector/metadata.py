@@ -53,6 +53,10 @@ class OffloadMetadata(KVConnectorMetadata):
     # Finished requests whose blocks vLLM keeps for us: report them in
     # finished_sending once all their store ops (this step's included) are done.
     release: list[str] = dataclasses.field(default_factory=list)
+    # Warm restart: the id of the index the scheduler restored ("" if none): workers drop
+    # restored slabs saved under another; and the id this run saves under.
+    restored_id: str = ""
+    snapshot_id: str = ""
 
 
 @dataclasses.dataclass

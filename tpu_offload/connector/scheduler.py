@@ -53,7 +53,7 @@ class _Req:
 
 
 class OffloadScheduler:
-    def __init__(self, settings: Settings, metrics: ConnectorMetrics | None = None, fs=None):
+    def __init__(self, settings: Settings, metrics: ConnectorMetrics | None = None, fs=None, fingerprint=None):
         s = self.s = settings
         cfg = settings.config
         self.bpc = s.blocks_per_chunk
@@ -80,6 +80,14 @@ class OffloadScheduler:
         self._procs = 1  # worker processes that must report each order (learned from reports)
         self._quarantine: set[ChunkKey] = set()  # present in the index but proved bad: never served
         self._staging_used = 0
+        self._fp = fingerprint
+        self.restored_id = self.snapshot_id = ""  # warm restart: see connector/snapshot.py
+        if cfg.snapshot_path and fingerprint is not None:
+            from tpu_offload.connector.snapshot import new_id, restore_scheduler
+
+            self.restored_id = restore_scheduler(cfg.snapshot_path, fingerprint, self.manager)
+            self.snapshot_id = new_id()
+            self._slot_of.update(self.manager.items_lru_order())
 
     # ---- keys and lookups (pure) -----------------------------------------
     def _keys(self, request, n: int | None = None) -> list[ChunkKey]:
@@ -206,7 +214,7 @@ class OffloadScheduler:
 
     # ---- per step --------------------------------------------------------
     def build_connector_meta(self, so) -> OffloadMetadata:
-        meta = OffloadMetadata()
+        meta = OffloadMetadata(restored_id=self.restored_id, snapshot_id=self.snapshot_id)
         load_budget = store_budget = self.s.staging_blocks
         # Loads: sync ones whole (the forward needs them now), async ones within the budget.
         load_budget = self.loads.emit(meta, load_budget, lambda n: self._defer("load", n))
@@ -399,6 +407,20 @@ class OffloadScheduler:
         for st in self._reqs.values():
             st.cursor = 0
         return True
+
+    def shutdown(self) -> None:
+        """Save the index for a warm restart (``snapshot_path``); never raises."""
+        cfg = self.s.config
+        if not cfg.snapshot_path or self._fp is None or not self.snapshot_id:
+            return
+        from tpu_offload.connector.snapshot import save_index
+
+        try:
+            n = save_index(cfg.snapshot_path, self.snapshot_id, self._fp, self.manager, self._quarantine)
+            log.info("tpu_offload: saved the index of %d host chunks to %s", n, cfg.snapshot_path)
+        except Exception:
+            log.exception("tpu_offload: could not save the host-tier index to %s", cfg.snapshot_path)
+        self.snapshot_id = ""  # once
 
     def pinned_chunks(self) -> int:
         return self.manager.stats().pinned_chunks

@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import os
 import time
 from typing import Any, Sequence
 
@@ -71,6 +72,9 @@ class OffloadWorker:
         self._saved_meta = None
         self._to_read: collections.deque = collections.deque()  # (op_id, key, slot) waiting for a buffer
         self._promoting: dict[int, tuple[set[int], list[int]]] = {}  # op_id -> (slots left, failed slots)
+        self._restored_id: str | None = None  # id of the restored slabs (warm restart)
+        self._snapshot_id = ""  # id to save under, from the scheduler
+        self._snapshot_checked = False
 
     # ---- setup -------------------------------------------------------------
     def register_runner(self, runner) -> None:
@@ -100,6 +104,12 @@ class OffloadWorker:
             from tpu_offload.connector.fs import FsMover
 
             self.fs = FsMover(cfg, self._fs_fp, self.engine, self.metrics.core)
+        if cfg.snapshot_path and self._fs_fp is not None:
+            from tpu_offload.connector.snapshot import HOST_DIR
+            from tpu_offload.jax_backend.snapshot import restore_slabs
+
+            self._restored_id = restore_slabs(self.engine, os.path.join(cfg.snapshot_path, HOST_DIR),
+                                              self._fs_fp.digest().hex())
         if not cfg.skip_precompile:
             t0 = time.perf_counter()
             self.engine.precompile()
@@ -114,6 +124,7 @@ class OffloadWorker:
         if not isinstance(meta, OffloadMetadata) or meta is self._loaded_meta:
             return
         self._loaded_meta = meta
+        self._check_snapshot(meta)
         for op in meta.promotes:
             self._write_back(op.evict)
             self._promoting[op.op_id] = (set(op.slots), [])
@@ -150,6 +161,7 @@ class OffloadWorker:
         if not isinstance(meta, OffloadMetadata) or meta is self._saved_meta:
             return
         self._saved_meta = meta
+        self._check_snapshot(meta)
         for op in meta.stores:
             self._store_ops_left[op.req_id] = self._store_ops_left.get(op.req_id, 0) + 1
         self._releasing.update(meta.release)
@@ -169,6 +181,17 @@ class OffloadWorker:
             self._flights.append(_Flight(done, "store", list(meta.stores), bad,
                                          len(chunks) * self.engine.chunk_bytes, time.perf_counter()))
         self._poll()
+
+    def _check_snapshot(self, meta: OffloadMetadata) -> None:
+        """The first orders name the scheduler's restored index: slabs of another are dropped."""
+        if not self._snapshot_checked:
+            self._snapshot_checked = True
+            if self._restored_id is not None and meta.restored_id != self._restored_id:
+                log.warning("tpu_offload: restored host slabs (snapshot %s) do not belong to the scheduler's "
+                            "index (snapshot %r); dropping them", self._restored_id, meta.restored_id)
+                self.engine.valid[:] = False
+        if meta.snapshot_id:
+            self._snapshot_id = meta.snapshot_id
 
     def _fail_loads(self, ops: Sequence[LoadOp], bad: dict[int, list[int]]) -> None:
         for op in ops:
@@ -301,11 +324,30 @@ class OffloadWorker:
         if self._flights:
             log.warning("tpu_offload: %d transfers still in flight at shutdown", len(self._flights))
         self._flights.clear()
+        self._save_snapshot()
         if self.fs is not None:
             self.fs.close()
             self.fs = None
         self.engine = None
         self.runner = None
+
+    def _save_snapshot(self) -> None:
+        cfg = self.s.config
+        if not cfg.snapshot_path or self.engine is None or self._fs_fp is None or not self._snapshot_id:
+            return
+        from tpu_offload.connector.snapshot import HOST_DIR
+        from tpu_offload.jax_backend.snapshot import save_slabs
+
+        if self._promoting:  # reads still landing: those slots are not valid
+            self.engine.valid[[s for left, _ in self._promoting.values() for s in left]] = False
+        try:
+            t0 = time.perf_counter()
+            n = save_slabs(self.engine, os.path.join(cfg.snapshot_path, HOST_DIR), self._snapshot_id,
+                           self._fs_fp.digest().hex())
+            log.info("tpu_offload: saved %d host chunks to %s in %.1fs", n, cfg.snapshot_path,
+                     time.perf_counter() - t0)
+        except Exception:
+            log.exception("tpu_offload: could not save the host slabs to %s", cfg.snapshot_path)
 
     def pending(self) -> int:
         return len(self._flights)

@@ -1,0 +1,102 @@
+"""Warm restart, scheduler half: the chunk index as JSON (``snapshot_path``).
+
+The two halves may run in different processes and save independently at
+shutdown, so they are tied by a snapshot id: the scheduler keeps the id of
+the index it restored and a new id for this run (a run that restored and
+then failed to save its slabs must not pair its new index with the old
+slabs), sends both in every step's metadata, and the workers save their
+slabs under the new id. A worker whose restored slabs carry an id other
+than the restored index's drops them when the first metadata arrives, so an index without matching slabs only costs load errors
+(recomputed), never wrong KV. Keys are hex; nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+
+from tpu_offload.core.keys import ChunkKey, LayoutFingerprint
+from tpu_offload.core.lru import LRUChunkManager
+
+log = logging.getLogger(__name__)
+
+FORMAT = "tpu-offload-tpu-index"
+VERSION = 1
+INDEX = "index.json"
+HOST_DIR = "host"  # the workers' slabs (see jax_backend/snapshot.py)
+
+
+def new_id() -> str:
+    return secrets.token_hex(8)
+
+
+def save_index(path: str, snapshot_id: str, fp: LayoutFingerprint, manager: LRUChunkManager,
+               skip: set = frozenset()) -> int:
+    """Ready chunks with their slots, least recent first; published by rename. Returns the count."""
+    items = [(k, s) for k, s in manager.items_lru_order() if k not in skip]
+    body = {
+        "format": FORMAT, "version": VERSION, "snapshot_id": snapshot_id,
+        "fingerprint_digest": fp.digest().hex(), "num_slots": manager.num_chunks,
+        "keys": [bytes(k).hex() for k, _ in items], "slots": [int(s) for _, s in items],
+    }
+    os.makedirs(path, exist_ok=True)
+    tmp = os.path.join(path, f".{INDEX}.tmp.{os.getpid()}.{new_id()}")
+    try:
+        with open(tmp, "w") as f:
+            json.dump(body, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(path, INDEX))
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return len(items)
+
+
+def load_index(path: str, fp: LayoutFingerprint, num_slots: int) -> tuple[str, list[tuple[ChunkKey, int]]] | None:
+    """(snapshot id, items) if the index fits this layout and tier; else None (one warning)."""
+    file = os.path.join(path, INDEX)
+    try:
+        with open(file) as f:
+            body = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        log.warning("tpu_offload: snapshot index %s unreadable (%s); starting cold", file, e)
+        return None
+    problem = None
+    if not isinstance(body, dict) or body.get("format") != FORMAT or body.get("version") != VERSION:
+        problem = "not a tpu-offload index of this version"
+    elif body.get("fingerprint_digest") != fp.digest().hex():
+        problem = "another model or KV layout (fingerprint differs)"
+    elif body.get("num_slots") != num_slots:
+        problem = f"{body.get('num_slots')} host slots, this tier has {num_slots}"
+    elif len(body.get("keys", ())) != len(body.get("slots", ())):
+        problem = "inconsistent index"
+    if problem:
+        log.warning("tpu_offload: snapshot index %s rejected: %s; starting cold", file, problem)
+        return None
+    try:
+        items = [(ChunkKey(bytes.fromhex(h)), int(s)) for h, s in zip(body["keys"], body["slots"])]
+    except (TypeError, ValueError) as e:
+        log.warning("tpu_offload: snapshot index %s rejected (%s); starting cold", file, e)
+        return None
+    return str(body["snapshot_id"]), items
+
+
+def restore_scheduler(path: str, fp: LayoutFingerprint, manager: LRUChunkManager) -> str:
+    """Refill ``manager`` from the index; returns the restored snapshot's id ("" if cold)."""
+    found = load_index(path, fp, manager.num_chunks)
+    if found is None:
+        return ""
+    snapshot_id, items = found
+    try:
+        n = manager.restore(items)
+    except ValueError as e:
+        log.warning("tpu_offload: snapshot index in %s rejected (%s); starting cold", path, e)
+        return ""
+    log.info("tpu_offload: warm start, %d host chunks from %s (snapshot %s)", n, path, snapshot_id)
+    return snapshot_id

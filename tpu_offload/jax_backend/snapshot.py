@@ -1,0 +1,144 @@
+"""Warm restart, worker half: the host slabs with orbax, validity as JSON.
+
+Layout under ``snapshot_path/host``: ``slabs/`` (an orbax checkpoint of the
+sharded host-memory slabs; every process writes its own shards) and
+``meta-p<process>.json`` (snapshot id, layout digest, slab shapes, and the
+slots this process held valid with an xxh3-64 of their local bytes). The
+whole directory is written under a temporary name and renamed into place.
+
+Restore frees the preallocated slabs first and lets orbax allocate them
+once, with the same shardings and memory kind, so a start never holds two
+copies of the tier. A slot is valid again only if its checksum matches:
+damaged bytes become load errors (recomputed), never served.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+
+import jax
+import numpy as np
+
+from tpu_offload.jax_backend import hostview
+
+log = logging.getLogger(__name__)
+
+FORMAT = "tpu-offload-tpu-slabs"
+VERSION = 1
+SLABS = "slabs"
+
+
+def _meta_name(pidx: int) -> str:
+    return f"meta-p{pidx}.json"
+
+
+def _shapes(engine) -> list:
+    return [[list(a.shape), str(a.dtype)] for a in jax.tree.leaves(engine.slabs)]
+
+
+def _checksum(engine, slot: int) -> str:
+    k, row = divmod(slot, engine.rows_per_slab)
+    return format(hostview.row_checksum([g[k] for g in engine.slabs], row), "016x")
+
+
+def save_slabs(engine, host_dir: str, snapshot_id: str, fp_digest: str) -> int:
+    """Save the slabs and this process's valid slots; returns the slots saved."""
+    import orbax.checkpoint as ocp
+
+    pidx, nproc = jax.process_index(), jax.process_count()
+    valid = [int(s) for s in np.flatnonzero(engine.valid)]
+    parent = os.path.dirname(os.path.abspath(host_dir))
+    base = os.path.basename(host_dir)
+    suffix = snapshot_id if nproc > 1 else f"{snapshot_id}.{os.getpid()}"  # every process must agree
+    tmp = os.path.join(parent, f".{base}.tmp-{suffix}")
+    if pidx == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    _sync("tpu_offload_snapshot_mkdir", nproc)
+    try:
+        with ocp.StandardCheckpointer() as ck:
+            ck.save(os.path.join(tmp, SLABS), engine.slabs)
+            ck.wait_until_finished()
+        meta = {
+            "format": FORMAT, "version": VERSION, "snapshot_id": snapshot_id, "fingerprint_digest": fp_digest,
+            "process_count": nproc, "num_slots": engine.num_slots, "rows_per_slab": engine.rows_per_slab,
+            "slabs": _shapes(engine), "valid": valid, "checksums": [_checksum(engine, s) for s in valid],
+        }
+        with open(os.path.join(tmp, _meta_name(pidx)), "w") as f:
+            json.dump(meta, f)
+            f.flush()
+            os.fsync(f.fileno())
+        _sync("tpu_offload_snapshot_written", nproc)
+        if pidx == 0:
+            old = f"{tmp}.old"
+            if os.path.exists(host_dir):
+                os.rename(host_dir, old)
+            os.rename(tmp, host_dir)
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        if pidx == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return len(valid)
+
+
+def restore_slabs(engine, host_dir: str, fp_digest: str) -> str | None:
+    """Refill ``engine``'s slabs and valid slots; returns the snapshot id, or None (cold)."""
+    meta = _read_meta(engine, host_dir, fp_digest)
+    if meta is None:
+        return None
+    import orbax.checkpoint as ocp
+
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), engine.slabs)
+    old, engine.slabs = engine.slabs, None
+    jax.tree.map(lambda a: a.delete(), old)  # the restore is the only full allocation
+    del old
+    try:
+        with ocp.StandardCheckpointer() as ck:
+            restored = ck.restore(os.path.join(host_dir, SLABS), abstract)
+        engine.slabs = jax.tree.unflatten(jax.tree.structure(abstract), jax.tree.leaves(restored))
+        jax.block_until_ready(engine.slabs)
+    except Exception as e:  # damaged or missing data: start cold
+        log.warning("tpu_offload: host slabs in %s unreadable (%s); starting cold", host_dir, e)
+        engine.slabs = engine.programs.alloc_slabs()
+        return None
+    good = [s for s, c in zip(meta["valid"], meta["checksums"]) if 0 <= s < engine.num_slots
+            and _checksum(engine, s) == c]
+    engine.complete_store(good, True)
+    if len(good) != len(meta["valid"]):
+        log.warning("tpu_offload: %d of %d restored host chunks failed their checksum; they will be recomputed",
+                    len(meta["valid"]) - len(good), len(meta["valid"]))
+    log.info("tpu_offload: warm start, %d host chunks restored from %s", len(good), host_dir)
+    return str(meta["snapshot_id"])
+
+
+def _read_meta(engine, host_dir: str, fp_digest: str) -> dict | None:
+    file = os.path.join(host_dir, _meta_name(jax.process_index()))
+    try:
+        with open(file) as f:
+            meta = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        log.warning("tpu_offload: slab snapshot %s unreadable (%s); starting cold", file, e)
+        return None
+    want = {"format": FORMAT, "version": VERSION, "fingerprint_digest": fp_digest,
+            "process_count": jax.process_count(), "num_slots": engine.num_slots,
+            "rows_per_slab": engine.rows_per_slab, "slabs": _shapes(engine)}
+    bad = [k for k, v in want.items() if not isinstance(meta, dict) or meta.get(k) != v]
+    if not bad and len(meta.get("valid", ())) != len(meta.get("checksums", ())):
+        bad = ["valid/checksums"]
+    if bad:
+        log.warning("tpu_offload: slab snapshot %s does not fit this engine (%s); starting cold", file, ", ".join(bad))
+        return None
+    return meta
+
+
+def _sync(name: str, nproc: int) -> None:
+    if nproc > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
