@@ -14,17 +14,25 @@ Failed loads: ``forget_chunks`` hides chunks a load failed on. They read as
 misses (so vLLM recomputes instead of reloading them forever) and are never
 loaded again; their slots return when the LRU evicts them, since nothing
 touches them any more. Done here, over the core index's public API.
+
+File tier (``files``, a read-only ``FileView``): a lookup falls through from
+host to files. ``prepare_load`` gives a file-resident chunk a host slot
+(store + complete + pin in the core index, so it is pinned like any load)
+and marks it ``promote`` in the spec; the worker fills the slot from the
+file, then copies it to the device. The manager never reads or writes a file.
 """
 
 from __future__ import annotations
 
-from typing import Collection, Iterable
+from typing import TYPE_CHECKING, Collection, Iterable
 
 from tpu_offload.core.lru import LRUChunkManager
 from tpu_offload.core.manager import Lookup
 
 from gpu_offload import metrics, testing
+from gpu_offload.fs_specs import HostLoadSpec, HostStoreSpec
 from gpu_offload.vllm_compat import (
+    DISK_HIT_SOURCE,
     HOST_HIT_SOURCE,
     CPULoadStoreSpec,
     LookupResult,
@@ -36,6 +44,9 @@ from gpu_offload.vllm_compat import (
     make_event,
     require_vllm,
 )
+
+if TYPE_CHECKING:
+    from gpu_offload.fs_specs import FileView
 
 require_vllm("gpu_offload.manager")
 logger = get_logger(__name__)
@@ -52,8 +63,10 @@ class HostTierManager(ManagerCompat, OffloadingManager):
         blocks_per_chunk: int = 1,
         tokens_per_block: int = 0,
         enable_events: bool = False,
+        files: "FileView | None" = None,
     ):
         """``chunk_bytes``: host bytes of one chunk summed over all workers."""
+        self.files = files
         self.num_chunks = num_chunks
         self.chunk_bytes = chunk_bytes
         self.blocks_per_chunk = blocks_per_chunk
@@ -61,7 +74,9 @@ class HostTierManager(ManagerCompat, OffloadingManager):
         self.enable_events = enable_events
         self._lru = self._new_index()
         # Monotonic, across resets (read by tests and the demo).
-        self.hit_chunks = 0
+        self.hit_chunks = 0  # loaded from host RAM
+        self.fs_hit_chunks = 0  # promoted from files, then loaded
+        self.unplaced_chunks = 0  # file hits with no free host slot: failed loads, recomputed
         self.stored_chunks = 0
         self.resets = 0
         self.ignored_completions = 0
@@ -69,8 +84,10 @@ class HostTierManager(ManagerCompat, OffloadingManager):
         self._forgotten: set = set()  # still in the index, never served again
         self._removal_announced: set = set()  # forgotten keys already reported removed
         self._extra_events: list = []
+        self._promoting: dict = {}  # key -> in-flight loads that promote it (get_load_source)
+        self._unplaced: dict = {}  # key -> in-flight loads it could not be placed in
         # Since the last get_stats.
-        self._pending_hits = self._pending_stored = 0
+        self._pending_hits = self._pending_stored = self._pending_fs_hits = 0
         self._evictions_seen = 0
         self._alloc_sizes: list[int] = []
         testing.register_manager(self)
@@ -89,17 +106,66 @@ class HostTierManager(ManagerCompat, OffloadingManager):
     def lookup(self, key, req_context) -> LookupResult:
         if key in self._forgotten:
             return LookupResult.MISS
-        return _LOOKUP[self._lru.lookup(key)]
+        state = self._lru.lookup(key)
+        if state is Lookup.MISS and self.files is not None and self.files.contains(key):
+            return LookupResult.HIT  # prepare_load promotes it
+        return _LOOKUP[state]
 
     def get_load_source(self, key, req_context):
+        if key in self._promoting and DISK_HIT_SOURCE is not None:
+            return DISK_HIT_SOURCE
         return HOST_HIT_SOURCE if HOST_HIT_SOURCE is not None else super().get_load_source(key, req_context)
 
     def prepare_load(self, keys: Collection, req_context) -> CPULoadStoreSpec:
         keys = list(keys)
-        slots = self._lru.prepare_load(keys)
-        self.hit_chunks += len(keys)
-        self._pending_hits += len(keys)
-        return CPULoadStoreSpec(slots.tolist())
+        if self.files is None:
+            slots = self._lru.prepare_load(keys)
+            self._count_hits(len(keys), 0)
+            return CPULoadStoreSpec(slots.tolist())
+        lookup = self._lru.lookup
+        in_files = [lookup(k) is Lookup.MISS for k in keys]
+        if not any(in_files):
+            slots = self._lru.prepare_load(keys)
+            self._count_hits(len(keys), 0)
+            return HostLoadSpec(slots.tolist(), keys, in_files)
+        return self._prepare_promotion(keys, in_files)
+
+    def _prepare_promotion(self, keys: list, in_files: list[bool]) -> HostLoadSpec:
+        """Pin the host chunks first (so making room cannot evict them), then
+        give each file chunk a slot: allocate, mark ready, pin."""
+        host_keys = [k for k, f in zip(keys, in_files) if not f]
+        file_keys = [k for k, f in zip(keys, in_files) if f]
+        host_slots = iter(self._lru.prepare_load(host_keys).tolist())
+        alloc = self._lru.prepare_store(file_keys)
+        placed: dict = {}
+        evicted: list = []
+        if alloc is not None:
+            evicted = list(alloc.evicted)
+            if self._forgotten and evicted:
+                self._forgotten.difference_update(evicted)
+            self._lru.complete_store(alloc.keys, True)
+            self._lru.prepare_load(alloc.keys)
+            placed = dict(zip(alloc.keys, alloc.slots.tolist()))
+        # -1: no slot could be had (host tier all pinned); the worker fails the
+        # job and vLLM recomputes it.
+        slots = [placed.get(k, -1) if f else next(host_slots) for k, f in zip(keys, in_files)]
+        for k in placed:
+            self._promoting[k] = self._promoting.get(k, 0) + 1
+        for k in file_keys:
+            if k not in placed:
+                self._unplaced[k] = self._unplaced.get(k, 0) + 1
+        if len(placed) < len(file_keys):
+            self.unplaced_chunks += len(file_keys) - len(placed)
+            logger.warning("file tier: no free host slot for %d chunk(s); they will be recomputed",
+                           len(file_keys) - len(placed))
+        self._count_hits(len(host_keys), len(placed))
+        return HostLoadSpec(slots, keys, in_files, evicted)
+
+    def _count_hits(self, host: int, files: int) -> None:
+        self.hit_chunks += host
+        self._pending_hits += host
+        self.fs_hit_chunks += files
+        self._pending_fs_hits += files
 
     def touch(self, keys: Collection, req_context) -> None:
         if self._forgotten:
@@ -107,6 +173,10 @@ class HostTierManager(ManagerCompat, OffloadingManager):
         self._lru.touch(keys)
 
     def complete_load(self, keys: Collection, req_context) -> None:
+        if self._promoting or self._unplaced:
+            for k in keys:
+                _dec(self._promoting, k)
+            keys = [k for k in keys if not _dec(self._unplaced, k)]  # never pinned
         self._complete(self._lru.complete_load, keys, Lookup.HIT, "complete_load")
 
     # ---- stores ------------------------------------------------------------------
@@ -118,9 +188,11 @@ class HostTierManager(ManagerCompat, OffloadingManager):
             self._alloc_sizes.append(len(alloc.keys))
         if self._forgotten and alloc.evicted:
             self._forgotten.difference_update(alloc.evicted)
+        slots = alloc.slots.tolist()
+        spec = CPULoadStoreSpec(slots) if self.files is None else HostStoreSpec(slots, alloc.keys, alloc.evicted)
         return PrepareStoreOutput(
             keys_to_store=list(alloc.keys),
-            store_spec=CPULoadStoreSpec(alloc.slots.tolist()),
+            store_spec=spec,
             evicted_keys=list(alloc.evicted),
         )
 
@@ -174,6 +246,8 @@ class HostTierManager(ManagerCompat, OffloadingManager):
         self._forgotten.clear()
         self._removal_announced.clear()
         self._extra_events.clear()
+        self._promoting.clear()
+        self._unplaced.clear()
         self.resets += 1
 
     def get_stats(self):
@@ -186,8 +260,9 @@ class HostTierManager(ManagerCompat, OffloadingManager):
             stored_chunks=self._pending_stored,
             evicted_chunks=evicted,
             allocation_sizes=self._alloc_sizes,
+            fs_hit_chunks=self._pending_fs_hits,
         )
-        self._pending_hits = self._pending_stored = 0
+        self._pending_hits = self._pending_stored = self._pending_fs_hits = 0
         self._alloc_sizes = []
         return out
 
@@ -216,3 +291,15 @@ class HostTierManager(ManagerCompat, OffloadingManager):
     def _ignore(self, what: str, key: bytes) -> None:
         self.ignored_completions += 1
         logger.warning("%s for a chunk this index does not track (reset?): %s", what, bytes(key).hex()[:16])
+
+
+def _dec(counts: dict, key) -> bool:
+    """Take one count of ``key`` off ``counts``; whether it had one."""
+    n = counts.get(key)
+    if n is None:
+        return False
+    if n == 1:
+        del counts[key]
+    else:
+        counts[key] = n - 1
+    return True

@@ -15,6 +15,7 @@ from tpu_offload.core.manager import TierStats
 from gpu_offload.vllm_compat import OffloadingConnectorStats, counter, gauge, histogram
 
 TIER = ("cpu",)
+FS_TIER = ("fs",)
 _T = ("tier",)
 
 USAGE = "vllm:kv_offload_cpu_cache_usage_perc"
@@ -49,8 +50,8 @@ def metric_definitions() -> dict:
         USED_BYTES: gauge("Host-tier bytes holding chunks, all workers of the engine.", _T),
         CAPACITY_CHUNKS: gauge("Host-tier capacity in chunks.", _T),
         USED_CHUNKS: gauge("Host-tier chunks in use.", _T),
-        HIT_CHUNKS: counter("Chunks loaded from the host tier instead of recomputed.", _T),
-        HIT_TOKENS: counter("Tokens loaded from the host tier instead of recomputed.", _T),
+        HIT_CHUNKS: counter("Chunks loaded instead of recomputed, by the tier they came from.", _T),
+        HIT_TOKENS: counter("Tokens loaded instead of recomputed, by the tier they came from.", _T),
         STORED_CHUNKS: counter("Chunks stored into the host tier.", _T),
         EVICTED_CHUNKS: counter("Chunks evicted from the host tier.", _T),
     }
@@ -64,6 +65,7 @@ def build_stats(
     stored_chunks: int,
     evicted_chunks: int,
     allocation_sizes: list[int],
+    fs_hit_chunks: int = 0,
 ) -> OffloadingConnectorStats:
     """Gauges are snapshots; counters are the increase since the last call."""
     out = OffloadingConnectorStats()
@@ -80,6 +82,9 @@ def build_stats(
     if hit_chunks:
         out.increase_counter(HIT_CHUNKS, hit_chunks, TIER)
         out.increase_counter(HIT_TOKENS, hit_chunks * tokens_per_chunk, TIER)
+    if fs_hit_chunks:  # promoted from files through the host tier
+        out.increase_counter(HIT_CHUNKS, fs_hit_chunks, FS_TIER)
+        out.increase_counter(HIT_TOKENS, fs_hit_chunks * tokens_per_chunk, FS_TIER)
     if stored_chunks:
         out.increase_counter(STORED_CHUNKS, stored_chunks, TIER)
     if evicted_chunks:

@@ -23,6 +23,12 @@ checks that our config agrees.
 
 The spec object exists once in the scheduler process (``get_manager``) and
 once per worker (``get_worker``); the API server only calls the classmethods.
+
+File tier: with ``shared_storage_path`` every worker puts a ``FileTier``
+under its host slab (its own per-rank namespace; ``fs_write_mode``
+``write_back`` (default) or ``write_through``) and does all file I/O; the
+manager only checks which chunk files exist (``FileView``) and asks the
+workers to promote them. See ``fs_link`` and ``fs_specs``.
 """
 
 from __future__ import annotations
@@ -90,8 +96,6 @@ class HostOffloadSpec(OffloadingSpec):
             )
         if self.config.canonical_layout:
             logger.warning("canonical_layout is not supported by HostOffloadSpec; using the per-worker layout")
-        if self.offload_config.shared_storage_path:
-            logger.warning("shared_storage_path is ignored by HostOffloadSpec (host tier only)")
 
     def _check_sized(self) -> None:
         if self.num_chunks < 1:
@@ -112,6 +116,7 @@ class HostOffloadSpec(OffloadingSpec):
                 blocks_per_chunk=self.blocks_per_chunk,
                 tokens_per_block=self.tokens_per_block_0,
                 enable_events=self.kv_events_config.enable_kv_cache_events and self.offload_config.enable_events,
+                files=self._file_view(),
             )
             logger.info(
                 "host tier: %d chunks x %d blocks, %.1f MiB per chunk over %d worker(s)",
@@ -132,9 +137,40 @@ class HostOffloadSpec(OffloadingSpec):
                 staging_blocks=self.offload_config.staging_blocks,
             )
             actual = self._worker.layout.chunk_bytes
+            self._attach_files(self._worker)
             if actual > self.worker_chunk_bytes:
                 logger.warning(
                     "worker chunk is %d B, vLLM sized %d B: the host tier uses %d B more than budgeted",
                     actual, self.worker_chunk_bytes, (actual - self.worker_chunk_bytes) * self.num_chunks,
                 )
         return self._worker
+
+    # ---- file tier -----------------------------------------------------------------
+    def _file_view(self):
+        path = self.offload_config.shared_storage_path
+        if not path:
+            return None
+        from gpu_offload.fs_specs import FileView, fingerprint
+
+        view = FileView(path, [fingerprint(self.config, r) for r in range(self.world_size)],
+                        self.worker_chunk_bytes)
+        logger.info("file tier: looking up chunks under %s (%d rank namespace(s))", view.root, len(view.ns_dirs))
+        return view
+
+    def _attach_files(self, worker) -> None:
+        oc = self.offload_config
+        if not oc.shared_storage_path:
+            return
+        from tpu_offload.core.fs import FileTier
+
+        from gpu_offload.fs_specs import fingerprint
+
+        chunk = worker.pool.chunk_bytes
+        if chunk != self.worker_chunk_bytes:
+            logger.warning(
+                "file tier: worker chunks are %d B but the scheduler expects %d B files; "
+                "every file lookup will miss", chunk, self.worker_chunk_bytes,
+            )
+        tier = FileTier.from_config(oc, fingerprint(self.config, self.config.parallel.rank), chunk)
+        worker.attach_files(tier, oc.fs_write_mode)
+        logger.info("file tier: %s, %s, %s", tier.ns_dir, oc.fs_write_mode, tier.state.value)

@@ -12,6 +12,11 @@ block ids it could not fill, and ``take_load_error_blocks`` hands them to the
 scheduler (see ``vllm_compat.install_load_error_reporting``) in the same step
 the job is reported. A failed store leaves its slots marked invalid in
 ``pool.valid``, so any later load from them is a load error too.
+
+With a file tier attached (``attach_files``), ``gpu_offload.fs_link`` does
+the file I/O: a load whose spec promotes chunks waits (off the engine
+thread) for their file reads, then runs as a normal load; loads touching
+those slots wait behind it, in order.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import torch
 
 from gpu_offload import testing
 from gpu_offload.copy_ops import DirectCopier, StagedCopier
+from gpu_offload.fs_link import FileLink, Promotion
 from gpu_offload.layout import HostLayout, PagedRows
 from gpu_offload.plan import TransferPlan, TransferPlanner
 from gpu_offload.vllm_compat import OffloadingWorker, TransferResult, get_logger
@@ -43,6 +49,7 @@ class _Job:
     is_store: bool
     engine_blocks: np.ndarray  # every engine block of the job (load: reported if it fails)
     slots: np.ndarray | None = None  # store: slots to mark valid on success
+    keys: list | None = None  # store: chunk key per slot (file tier)
     failed: list[int] = dataclasses.field(default_factory=list)  # load: blocks left unfilled
     nbytes: int = 0
     seconds: float | None = None
@@ -65,6 +72,17 @@ class EngineStats:
     store_failures: int = 0  # jobs whose slots stayed invalid
     load_error_jobs: int = 0
     load_error_blocks: int = 0
+
+
+@dataclasses.dataclass
+class _DeferredLoad:
+    """A load waiting for file reads (its own, or an earlier job's on its slots)."""
+
+    job_id: int
+    src_spec: Any
+    dst_spec: Any
+    expedited: bool
+    promotion: Promotion | None
 
 
 class _SyncLane:
@@ -140,6 +158,9 @@ class HostTransferEngine(OffloadingWorker):
         self._forced_load_failures = 0  # test hooks (gpu_offload.testing)
         self._forced_store_failures = 0
         self._registered: list[int] = []
+        self.fs: FileLink | None = None
+        self._deferred: list[_DeferredLoad] = []
+        self._promoting_slots: set[int] = set()
         if self.is_cuda and pin:
             from gpu_offload import cuda_lane
 
@@ -164,14 +185,22 @@ class HostTransferEngine(OffloadingWorker):
         groups = [tuple(sorted({r.tensor_idx for r in refs})) for refs in kv_caches.group_data_refs]
         return cls(tensors, pages, groups, num_slots, blocks_per_chunk, **kw)
 
+    def attach_files(self, tier, write_mode: str = "write_back", ring_slots: int | None = None) -> FileLink:
+        """Put a ``FileTier`` under this worker's host slab (see ``fs_link``)."""
+        self.fs = FileLink(tier, self.pool, write_mode, ring_slots)
+        return self.fs
+
     # ---- OffloadingWorker ----------------------------------------------------
     def submit_store(self, job_id: int, src_spec, dst_spec) -> bool:
         job = _Job(job_id, True, np.asarray(src_spec.block_ids))
         try:
             plan = self.planner.plan(src_spec.block_ids, src_spec.group_sizes,
                                      src_spec.block_indices, dst_spec.block_ids)
-            self.pool.valid[plan.slots] = False  # stale until this write completes
             job.slots = plan.slots.copy()
+            if self.fs is not None:
+                job.keys = getattr(dst_spec, "keys", None)
+                self.fs.before_overwrite(job.slots.tolist(), job.keys, getattr(dst_spec, "evicted", ()))
+            self.pool.valid[plan.slots] = False  # stale until this write completes
             if self._forced_store_failures > 0:
                 self._forced_store_failures -= 1
                 raise InjectedFailure(f"injected failure of store job {job_id} (test hook)")
@@ -185,6 +214,22 @@ class HostTransferEngine(OffloadingWorker):
         return True
 
     def submit_load(self, job_id: int, src_spec, dst_spec, expedited: bool = False) -> bool:
+        if self.fs is not None:
+            promote = getattr(src_spec, "promote", None)
+            slots = np.asarray(src_spec.block_ids)
+            if promote is not None and promote.any() and slots.min(initial=0) >= 0:
+                idx = np.flatnonzero(promote)
+                p = self.fs.start_promotion(slots[idx].tolist(), [src_spec.keys[i] for i in idx],
+                                            getattr(src_spec, "evicted", ()))
+                self._promoting_slots.update(p.slots)
+                self._deferred.append(_DeferredLoad(job_id, src_spec, dst_spec, expedited, p))
+                return True
+            if self._promoting_slots and not self._promoting_slots.isdisjoint(slots.tolist()):
+                self._deferred.append(_DeferredLoad(job_id, src_spec, dst_spec, expedited, None))
+                return True
+        return self._submit_load_now(job_id, src_spec, dst_spec, expedited)
+
+    def _submit_load_now(self, job_id: int, src_spec, dst_spec, expedited: bool) -> bool:
         job = _Job(job_id, False, np.asarray(dst_spec.block_ids))
         try:
             if self._forced_load_failures > 0:
@@ -204,6 +249,8 @@ class HostTransferEngine(OffloadingWorker):
         return True
 
     def get_finished(self) -> list[TransferResult]:
+        if self._deferred:
+            self._run_ready_loads()
         done, self._done = self._done, []
         if self.is_cuda:
             lanes = {id(x): x for x in (self._store_lane, self._load_lane, self._expedited_lane) if x}
@@ -212,6 +259,12 @@ class HostTransferEngine(OffloadingWorker):
         return [self._finish(job) for job in done]
 
     def wait(self, job_ids: set[int]) -> None:
+        if self._deferred and any(d.job_id in job_ids for d in self._deferred):
+            last = max(i for i, d in enumerate(self._deferred) if d.job_id in job_ids)
+            for d in self._deferred[: last + 1]:
+                if d.promotion is not None:
+                    d.promotion.wait()
+            self._run_ready_loads()
         if self.is_cuda:
             for lane in (self._store_lane, self._load_lane, self._expedited_lane):
                 if lane is not None:
@@ -229,6 +282,11 @@ class HostTransferEngine(OffloadingWorker):
 
             if self._registered:
                 cuda_lane.unregister_host(self._registered)
+        if self.fs is not None:
+            try:
+                self.fs.close()  # lets queued writes finish: files are complete or absent
+            except Exception:
+                logger.exception("closing the file tier failed")
         testing.unregister(self)
         logger.debug("host tier worker shut down: %s", self.stats)
 
@@ -239,6 +297,18 @@ class HostTransferEngine(OffloadingWorker):
         return errors
 
     # ---- internals -------------------------------------------------------------
+    def _run_ready_loads(self) -> None:
+        """Submit deferred loads in order, up to the first whose reads are not in."""
+        while self._deferred:
+            d = self._deferred[0]
+            if d.promotion is not None:
+                if not d.promotion.ready():
+                    return
+                self.fs.finish_promotion(d.promotion)
+                self._promoting_slots.difference_update(d.promotion.slots)
+            self._deferred.pop(0)
+            self._submit_load_now(d.job_id, d.src_spec, d.dst_spec, d.expedited)
+
     def _lanes(self, staging_slots: int):
         """(store lane, load lane, factory of the expedited-load lane)."""
         if self.is_cuda:
@@ -297,6 +367,8 @@ class HostTransferEngine(OffloadingWorker):
             s.store_jobs += 1
             if job.error is None:
                 self.pool.valid[job.slots] = True
+                if self.fs is not None:
+                    self.fs.after_store(job.slots.tolist())
                 s.stored_bytes += job.nbytes
                 s.store_seconds += job.seconds or 0.0
         else:

@@ -83,12 +83,13 @@ if HAVE_VLLM:
         from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
         HOST_HIT_SOURCE: Any = CacheHitSource.HOST
+        DISK_HIT_SOURCE: Any = getattr(CacheHitSource, "DISK", None)  # file-tier hits
     except ImportError:  # before get_load_source existed (< 0.32)
-        HOST_HIT_SOURCE = None
+        HOST_HIT_SOURCE = DISK_HIT_SOURCE = None
 else:
     CanonicalKVCaches = GPULoadStoreSpec = LoadStoreSpec = None  # type: ignore[assignment,misc]
-    OffloadingManager = OffloadingSpec = None  # type: ignore[assignment,misc]
-    HOST_HIT_SOURCE = None
+    OffloadingManager = OffloadingSpec = CPULoadStoreSpec = None  # type: ignore[assignment,misc]
+    HOST_HIT_SOURCE = DISK_HIT_SOURCE = None
 
     @dataclasses.dataclass
     class TransferResult:  # type: ignore[no-redef]

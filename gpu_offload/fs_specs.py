@@ -1,0 +1,110 @@
+"""What the scheduler tells the workers about the file tier, and where files live.
+
+The scheduler-side manager and the workers may be different processes, so
+the manager never touches file bytes: it only decides, and the workers do
+every read and write. What a worker needs travels in our subclasses of
+vLLM's ``CPULoadStoreSpec`` (vLLM passes them through untouched):
+
+* ``HostStoreSpec``: the chunk key of each slot (write-through publishes the
+  slot under it) and the keys ``prepare_store`` evicted (write-back saves
+  their bytes before the slots are reused).
+* ``HostLoadSpec``: per slot, whether it must first be filled from its file
+  (``promote``), plus keys evicted to make room for those slots.
+
+A chunk file is per worker rank (its own KV shard), so each rank has its own
+namespace, named by a ``LayoutFingerprint`` built from ``OffloadingConfig``
+alone: the scheduler and every worker derive the same one without sharing
+state. vLLM gives the spec bytes per block, not head shapes, so the per-rank
+page bytes and the KV cache layout go into ``engine``; they determine
+``kv_heads_per_rank * head_dim`` for a given model, dtype and layer count.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import numpy as np
+
+from tpu_offload.core.fs.format import HEADER_SIZE
+from tpu_offload.core.fs.layout import chunk_dir_and_path, key_hex
+from tpu_offload.core.keys import LayoutFingerprint
+
+from gpu_offload.vllm_compat import CPULoadStoreSpec
+
+
+class HostStoreSpec(CPULoadStoreSpec):
+    """Host slots of a store, with their chunk keys and this allocation's evictions."""
+
+    def __init__(self, slots: Sequence[int], keys: Sequence[bytes], evicted: Sequence[bytes] = ()):
+        super().__init__(slots)
+        self.keys = list(keys)
+        self.evicted = list(evicted)
+
+
+class HostLoadSpec(CPULoadStoreSpec):
+    """Host slots of a load; ``promote[i]``: fill slot i from its file first."""
+
+    def __init__(
+        self, slots: Sequence[int], keys: Sequence[bytes], promote: Sequence[bool], evicted: Sequence[bytes] = (),
+    ):
+        super().__init__(slots)
+        self.keys = list(keys)
+        self.promote = np.asarray(promote, dtype=bool)
+        self.evicted = list(evicted)
+
+
+def fingerprint(config, rank: int) -> LayoutFingerprint:
+    """The namespace of worker ``rank``'s chunk files (from vLLM's ``OffloadingConfig``)."""
+    groups = config.groups
+    layers = {name for g in groups for name in g.layer_names}
+    model = getattr(config, "model", None)
+    engine = (
+        f"vllm;bytes_per_block={config.worker_kv_bytes_per_block};"
+        f"kv_layout={getattr(config, 'kv_cache_layout', None)};"
+        f"groups={','.join(str(g.tokens_per_block) for g in groups)}"
+    )
+    return LayoutFingerprint(
+        model=getattr(model, "name", "") or "model",
+        dtype=getattr(model, "dtype", "") or "",
+        block_size=groups[0].tokens_per_block if groups else 0,
+        blocks_per_chunk=config.cache.blocks_per_chunk,
+        num_layers=len(layers),
+        kv_heads_per_rank=0,  # implied by bytes_per_block in ``engine`` (see module docstring)
+        head_dim=0,
+        tp_rank=rank,
+        tp_size=max(1, config.parallel.world_size),
+        engine=engine,
+    )
+
+
+class FileView:
+    """Read-only presence check over the chunk files of every worker rank.
+
+    The scheduler's side of the file tier: one ``stat`` per rank, nothing
+    written, no threads, no index. A ``FileTier`` would create directories,
+    write a probe file and scan the whole namespace at start, and its index
+    would go stale as the workers' tiers evict or reject files; a stale
+    "present" costs a failed load and a recompute. A chunk counts only if
+    every rank has its file, since every rank must load its shard.
+    """
+
+    def __init__(self, root: str, fingerprints: Sequence[LayoutFingerprint], chunk_bytes: int):
+        self.root = os.path.abspath(root)
+        self.ns_dirs = [os.path.join(self.root, fp.namespace()) for fp in fingerprints]
+        self.file_bytes = HEADER_SIZE + chunk_bytes
+        self.stats = 0  # stat calls made (tests, tuning)
+
+    def contains(self, key: bytes) -> bool:
+        try:
+            khex = key_hex(key)
+        except ValueError:
+            return False
+        for ns in self.ns_dirs:
+            self.stats += 1
+            try:
+                if os.stat(chunk_dir_and_path(ns, khex)[1]).st_size != self.file_bytes:
+                    return False
+            except OSError:
+                return False
+        return True

@@ -1,0 +1,80 @@
+"""One real vLLM engine in a fresh process, driven by a JSON plan; prints JSON.
+
+    python engine_run.py PLAN.json
+
+The plan: ``{"model": dir, "kv_transfer_config": {...} | null, "steps":
+[{"prompts": [[ids...], ...], "reset": "none" | "prefix" | "connector"}, ...]}``.
+Each step optionally resets (vLLM's prefix cache, or it and our host tier),
+runs its prompts greedily in one batch, lets the deferred stores run, waits
+for the file writes and records the outputs, how many chunks came from host
+RAM and from files, and which chunk files appeared. The engine runs in this
+process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the counters are read
+directly. The last line of stdout is the result.
+
+Every engine of the file-tier tests runs in its own process: besides proving
+cross-process sharing, two vLLM engines in one process do not work with KV
+offloading (the second engine's restored KV is not what its attention reads).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def main(plan_path: str) -> int:
+    with open(plan_path) as f:
+        plan = json.load(f)
+    from vllm import LLM, SamplingParams
+
+    from gpu_offload import testing
+
+    ktc = plan.get("kv_transfer_config")
+    llm = LLM(model=plan["model"], skip_tokenizer_init=True, dtype="float32", max_model_len=1024,
+              enforce_eager=True, max_num_seqs=4, kv_transfer_config=ktc)
+    if ktc is None:
+        worker = manager = fs = None
+    else:
+        worker, manager = testing.the_worker(), testing.the_manager()
+        fs = worker.fs
+    sp = SamplingParams(max_tokens=plan.get("max_tokens", 8), temperature=0.0, ignore_eos=True)
+    steps = []
+    files = chunk_files(fs.tier.ns_dir) if fs is not None else set()  # what earlier processes wrote
+    for step in plan["steps"]:
+        if step.get("reset", "none") != "none":
+            llm.reset_prefix_cache(reset_connector=step["reset"] == "connector")
+        before = (manager.hit_chunks, manager.fs_hit_chunks, worker.stats.load_error_blocks) if manager else None
+        outs = llm.generate([{"prompt_token_ids": p} for p in step["prompts"]], sp, use_tqdm=False)
+        rec = {"outputs": [list(o.outputs[0].token_ids) for o in outs]}
+        if manager is not None:
+            llm.generate([{"prompt_token_ids": [1] * 8}], sp, use_tqdm=False)  # runs the deferred stores
+            rec.update(host_hits=manager.hit_chunks - before[0], fs_hits=manager.fs_hit_chunks - before[1],
+                       load_error_blocks=worker.stats.load_error_blocks - before[2])
+        if fs is not None:
+            rec["flushed"] = fs.flush(60)
+            now = chunk_files(fs.tier.ns_dir)
+            rec["new_files"], files = sorted(now - files), now
+        steps.append(rec)
+    result = {"steps": steps}
+    if fs is not None:
+        result.update(fs_stats=vars(fs.stats), tier_counters=fs.tier.counters(), ns_dir=fs.tier.ns_dir,
+                      chunk_bytes=worker.pool.chunk_bytes, evictions=manager.index.evictions)
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+def chunk_files(ns_dir: str) -> set[str]:
+    """Published chunk files (paths relative to the namespace)."""
+    out = set()
+    for d, _, names in os.walk(ns_dir):
+        out.update(os.path.relpath(os.path.join(d, n), ns_dir) for n in names if not n.startswith("."))
+    return out
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1]))

@@ -1,0 +1,93 @@
+"""Helpers shared by the file-tier tests (plain module: imported by name)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from vllm.v1.kv_offload.config import (
+    OffloadingCacheConfig,
+    OffloadingConfig,
+    OffloadingGroupConfig,
+    OffloadingModelConfig,
+    OffloadingParallelConfig,
+)
+
+
+def offloading_config(extra: dict, *, blocks_per_chunk=1, world_size=1, rank=0, bytes_per_block=262144):
+    """vLLM's ``OffloadingConfig`` as the connector builds it, without an engine."""
+    return OffloadingConfig(
+        groups=(OffloadingGroupConfig(tokens_per_block=128, layer_names=("l0", "l1"), group_id=0),),
+        worker_kv_bytes_per_block=bytes_per_block,
+        enable_kv_cache_events=False,
+        extra_config={"spec_name": "HostOffloadSpec", "spec_module_path": "gpu_offload.spec", **extra},
+        engine_id="test",
+        model=OffloadingModelConfig(name="tiny", dtype="float32"),
+        cache=OffloadingCacheConfig(tokens_per_hash=128, blocks_per_chunk=blocks_per_chunk),
+        parallel=OffloadingParallelConfig(
+            rank=rank, world_size=world_size, tp_size=world_size, pp_size=1, pcp_size=1, dcp_size=1,
+            data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
+            is_parallelism_agnostic=True,
+        ),
+    )
+
+
+REPO = Path(__file__).resolve().parents[2]
+RUNNER = Path(__file__).with_name("engine_run.py")
+ENGINE_TIMEOUT_S = 300
+
+
+def kv_transfer_config(path, **extra) -> dict:
+    return {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {
+            "spec_name": "HostOffloadSpec",
+            "spec_module_path": "gpu_offload.spec",
+            "cpu_bytes_to_use": 64 << 20,
+            "shared_storage_path": str(path),
+            **extra,
+        },
+    }
+
+
+class EngineRun:
+    """One engine process running a plan; ``result()`` waits and parses its JSON."""
+
+    def __init__(self, workdir: Path, name: str, model: str, ktc: dict | None, steps: list[dict]):
+        self.name = name
+        self.log = workdir / f"{name}.log"
+        plan = workdir / f"{name}.plan.json"
+        plan.write_text(json.dumps({"model": model, "kv_transfer_config": ktc, "steps": steps}))
+        env = {
+            **os.environ,
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        }
+        env = {k: v for k, v in env.items() if not k.startswith("TPU_OFFLOAD_")}
+        self._out = open(workdir / f"{name}.out", "w+")
+        with open(self.log, "wb") as err:
+            self.proc = subprocess.Popen(["nice", sys.executable, str(RUNNER), str(plan)], env=env,
+                                         stdout=self._out, stderr=err, cwd=workdir)
+        self._result = None
+
+    def result(self) -> dict:
+        if self._result is None:
+            try:
+                rc = self.proc.wait(ENGINE_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(30)
+                raise
+            self._out.seek(0)
+            lines = self._out.read().strip().splitlines()
+            self._out.close()
+            if rc != 0 or not lines:
+                raise RuntimeError(f"engine {self.name} exited {rc}:\n{self.log.read_text()[-4000:]}")
+            self._result = json.loads(lines[-1])
+        return self._result

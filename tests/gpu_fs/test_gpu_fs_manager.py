@@ -1,0 +1,168 @@
+"""The scheduler side of the file tier: lookups fall through to files, loads promote.
+
+Files are published by a real ``FileTier`` (the workers' writer) under the
+namespaces the spec derives from vLLM's ``OffloadingConfig``; the manager
+only sees them through its read-only ``FileView``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCacheRef,
+    CanonicalKVCaches,
+    CanonicalKVCacheTensor,
+    LookupResult,
+    ReqContext,
+    make_offload_key,
+)
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from tpu_offload.core.fs import FileTier
+
+from gpu_offload import metrics
+from gpu_offload.fs_specs import FileView, HostLoadSpec, HostStoreSpec, fingerprint
+from gpu_offload.manager import HostTierManager
+from gpu_offload.spec import HostOffloadSpec
+from gpu_fs_helpers import offloading_config
+
+CTX = ReqContext(req_id="r")
+CHUNK = 8192
+
+
+def key(i: int) -> bytes:
+    return make_offload_key(i.to_bytes(32, "big"), 0)
+
+
+def publish(root, cfg, rank: int, keys) -> None:
+    with FileTier(str(root), fingerprint(cfg, rank), CHUNK, capacity_bytes=None, threads=1) as tier:
+        for k in keys:
+            assert tier.submit_write(k, np.full(CHUNK, 7, np.uint8)) is not None
+        tier.flush()
+
+
+@pytest.fixture
+def cfg():
+    return offloading_config({"num_cpu_chunks": 4})
+
+
+@pytest.fixture
+def mgr(tmp_path, cfg):
+    view = FileView(str(tmp_path), [fingerprint(cfg, 0)], CHUNK)
+    m = HostTierManager(4, CHUNK, blocks_per_chunk=1, tokens_per_block=128, files=view)
+    yield m
+    m.shutdown()
+
+
+def stored(m, keys):
+    out = m.prepare_store(keys, CTX)
+    m.complete_store(out.keys_to_store, CTX)
+    return out
+
+
+def test_lookup_falls_through_host_then_files(tmp_path, cfg, mgr):
+    publish(tmp_path, cfg, 0, [key(1), key(2)])
+    out = mgr.prepare_store([key(3)], CTX)
+    assert mgr.lookup(key(3), CTX) is LookupResult.HIT_PENDING  # host pending wins
+    mgr.complete_store([key(3)], CTX)
+    stats = mgr.files.stats
+    assert mgr.lookup(key(3), CTX) is LookupResult.HIT and mgr.files.stats == stats  # host hit: no stat
+    assert mgr.lookup(key(1), CTX) is LookupResult.HIT  # from files
+    assert mgr.lookup(key(9), CTX) is LookupResult.MISS
+    assert isinstance(out.store_spec, HostStoreSpec) and out.store_spec.keys == [key(3)]
+
+
+def test_prepare_load_promotes_file_chunks_into_pinned_host_slots(tmp_path, cfg, mgr):
+    publish(tmp_path, cfg, 0, [key(1), key(2)])
+    stored(mgr, [key(3)])
+    spec = mgr.prepare_load([key(1), key(3), key(2)], CTX)
+    assert isinstance(spec, HostLoadSpec)
+    assert spec.keys == [key(1), key(3), key(2)] and spec.promote.tolist() == [True, False, True]
+    slots = spec.block_ids.tolist()
+    assert len(set(slots)) == 3 and min(slots) >= 0
+    assert mgr.get_load_source(key(1), CTX) == CacheHitSource.DISK
+    assert mgr.get_load_source(key(3), CTX) == CacheHitSource.HOST
+    assert (mgr.hit_chunks, mgr.fs_hit_chunks) == (1, 2)
+    # all three are pinned: a store needing two slots cannot evict them
+    assert mgr.prepare_store([key(7), key(8)], CTX) is None
+    mgr.complete_load({key(1), key(2), key(3)}, CTX)
+    assert mgr.get_load_source(key(1), CTX) == CacheHitSource.HOST  # now a host chunk
+    assert mgr.lookup(key(2), CTX) is LookupResult.HIT and mgr.index.slot_of(key(2)) == slots[2]
+    assert mgr.ignored_completions == 0
+    values = mgr.get_stats().data["data"]
+    assert values[metrics.HIT_CHUNKS] == {("cpu",): 1, ("fs",): 2}
+    assert values[metrics.HIT_TOKENS][("fs",)] == 2 * 128
+
+
+def test_promotion_evictions_reach_the_worker_and_spare_the_pinned(tmp_path, cfg, mgr):
+    publish(tmp_path, cfg, 0, [key(1)])
+    stored(mgr, [key(10), key(11), key(12), key(13)])  # full
+    spec = mgr.prepare_load([key(13), key(1)], CTX)
+    assert spec.evicted == [key(10)]  # least recent, and not the host chunk of this load
+    assert spec.block_ids.tolist()[1] >= 0 and mgr.lookup(key(10), CTX) is LookupResult.MISS
+
+
+def test_no_free_slot_marks_the_chunk_unplaced(tmp_path, cfg, mgr):
+    publish(tmp_path, cfg, 0, [key(1)])
+    stored(mgr, [key(10), key(11), key(12), key(13)])
+    mgr.prepare_load([key(10), key(11), key(12), key(13)], CTX)  # every slot pinned
+    spec = mgr.prepare_load([key(1)], CTX)
+    assert spec.block_ids.tolist() == [-1] and mgr.unplaced_chunks == 1 and mgr.fs_hit_chunks == 0
+    mgr.complete_load({key(1)}, CTX)
+    assert mgr.ignored_completions == 0
+
+
+def test_a_chunk_counts_only_when_every_rank_has_its_file(tmp_path):
+    cfg = offloading_config({"num_cpu_chunks": 4}, world_size=2)
+    view = FileView(str(tmp_path), [fingerprint(cfg, r) for r in range(2)], CHUNK)
+    assert len(set(view.ns_dirs)) == 2
+    publish(tmp_path, cfg, 0, [key(1), key(2)])
+    publish(tmp_path, cfg, 1, [key(2)])
+    assert not view.contains(key(1)) and view.contains(key(2))
+
+
+def test_fingerprint_separates_layouts():
+    base = fingerprint(offloading_config({}), 0)
+    assert fingerprint(offloading_config({}), 0) == base
+    assert fingerprint(offloading_config({}, bytes_per_block=4096), 0) != base
+    assert fingerprint(offloading_config({}, blocks_per_chunk=2), 0) != base
+    assert fingerprint(offloading_config({}, world_size=2), 0).namespace() != base.namespace()
+
+
+def test_without_a_path_specs_are_vllms_own(cfg):
+    m = HostTierManager(4, CHUNK, blocks_per_chunk=1, tokens_per_block=128)
+    out = stored(m, [key(1)])
+    assert type(out.store_spec) is CPULoadStoreSpec
+    assert type(m.prepare_load([key(1)], CTX)) is CPULoadStoreSpec
+    assert m.lookup(key(2), CTX) is LookupResult.MISS
+    m.shutdown()
+
+
+def test_shipped_config_wires_the_file_tier(tmp_path, monkeypatch):
+    for name in [n for n in os.environ if n.startswith("TPU_OFFLOAD_")]:
+        monkeypatch.delenv(name)
+    ktc = json.loads((Path(__file__).parents[2] / "configs/vllm/offload-host-fs.json").read_text())
+    extra = ktc["kv_connector_extra_config"]
+    assert ktc["kv_load_failure_policy"] == "recompute" and extra["shared_storage_path"]
+    extra.update(shared_storage_path=str(tmp_path), cpu_bytes_to_use=16 << 20)  # the shipped ones are for real hosts
+    spec = HostOffloadSpec(offloading_config(extra, blocks_per_chunk=2))
+    manager = spec.get_manager()
+    page = 131072
+    caches = CanonicalKVCaches([CanonicalKVCacheTensor(torch.zeros(8, page, dtype=torch.int8), page) for _ in range(2)],
+                               [[CanonicalKVCacheRef(i, page) for i in range(2)]])
+    worker = spec.get_worker(caches)
+    assert manager.files is not None and worker.fs is not None
+    assert worker.fs.write_mode == "write_back" and worker.fs.ring is not None
+    assert worker.fs.tier.capacity_bytes == 4 << 40
+    assert manager.files.ns_dirs == [worker.fs.tier.ns_dir]  # scheduler and worker agree on the namespace
+    assert manager.files.file_bytes == worker.fs.tier.file_bytes
+    worker.shutdown()
+    manager.shutdown()

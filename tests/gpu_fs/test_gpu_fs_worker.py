@@ -1,0 +1,217 @@
+"""The worker side of the file tier, on CPU tensors (no vLLM engine).
+
+A real ``FileTier`` on a temp directory under a real ``HostTransferEngine``:
+write-through, write-back through the ring, promotion (async reads, then
+the device copy), corrupt files as load errors, and the slot-reuse rule.
+A second engine over the same directory stands in for another process.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from tpu_offload.core.fs import FileTier
+from tpu_offload.core.keys import LayoutFingerprint
+
+from gpu_offload.fs_specs import HostLoadSpec, HostStoreSpec
+from gpu_offload.transfer import HostTransferEngine
+
+NUM_BLOCKS, NUM_SLOTS, K = 32, 8, 2
+PAGES = (4096, 8192)  # two canonical tensors with different page sizes
+FP = LayoutFingerprint("tiny", "int8", 16, K, 2, 2, 64)
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(32, "big") + b"\0\0\0\0"
+
+
+def tensors(seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(-128, 128, (NUM_BLOCKS, p), dtype=torch.int8, generator=g) for p in PAGES]
+
+
+def engine(root, mode="write_through", seed=0, ring_slots=None, **tier_kw):
+    ts = tensors(seed)
+    eng = HostTransferEngine(ts, list(PAGES), [(0, 1)], NUM_SLOTS, K, strategy="direct")
+    tier = FileTier(str(root), FP, eng.pool.chunk_bytes, capacity_bytes=None, threads=2, **tier_kw)
+    eng.attach_files(tier, mode, ring_slots)
+    return eng, ts
+
+
+def gpu(blocks):
+    return types.SimpleNamespace(block_ids=np.asarray(blocks, np.int32), group_sizes=[len(blocks)],
+                                 block_indices=[0])
+
+
+def store(eng, job, blocks, slots, keys, evicted=()):
+    eng.submit_store(job, gpu(blocks), HostStoreSpec(slots, keys, evicted))
+    assert [r.job_id for r in eng.get_finished()] == [job]
+
+
+def finish(eng, job_ids, timeout=10.0):
+    eng.wait(set(job_ids))
+    got = [r.job_id for r in eng.get_finished()]
+    assert sorted(got) == sorted(job_ids)
+
+
+def expected_row(ts, blocks) -> np.ndarray:
+    """A chunk's slot bytes per the documented layout: per tensor, its pages back to back."""
+    return np.concatenate([t[blocks].numpy().view(np.uint8).reshape(-1) for t in ts])
+
+
+def file_payload(tier: FileTier, k: bytes) -> np.ndarray:
+    out = np.empty(tier.chunk_bytes, np.uint8)
+    assert tier.read_into(k, out)
+    return out
+
+
+@pytest.fixture
+def root(tmp_path):
+    return tmp_path / "fs"
+
+
+def test_write_through_then_another_engine_promotes_bit_exact(root):
+    a, ts = engine(root)
+    store(a, 1, [0, 1, 2, 3], [5, 2], [key(1), key(2)])
+    assert a.fs.flush(10)
+    assert a.fs.stats.writes == 2
+    assert np.array_equal(file_payload(a.fs.tier, key(1)), expected_row(ts, [0, 1]))
+    assert np.array_equal(file_payload(a.fs.tier, key(2)), expected_row(ts, [2, 3]))
+
+    b, tb = engine(root, seed=1)  # another "process": different KV, empty slab
+    b.submit_load(7, HostLoadSpec([3, 6], [key(1), key(2)], [True, True]), gpu([10, 11, 20, 21]))
+    finish(b, [7])
+    for t_a, t_b in zip(ts, tb):
+        assert torch.equal(t_b[[10, 11, 20, 21]], t_a[[0, 1, 2, 3]])
+    assert b.fs.stats.promotions == 2 and b.fs.stats.promotion_failures == 0
+    assert b.take_load_error_blocks() == set()
+    assert b.pool.valid[[3, 6]].all()
+    for e in (a, b):
+        e.shutdown()
+
+
+def test_corrupt_file_is_a_load_error_and_is_removed(root):
+    a, ts = engine(root)
+    store(a, 1, [0, 1, 2, 3], [0, 1], [key(1), key(2)])
+    assert a.fs.flush(10)
+    path = a.fs.tier.path_of(key(2))
+    with open(path, "r+b") as f:  # flip payload bytes of the published file
+        f.seek(os.path.getsize(path) - 100)
+        f.write(b"\xff" * 8)
+    b, tb = engine(root, seed=1)
+    before = [t[[12, 13]].clone() for t in tb]
+    b.submit_load(2, HostLoadSpec([4, 5], [key(1), key(2)], [True, True]), gpu([10, 11, 12, 13]))
+    finish(b, [2])
+    assert b.take_load_error_blocks() == {12, 13}  # the corrupt chunk's blocks: recomputed by vLLM
+    assert all(torch.equal(t[[12, 13]], x) for t, x in zip(tb, before))  # never copied to the device
+    assert all(torch.equal(t_b[[10, 11]], t_a[[0, 1]]) for t_a, t_b in zip(ts, tb))
+    assert b.fs.stats.promotion_failures == 1 and not b.pool.valid[5]
+    assert b.fs.tier.counters().get("corrupt", 0) == 1 and not os.path.exists(path)
+    for e in (a, b):
+        e.shutdown()
+
+
+def test_write_back_saves_evicted_bytes_before_the_slot_is_reused(root):
+    a, ts = engine(root, mode="write_back")
+    store(a, 1, [0, 1, 2, 3], [0, 1], [key(1), key(2)])
+    assert a.fs.stats.writes == 0 and not os.listdir(a.fs.tier.ns_dir)  # nothing written yet
+    # key(1) is evicted; its slot 0 now receives blocks 8..9 under key(3)
+    store(a, 2, [8, 9], [0], [key(3)], evicted=[key(1)])
+    assert a.fs.flush(10)
+    assert a.fs.stats.write_backs == 1
+    assert np.array_equal(file_payload(a.fs.tier, key(1)), expected_row(ts, [0, 1]))  # old bytes, not new
+    assert not a.fs.tier.contains(key(3)) and not a.fs.tier.contains(key(2))
+    a.shutdown()
+
+
+def test_write_back_skips_invalid_slots_and_chunks_that_came_from_files(root):
+    a, ts = engine(root, mode="write_back")
+    from gpu_offload import testing
+
+    testing.fail_next_stores(a, 1)
+    store(a, 1, [0, 1], [0], [key(1)])  # failed: slot 0 invalid
+    store(a, 2, [2, 3], [0], [key(2)], evicted=[key(1)])
+    assert a.fs.flush(10) and a.fs.stats.write_backs == 0 and not a.fs.tier.contains(key(1))
+    store(a, 3, [4, 5], [1], [key(3)])
+    store(a, 4, [6, 7], [1], [key(4)], evicted=[key(3)])  # written back
+    assert a.fs.flush(10) and a.fs.stats.write_backs == 1
+    a.submit_load(5, HostLoadSpec([2], [key(3)], [True]), gpu([20, 21]))  # promoted into slot 2
+    finish(a, [5])
+    store(a, 6, [8, 9], [2], [key(5)], evicted=[key(3)])  # its bytes are on file already
+    assert a.fs.flush(10) and a.fs.stats.write_backs == 1
+    a.shutdown()
+
+
+def test_write_back_ring_full_drops_and_counts(root):
+    a, ts = engine(root, mode="write_back", ring_slots=1, queue_depth=1)
+    store(a, 1, [0, 1, 2, 3, 4, 5], [0, 1, 2], [key(1), key(2), key(3)])
+    # Hold the tier's I/O threads (its queue's re-entrant lock, private): the
+    # first write-back cannot finish, so the one-buffer ring stays busy.
+    a.fs.tier._workers._cv.acquire()
+    try:
+        store(a, 2, [8, 9, 10, 11, 12, 13], [0, 1, 2], [key(4), key(5), key(6)],
+              evicted=[key(1), key(2), key(3)])
+    finally:
+        a.fs.tier._workers._cv.release()
+    assert a.fs.stats.write_backs == 1 and a.fs.stats.write_backs_ring_full == 2
+    assert a.fs.flush(10)
+    assert a.fs.tier.contains(key(1)) and not a.fs.tier.contains(key(2))
+    assert np.array_equal(file_payload(a.fs.tier, key(1)), expected_row(ts, [0, 1]))
+    a.shutdown()
+
+
+def test_slot_reuse_never_publishes_new_bytes_under_an_old_key(root):
+    """A queued write-through of slot 0 (key 1) must not run once slot 0 holds
+    key 2's bytes: the overwrite cancels it (or waits for it)."""
+    a, ts = engine(root)
+    a.fs.tier._workers._cv.acquire()  # hold the I/O threads (private lock): key 1's write stays queued
+    try:
+        store(a, 1, [0, 1], [0], [key(1)])
+        store(a, 2, [2, 3], [0], [key(2)])
+    finally:
+        a.fs.tier._workers._cv.release()
+    assert a.fs.flush(10)
+    assert not a.fs.tier.contains(key(1))  # cancelled, never written with key 2's bytes
+    assert a.fs.tier.counters().get("dropped_cancelled") == 1
+    assert np.array_equal(file_payload(a.fs.tier, key(2)), expected_row(ts, [2, 3]))
+    for i in range(3, 12):  # unheld: each overwrite either cancels or waits; files hold their own bytes
+        store(a, i, [2 * i, 2 * i + 1], [0], [key(i)])
+    assert a.fs.flush(10)
+    for i in range(3, 12):
+        if a.fs.tier.contains(key(i)):
+            assert np.array_equal(file_payload(a.fs.tier, key(i)), expected_row(ts, [2 * i, 2 * i + 1])), i
+    assert a.fs.tier.contains(key(11))  # the last one is never overwritten
+    a.shutdown()
+
+
+def test_a_load_on_a_slot_being_promoted_waits_for_it(root):
+    a, ts = engine(root)
+    store(a, 1, [0, 1], [0], [key(1)])
+    assert a.fs.flush(10)
+    b, tb = engine(root, seed=1)
+    b.fs.tier._workers._cv.acquire()  # the read cannot land before the second load is submitted
+    try:
+        b.submit_load(2, HostLoadSpec([3], [key(1)], [True]), gpu([10, 11]))
+        b.submit_load(3, HostLoadSpec([3], [key(1)], [False]), gpu([20, 21]))  # same slot, plain
+        assert b.get_finished() == []
+    finally:
+        b.fs.tier._workers._cv.release()
+    finish(b, [2, 3])
+    assert b.take_load_error_blocks() == set()
+    for t_a, t_b in zip(ts, tb):
+        assert torch.equal(t_b[[10, 11]], t_a[[0, 1]]) and torch.equal(t_b[[20, 21]], t_a[[0, 1]])
+    for e in (a, b):
+        e.shutdown()
+
+
+def test_unplaced_chunk_fails_the_load_job(root):
+    b, _ = engine(root)
+    b.submit_load(1, HostLoadSpec([-1], [key(9)], [True]), gpu([4, 5]))
+    finish(b, [1])
+    assert b.take_load_error_blocks() == {4, 5}
+    b.shutdown()
