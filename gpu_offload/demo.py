@@ -38,18 +38,7 @@ DEMO_MODEL = TinyLlama(hidden_size=1024, num_layers=8, num_heads=16, num_kv_head
                        intermediate_size=2816, vocab_size=2048, max_position=8192)
 
 
-def kv_transfer_config(cpu_bytes: int) -> dict:
-    return {
-        "kv_connector": "OffloadingConnector",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {
-            "spec_name": "HostOffloadSpec",
-            "spec_module_path": "gpu_offload.spec",
-            "cpu_bytes_to_use": cpu_bytes,
-        },
-    }
-
+from gpu_offload.selection import kv_transfer_config  # noqa: E402
 
 def make_prompts(n: int, prefix: int, suffix: int, vocab: int, seed: int = 0) -> list[dict]:
     rng = np.random.default_rng(seed)

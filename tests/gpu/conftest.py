@@ -16,23 +16,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
 
+from gpu_offload import selection  # noqa: E402
 from gpu_offload.tiny_model import TinyLlama  # noqa: E402
 
 MODEL = TinyLlama()  # hidden 256, 2 layers, 4 heads / 2 KV heads, head_dim 64
 
 
 def kv_transfer_config(cpu_bytes: int = 64 << 20, **extra) -> dict:
-    return {
-        "kv_connector": "OffloadingConnector",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {
-            "spec_name": "HostOffloadSpec",
-            "spec_module_path": "gpu_offload.spec",
-            "cpu_bytes_to_use": cpu_bytes,
-            **extra,
-        },
-    }
+    return selection.kv_transfer_config(cpu_bytes, **extra)
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from gpu_offload import selection
+
 from vllm.v1.kv_offload.config import (
     OffloadingCacheConfig,
     OffloadingConfig,
@@ -37,22 +39,12 @@ def offloading_config(extra: dict, *, blocks_per_chunk=1, world_size=1, rank=0, 
 
 REPO = Path(__file__).resolve().parents[2]
 RUNNER = Path(__file__).with_name("engine_run.py")
+
 ENGINE_TIMEOUT_S = 300
 
 
 def kv_transfer_config(path, **extra) -> dict:
-    return {
-        "kv_connector": "OffloadingConnector",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {
-            "spec_name": "HostOffloadSpec",
-            "spec_module_path": "gpu_offload.spec",
-            "cpu_bytes_to_use": 64 << 20,
-            "shared_storage_path": str(path),
-            **extra,
-        },
-    }
+    return selection.kv_transfer_config(64 << 20, shared_storage_path=str(path), **extra)
 
 
 class EngineRun:
