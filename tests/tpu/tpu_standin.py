@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from pathlib import Path
 
 import jax
@@ -307,8 +308,13 @@ class Harness:
         self.steps += 1
         return so
 
-    def run(self, max_steps: int = 400):
-        for _ in range(max_steps):
+    def run(self, max_steps: int = 400, max_seconds: float = 60.0):
+        """Step until idle. Steps here take microseconds, unlike a real engine's
+        milliseconds, so file reads on I/O threads are waited for by time: after
+        ``max_steps`` each step yields 1 ms, until ``max_seconds``."""
+        deadline = time.monotonic() + max_seconds
+        steps = 0
+        while steps < max_steps or time.monotonic() < deadline:
             if not self.sched.has_requests():
                 if self._prev is not None:
                     self.sched.update_from_output(*self._prev)
@@ -316,7 +322,10 @@ class Harness:
                     continue
                 return
             self.step()
-        raise AssertionError(f"engine still busy after {max_steps} steps")
+            steps += 1
+            if steps >= max_steps:
+                time.sleep(0.001)
+        raise AssertionError(f"engine still busy after {steps} steps and {max_seconds} s")
 
     def _remember(self, req):
         if req is None:
