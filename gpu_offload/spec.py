@@ -33,6 +33,7 @@ workers to promote them. See ``fs_link`` and ``fs_specs``.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from tpu_offload.core.config import ConfigError, OffloadConfig
@@ -51,6 +52,10 @@ require_vllm("gpu_offload.spec")
 logger = get_logger(__name__)
 
 install_load_error_reporting()
+
+# Settings the TPU connector honours and this spec does not.
+_TPU_ONLY = ("snapshot_path", "host_memory_kind", "skip_precompile", "block_buckets", "verify_checksums", "sync_load")
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(OffloadConfig)}
 
 
 class HostOffloadSpec(OffloadingSpec):
@@ -96,6 +101,12 @@ class HostOffloadSpec(OffloadingSpec):
             )
         if self.config.canonical_layout:
             logger.warning("canonical_layout is not supported by HostOffloadSpec; using the per-worker layout")
+        ignored = [f for f in _TPU_ONLY if getattr(self.offload_config, f) != _DEFAULTS[f]]
+        if ignored:
+            logger.warning(
+                "%s only apply to the TPU connector and are ignored here (for warm restarts on "
+                "vLLM use shared_storage_path: its files survive restarts)", ", ".join(ignored),
+            )
 
     def _check_sized(self) -> None:
         if self.num_chunks < 1:

@@ -93,3 +93,15 @@ def test_unsized_engine_is_refused_when_used():
     spec = HostOffloadSpec(offloading_config({"cpu_bytes_to_use": 1 << 30}, bytes_per_block=0))
     with pytest.raises(ConfigError, match="cannot be sized"):
         spec.get_manager()
+
+
+def test_tpu_only_settings_are_named_not_silently_ignored(monkeypatch):
+    import gpu_offload.spec as spec_mod
+
+    seen = []
+    monkeypatch.setattr(spec_mod.logger, "warning", lambda msg, *a: seen.append(msg % a))
+    HostOffloadSpec(offloading_config({"num_cpu_chunks": 4}))
+    assert not any("TPU connector" in m for m in seen)
+    HostOffloadSpec(offloading_config({"num_cpu_chunks": 4, "snapshot_path": "/tmp/snap", "verify_checksums": True}))
+    (msg,) = [m for m in seen if "TPU connector" in m]
+    assert "snapshot_path" in msg and "verify_checksums" in msg and "host_memory_kind" not in msg
