@@ -8,6 +8,9 @@ STAMP := $(VENV)/.installed-v1
 export VLLM_ENABLE_V1_MULTIPROCESSING ?= 0
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 export TOKENIZERS_PARALLELISM := false
+# No vLLM entry-point plugins: tpu-inference (installed --no-deps for contract
+# tests) registers one that cannot load off-TPU and polls TPU metadata.
+export VLLM_PLUGINS :=
 export PYTHONPATH := $(CURDIR)
 
 .PHONY: setup demo test bench bench-manager bench-ttft bench-jax bench-fs clean
