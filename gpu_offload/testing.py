@@ -91,3 +91,30 @@ def fail_next_loads(worker, n: int = 1) -> None:
 
 def fail_next_stores(worker, n: int = 1) -> None:
     worker._forced_store_failures += int(n)
+
+
+def offloading_config(extra: dict, *, blocks_per_chunk=1, world_size=1, rank=0, bytes_per_block=262144):
+    """vLLM's ``OffloadingConfig`` as the connector builds it, without an engine
+    (2 layers, 128-token blocks; ``bytes_per_block`` is one worker's KV per block)."""
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
+
+    return OffloadingConfig(
+        groups=(OffloadingGroupConfig(tokens_per_block=128, layer_names=("l0", "l1"), group_id=0),),
+        worker_kv_bytes_per_block=bytes_per_block,
+        enable_kv_cache_events=False,
+        extra_config={"spec_name": "HostOffloadSpec", "spec_module_path": "gpu_offload.spec", **extra},
+        engine_id="test",
+        model=OffloadingModelConfig(name="tiny", dtype="float32"),
+        cache=OffloadingCacheConfig(tokens_per_hash=128, blocks_per_chunk=blocks_per_chunk),
+        parallel=OffloadingParallelConfig(
+            rank=rank, world_size=world_size, tp_size=world_size, pp_size=1, pcp_size=1, dcp_size=1,
+            data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
+            is_parallelism_agnostic=True,
+        ),
+    )

@@ -6,37 +6,14 @@ import pytest
 import torch
 
 from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
-from vllm.v1.kv_offload.config import (
-    OffloadingCacheConfig,
-    OffloadingConfig,
-    OffloadingGroupConfig,
-    OffloadingModelConfig,
-    OffloadingParallelConfig,
-)
 
 from tpu_offload.core.config import ConfigError
 
 from gpu_offload.spec import HostOffloadSpec
+from gpu_offload.testing import offloading_config
 
 PAGE = 128 * 2 * 2 * 64 * 4  # tokens x (K,V) x kv heads x head_dim x fp32 = 128 KiB
 LAYERS = 2
-
-
-def offloading_config(extra: dict, *, blocks_per_chunk=1, world_size=1, rank=0, bytes_per_block=PAGE * LAYERS):
-    return OffloadingConfig(
-        groups=(OffloadingGroupConfig(tokens_per_block=128, layer_names=("l0", "l1"), group_id=0),),
-        worker_kv_bytes_per_block=bytes_per_block,
-        enable_kv_cache_events=False,
-        extra_config={"spec_name": "HostOffloadSpec", "spec_module_path": "gpu_offload.spec", **extra},
-        engine_id="test",
-        model=OffloadingModelConfig(name="tiny", dtype="float32"),
-        cache=OffloadingCacheConfig(tokens_per_hash=128, blocks_per_chunk=blocks_per_chunk),
-        parallel=OffloadingParallelConfig(
-            rank=rank, world_size=world_size, tp_size=world_size, pp_size=1, pcp_size=1, dcp_size=1,
-            data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
-            is_parallelism_agnostic=True,
-        ),
-    )
 
 
 def canonical(num_blocks=16):

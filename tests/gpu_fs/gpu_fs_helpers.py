@@ -9,32 +9,8 @@ import sys
 from pathlib import Path
 
 from gpu_offload import selection
+from gpu_offload.testing import offloading_config  # noqa: F401  (re-exported for the tests)
 
-from vllm.v1.kv_offload.config import (
-    OffloadingCacheConfig,
-    OffloadingConfig,
-    OffloadingGroupConfig,
-    OffloadingModelConfig,
-    OffloadingParallelConfig,
-)
-
-
-def offloading_config(extra: dict, *, blocks_per_chunk=1, world_size=1, rank=0, bytes_per_block=262144):
-    """vLLM's ``OffloadingConfig`` as the connector builds it, without an engine."""
-    return OffloadingConfig(
-        groups=(OffloadingGroupConfig(tokens_per_block=128, layer_names=("l0", "l1"), group_id=0),),
-        worker_kv_bytes_per_block=bytes_per_block,
-        enable_kv_cache_events=False,
-        extra_config={"spec_name": "HostOffloadSpec", "spec_module_path": "gpu_offload.spec", **extra},
-        engine_id="test",
-        model=OffloadingModelConfig(name="tiny", dtype="float32"),
-        cache=OffloadingCacheConfig(tokens_per_hash=128, blocks_per_chunk=blocks_per_chunk),
-        parallel=OffloadingParallelConfig(
-            rank=rank, world_size=world_size, tp_size=world_size, pp_size=1, pcp_size=1, dcp_size=1,
-            data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
-            is_parallelism_agnostic=True,
-        ),
-    )
 
 
 REPO = Path(__file__).resolve().parents[2]

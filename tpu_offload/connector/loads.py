@@ -29,6 +29,17 @@ class Order:
     reports: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # process -> bad slots
 
 
+
+def settle_store(manager, order: Order, failed: set[int]) -> list[ChunkKey]:
+    """Complete an order's stores in the manager: failed slots vanish. Returns their keys."""
+    ok = [k for k, s in zip(order.keys, order.slots) if s not in failed]
+    bad = [k for k, s in zip(order.keys, order.slots) if s in failed]
+    if ok:
+        manager.complete_store(ok, True)
+    if bad:
+        manager.complete_store(bad, False)
+    return bad
+
 @dataclasses.dataclass
 class LoadPlan:
     req_id: str
@@ -98,12 +109,7 @@ class LoadPlanner:
 
     def promoted(self, order: Order, failed: set[int]) -> list[ChunkKey]:
         """A promotion finished on every process: the chunks join their plan. Returns failed keys."""
-        ok = [k for k, s in zip(order.keys, order.slots) if s not in failed]
-        bad = [k for k, s in zip(order.keys, order.slots) if s in failed]
-        if ok:
-            self.manager.complete_store(ok, True)
-        if bad:
-            self.manager.complete_store(bad, False)
+        bad = settle_store(self.manager, order, failed)
         plan = self.plans.get(order.req_id)
         if plan is None or plan.cancelled:
             return bad

@@ -30,7 +30,7 @@ from typing import Any
 
 from tpu_offload.connector import compat
 from tpu_offload.connector.events import EventTranslator
-from tpu_offload.connector.loads import LoadPlan, LoadPlanner, Order
+from tpu_offload.connector.loads import LoadPlan, LoadPlanner, Order, settle_store
 from tpu_offload.connector.metadata import OffloadMetadata, OffloadReport, StoreOp
 from tpu_offload.connector.metrics import ConnectorMetrics
 from tpu_offload.connector.settings import Settings
@@ -329,15 +329,9 @@ class OffloadScheduler:
         report = OffloadReport.coerce(raw)
         self._procs = max(self._procs, report.process_count)
         for order, failed in self._complete(self._store_orders, report.stores):
-            ok = [k for k, s in zip(order.keys, order.slots) if s not in failed]
-            bad_keys = [k for k, s in zip(order.keys, order.slots) if s in failed]
-            if ok:
-                self.manager.complete_store(ok, True)
-            if bad_keys:
-                self.manager.complete_store(bad_keys, False)
-                for k in bad_keys:
-                    self.events.forget(k)
-                    self._slot_of.pop(k, None)
+            for k in settle_store(self.manager, order, failed):
+                self.events.forget(k)
+                self._slot_of.pop(k, None)
         for order, failed in self._complete(self.loads.promote_orders, report.promotes):
             for k in self.loads.promoted(order, failed):
                 self.events.forget(k)

@@ -17,6 +17,7 @@ import logging
 import os
 import secrets
 
+from tpu_offload.core.fs.snapshot import read_json
 from tpu_offload.core.keys import ChunkKey, LayoutFingerprint
 from tpu_offload.core.lru import LRUChunkManager
 
@@ -59,13 +60,8 @@ def save_index(path: str, snapshot_id: str, fp: LayoutFingerprint, manager: LRUC
 def load_index(path: str, fp: LayoutFingerprint, num_slots: int) -> tuple[str, list[tuple[ChunkKey, int]]] | None:
     """(snapshot id, items) if the index fits this layout and tier; else None (one warning)."""
     file = os.path.join(path, INDEX)
-    try:
-        with open(file) as f:
-            body = json.load(f)
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as e:
-        log.warning("tpu_offload: snapshot index %s unreadable (%s); starting cold", file, e)
+    body = read_json(file, "tpu_offload: snapshot index")
+    if body is None:
         return None
     problem = None
     if not isinstance(body, dict) or body.get("format") != FORMAT or body.get("version") != VERSION:

@@ -22,6 +22,7 @@ import shutil
 import jax
 import numpy as np
 
+from tpu_offload.core.fs.snapshot import read_json
 from tpu_offload.jax_backend import hostview
 
 log = logging.getLogger(__name__)
@@ -117,13 +118,8 @@ def restore_slabs(engine, host_dir: str, fp_digest: str) -> str | None:
 
 def _read_meta(engine, host_dir: str, fp_digest: str) -> dict | None:
     file = os.path.join(host_dir, _meta_name(jax.process_index()))
-    try:
-        with open(file) as f:
-            meta = json.load(f)
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as e:
-        log.warning("tpu_offload: slab snapshot %s unreadable (%s); starting cold", file, e)
+    meta = read_json(file, "tpu_offload: slab snapshot")
+    if meta is None:
         return None
     want = {"format": FORMAT, "version": VERSION, "fingerprint_digest": fp_digest,
             "process_count": jax.process_count(), "num_slots": engine.num_slots,

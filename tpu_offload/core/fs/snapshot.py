@@ -34,6 +34,18 @@ from tpu_offload.core.pool import HostChunkPool
 
 log = logging.getLogger("tpu_offload.fs")
 
+
+def read_json(file: str, what: str) -> dict | None:
+    """A snapshot's JSON, or None: absent is a cold start, unreadable one warning."""
+    try:
+        with open(file) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        log.warning("%s %s unreadable (%s); starting cold", what, file, e)
+        return None
+
 FORMAT = "tpu-offload-host-snapshot"
 VERSION = 1
 INDEX = "index.json"
@@ -146,13 +158,8 @@ def restore_host_tier(
 
 
 def _load_index(path: str, fingerprint: LayoutFingerprint, chunk_bytes: int) -> dict | None:
-    try:
-        with open(os.path.join(path, INDEX)) as f:
-            index = json.load(f)
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as e:
-        log.warning("host snapshot %s: unreadable index (%s); starting cold", path, e)
+    index = read_json(os.path.join(path, INDEX), "host snapshot index")
+    if index is None:
         return None
     problem = None
     if not isinstance(index, dict) or index.get("format") != FORMAT:
