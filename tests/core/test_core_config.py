@@ -12,6 +12,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import math
+import os
 import string
 
 import hypothesis.strategies as st
@@ -92,6 +93,10 @@ def invalid_values(parse, as_env: bool = False):
     elif k == "path":
         s = st.one_of(st.just(""), st.text(" \t", min_size=1, max_size=3), st.text(max_size=4).map(lambda t: t + "\x00"))
         raw = st.one_of(st.integers(), st.booleans(), junk, st.binary(max_size=4))
+    elif k == "abs_path":  # also: relative, and words that look like "disabled"
+        s = st.one_of(st.just(""), st.text(" \t", min_size=1, max_size=3), st.text(max_size=4).map(lambda t: t + "\x00"),
+                      st.sampled_from(["off", "None", "false", "0", "kv", "./kv", "data/kv", "~user-that-is-not-there/kv"]))
+        raw = st.one_of(st.integers(), st.booleans(), junk, st.binary(max_size=4))
     elif k == "int_list":
         s = st.sampled_from(["", ",", "0", "-1", "a,b", "1,,x", "1.5", "2,0", " , "])
         raw = st.one_of(st.just([]), st.just([0]), st.just([-3, 4]), st.just([1.5]), st.just([True]))
@@ -115,7 +120,7 @@ def valid_values(parse):
         return st.booleans()
     if k == "choice":
         return st.sampled_from(arg["options"])
-    if k == "path":
+    if k in ("path", "abs_path"):
         return st.text(string.ascii_letters, min_size=1, max_size=8).map(lambda t: "/mnt/" + t)
     if k == "int_list":
         return st.lists(st.integers(1, 4096), min_size=1, max_size=5)
@@ -296,6 +301,23 @@ def test_fractional_sizes():
     assert OffloadConfig.from_sources({"cpu_bytes": "1.5TiB"}, env={}).cpu_bytes == 3 << 39
     assert OffloadConfig.from_sources({"cpu_bytes": "64GiB"}, env={}).cpu_bytes == 64 << 30
     assert OffloadConfig.from_sources({"fs_capacity": ".5G"}, env={}).fs_capacity_bytes == 1 << 29
+
+
+def test_huge_sizes_and_storage_paths_say_what_is_allowed():
+    """A 5000-digit size gets our message, not Python's int-digit limit; storage paths are absolute."""
+    cases = [({"fs_capacity": "9" * 5000}, "below 2**63"), ({"cpu_bytes": "1" * 5000 + "GiB"}, "below 2**63"),
+             ({"shared_storage_path": "off"}, "leave shared_storage_path unset"),
+             ({"shared_storage_path": "none"}, "leave shared_storage_path unset"),
+             ({"shared_storage_path": "kv-cache"}, "absolute path"),
+             ({"snapshot_path": "./snap"}, "absolute path")]
+    for extra, needle in cases:
+        with pytest.raises(ConfigError) as e:
+            OffloadConfig.from_sources(extra, env={})
+        assert needle in str(e.value) and "digits" not in str(e.value), str(e.value)[-300:]
+    with pytest.raises(ConfigError, match="TPU_OFFLOAD_SHARED_STORAGE_PATH.*leave shared_storage_path unset"):
+        OffloadConfig.from_sources({}, env={"TPU_OFFLOAD_SHARED_STORAGE_PATH": "OFF"})
+    home = OffloadConfig.from_sources({"shared_storage_path": "~/kv/"}, env={}).shared_storage_path
+    assert home == os.path.join(os.path.expanduser("~"), "kv")
 
 
 @FAST

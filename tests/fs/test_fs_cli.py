@@ -50,7 +50,7 @@ def aged(root, make_tier):
     with open(foreign, "wb") as f:
         f.write(b"NOTOURS!" * (FILE // 8))
     _age(foreign, 99999)
-    old_tmp, young_tmp = os.path.join(d, ".tmp.1.1.old"), os.path.join(d, ".tmp.1.1.young")
+    old_tmp, young_tmp = os.path.join(d, fslayout.temp_name("01")), os.path.join(d, fslayout.temp_name("01"))
     for p in (old_tmp, young_tmp):
         open(p, "wb").close()
     _age(old_tmp, 7200)
@@ -92,9 +92,9 @@ def test_evict_races_vanished_and_touched(root, make_tier):
     f0, f1, f2 = sorted(scan.chunks, key=lambda f: f.name)
     os.unlink(f0.path)  # another evictor got there first
     os.utime(f1.path)  # read (restamped) by an instance since the scan
-    assert admin._delete_if_unchanged(f0, True, False) == "vanished"
-    assert admin._delete_if_unchanged(f1, True, False) == "used"
-    assert admin._delete_if_unchanged(f2, True, False) == "deleted"
+    assert admin._delete_if_unchanged(t.ns_dir, f0, False) == "vanished"
+    assert admin._delete_if_unchanged(t.ns_dir, f1, False) == "used"
+    assert admin._delete_if_unchanged(t.ns_dir, f2, False) == "deleted"
     assert os.path.exists(f1.path) and not os.path.exists(f2.path)
 
 

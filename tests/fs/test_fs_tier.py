@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 from fs_helpers import CHUNK, FILE, aligned, key, mounted, payload
 from tpu_offload.core.config import OffloadConfig
 from tpu_offload.core.fs import FileTier, TierState
+from tpu_offload.core.fs import layout as fslayout
 from tpu_offload.core.metrics import OffloadMetrics
 
 
@@ -217,8 +218,8 @@ def test_stale_temps_are_removed_at_start_young_ones_kept(root, make_tier, fp):
     a = make_tier(root)
     _write_all(a, [1])
     d = os.path.dirname(a.path_of(key(1)))
-    old_tmp = os.path.join(d, ".tmp.deadbeef.1.aaaa")
-    young_tmp = os.path.join(d, ".tmp.deadbeef.1.bbbb")
+    old_tmp = os.path.join(d, fslayout.temp_name("deadbeef"))  # our own naming: only those are reaped
+    young_tmp = os.path.join(d, fslayout.temp_name("deadbeef"))
     for p in (old_tmp, young_tmp):
         with open(p, "wb") as f:
             f.write(b"partial")

@@ -48,6 +48,8 @@ def _bytes(v: Any) -> int:
             if not math.isfinite(f):
                 raise ValueError(_SIZE_ALLOWED)
             n = int(f)
+        elif len(number.lstrip("0")) > 20:  # >= 2**63 anyway; int() would fail with Python's digit limit
+            raise ValueError(_SIZE_ALLOWED + ", greater than 0 and below 2**63")
         else:  # exact: a float would round sizes above 2**53
             n = int(number) * unit
     if not 0 < n < 1 << 63:
@@ -154,6 +156,30 @@ def _path(v: Any) -> str:
     return s
 
 
+_OFF_WORDS = frozenset({"off", "none", "null", "no", "false", "0", "disabled", "disable", "unset", "-"})
+
+
+def _abs_path(key: str) -> Callable[[Any], str]:
+    """An absolute path (``~`` expanded): every process must agree on it, whatever its cwd."""
+
+    def parse(v: Any) -> str:
+        s = _path(v)
+        if s.lower() in _OFF_WORDS:
+            raise ValueError(f"an absolute directory path; to turn this off, leave {key} unset")
+        s = os.path.expanduser(s)
+        if not os.path.isabs(s):
+            raise ValueError("an absolute path such as /mnt/kv-cache or ~/kv-cache (a relative path "
+                             "would depend on each process's working directory)")
+        return os.path.normpath(s)
+
+    return parse
+
+
+# Public for the tpu-offload-fs CLI, which validates its flags the same way.
+parse_size = _bytes
+parse_number = _float
+
+
 # ---- the settings table ---------------------------------------------------
 
 
@@ -186,14 +212,16 @@ _SETTINGS: tuple[_Setting, ...] = (
     _Setting("enable_events", _bool, "TPU_OFFLOAD_ENABLE_EVENTS", ("enable_events",)),
     _Setting("verify_checksums", _bool, "TPU_OFFLOAD_VERIFY_CHECKSUMS", ("verify_checksums",)),
     # shared-filesystem tier
-    _Setting("shared_storage_path", _path, "TPU_OFFLOAD_SHARED_STORAGE_PATH", ("shared_storage_path",)),
+    _Setting("shared_storage_path", _abs_path("shared_storage_path"), "TPU_OFFLOAD_SHARED_STORAGE_PATH",
+             ("shared_storage_path",)),
     _Setting("fs_write_mode", _choice("write_back", "write_through"), "TPU_OFFLOAD_FS_WRITE_MODE", ("fs_write_mode",)),
+    _Setting("fs_write_back_lag_s", _float(0.0), "TPU_OFFLOAD_FS_WRITE_BACK_LAG_S", ("fs_write_back_lag_s",)),
     _Setting("fs_capacity_bytes", _bytes, "TPU_OFFLOAD_FS_CAPACITY", ("fs_capacity_bytes", "fs_capacity")),
     _Setting("fs_threads", _int(1, 256), "TPU_OFFLOAD_FS_THREADS", ("fs_threads",)),
     _Setting("fs_queue_depth", _int(1), "TPU_OFFLOAD_FS_QUEUE_DEPTH", ("fs_queue_depth",)),
     _Setting("fs_fsync", _bool, "TPU_OFFLOAD_FS_FSYNC", ("fs_fsync",)),
     _Setting("fs_o_direct", _bool, "TPU_OFFLOAD_FS_O_DIRECT", ("fs_o_direct",)),
-    _Setting("snapshot_path", _path, "TPU_OFFLOAD_SNAPSHOT_PATH", ("snapshot_path",)),
+    _Setting("snapshot_path", _abs_path("snapshot_path"), "TPU_OFFLOAD_SNAPSHOT_PATH", ("snapshot_path",)),
 )
 
 # vLLM's own OffloadingConnector keys travel in the same dict; we accept them
@@ -231,7 +259,11 @@ class OffloadConfig:
     enable_events: bool = True
     verify_checksums: bool = False  # per-chunk xxhash of host bytes, checked before each load
     shared_storage_path: str | None = None
-    fs_write_mode: str = "write_back"
+    # write_through: a stored chunk is queued for its file at once, so other
+    # replicas (and a restart) find it. write_back: at most
+    # fs_write_back_lag_s later (vLLM path), on eviction, and at shutdown.
+    fs_write_mode: str = "write_through"
+    fs_write_back_lag_s: float = 10.0
     fs_capacity_bytes: int | None = None
     fs_threads: int = 8
     fs_queue_depth: int = 256

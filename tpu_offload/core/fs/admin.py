@@ -6,17 +6,21 @@ did it", a changed inode or mtime is "someone used it, keep it"). Eviction is
 LRU by last access: the tier restamps a file's mtime whenever it is read or
 re-offered, so mtime is the shared recency clock (atime is not used: it
 depends on mount options and any reader, ``verify`` included, moves it).
-Only files carrying our magic are deleted; temp files younger than the
-given age are never touched (a writer may still be filling them).
+Only regular files carrying our magic are deleted (quarantined ones too),
+plus temp files named by our own pattern and older than the given age on
+the file server's clock (a writer may still be filling a younger one).
+Nothing is followed or deleted through a symlink, and a subdirectory that
+cannot be read is skipped and reported, never fatal.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import time
 
-from tpu_offload.core.fs import layout
+from tpu_offload.core.fs import layout, safedir
 from tpu_offload.core.fs.fileio import aligned_empty
 from tpu_offload.core.fs.format import HEADER_SIZE, MAGIC, HeaderError, parse_header
 from tpu_offload.core.fs.layout import Found, NamespaceScan
@@ -24,6 +28,9 @@ from tpu_offload.core.fs.layout import Found, NamespaceScan
 import xxhash
 
 _VERIFY_BLOCK = 8 << 20
+
+
+_FUTURE_SLACK_S = 2.0  # mtime granularity and clock jitter
 
 
 @dataclasses.dataclass
@@ -41,6 +48,9 @@ class EvictReport:
     skipped_vanished: int = 0
     skipped_recently_used: int = 0
     skipped_not_ours: int = 0
+    future_mtimes_clamped: int = 0
+    clock: str = "server"  # whose clock judged ages: "server" (a probe file's mtime) or "local"
+    unreadable: list[str] = dataclasses.field(default_factory=list)  # "path: why", skipped
     dry_run: bool = False
 
     @property
@@ -49,7 +59,22 @@ class EvictReport:
 
 
 def scan_root(root: str, namespace: str | None = None) -> list[NamespaceScan]:
-    return [layout.scan_namespace(ns) for ns in layout.iter_namespaces(root, namespace)]
+    """Every namespace under ``root``; one that cannot be listed is reported, not raised."""
+    out = []
+    for ns in layout.iter_namespaces(root, namespace):
+        try:
+            out.append(layout.scan_namespace(ns))
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            s = NamespaceScan(os.path.basename(ns), ns)
+            s.unreadable.append((ns, e.strerror or str(e)))
+            out.append(s)
+    return out
+
+
+def _unreadable(scans: list[NamespaceScan]) -> list[str]:
+    return [f"{p}: {why}" for s in scans for p, why in s.unreadable]
 
 
 def _fs_usage(root: str) -> tuple[int, int]:
@@ -57,6 +82,34 @@ def _fs_usage(root: str) -> tuple[int, int]:
     st = os.statvfs(root)
     used = (st.f_blocks - st.f_bfree) * st.f_frsize
     return used + st.f_bavail * st.f_frsize, used
+
+
+def _server_now(ns_dir: str) -> float | None:
+    try:
+        with safedir.dir_at(ns_dir) as d:
+            return safedir.server_now(d, layout.temp_name("clock"))
+    except OSError:
+        return None
+
+
+def _clamp_future(s: NamespaceScan, now: float, dry_run: bool) -> int:
+    """Files stamped ahead of the server's clock are restamped to now, so they age and can go."""
+    n = 0
+    for f in s.chunks:
+        if f.mtime <= now + _FUTURE_SLACK_S:
+            continue
+        n += 1
+        if not dry_run:
+            try:
+                with safedir.dir_at(s.path, f.dirs) as d:
+                    if safedir.lstat_regular(f.name, d) is not None:
+                        os.utime(f.name, (now, now), dir_fd=d, follow_symlinks=False)
+                        st = os.stat(f.name, dir_fd=d, follow_symlinks=False)
+                        f.mtime_ns = st.st_mtime_ns
+            except OSError:
+                pass
+        f.mtime = now
+    return n
 
 
 def evict(
@@ -69,16 +122,32 @@ def evict(
     tmp_age_s: float = 600.0,
     dry_run: bool = False,
 ) -> EvictReport:
-    """Above ``high_pct`` of the budget (or of the filesystem), delete LRU files down to ``low_pct``."""
+    """Above ``high_pct`` of the budget (or of the filesystem), delete LRU files down to ``low_pct``.
+
+    Ages are judged on the file server's clock (the mtime of a probe file
+    created for it), never ours: a host whose clock runs ahead must not take
+    a live writer's temp file for a stale one. A dry run creates no probe and
+    uses the local clock, for its report only.
+    """
     if not 0 < low_pct <= high_pct <= 100:
         raise ValueError(f"need 0 < low ({low_pct}) <= high ({high_pct}) <= 100")
+    if not (tmp_age_s >= 0 and math.isfinite(tmp_age_s)):
+        raise ValueError(f"tmp_age_s={tmp_age_s!r}; allowed: a finite number of seconds >= 0")
+    if budget_bytes is not None and budget_bytes <= 0:
+        raise ValueError(f"budget_bytes={budget_bytes!r}; allowed: > 0, or None for the filesystem")
     scans = scan_root(root, namespace)
-    now = time.time()
-    temps_removed = 0
+    temps_removed = clamped = 0
+    clock = "server"
     for s in scans:
+        srv = None if dry_run else _server_now(s.path)
+        if srv is None:
+            clock = "local"
+        now = srv if srv is not None else time.time()
+        clamped += _clamp_future(s, now, dry_run)
         keep = []
         for t in s.temps:
-            if now - t.mtime > tmp_age_s and (dry_run or layout.unlink_quiet(t.path)):
+            # Without the server's clock (read-only, dry run) a temp's age cannot be trusted.
+            if now - t.mtime > tmp_age_s and (dry_run or (srv is not None and _unlink_same(s.path, t))):
                 temps_removed += 1
             else:
                 keep.append(t)
@@ -89,17 +158,18 @@ def evict(
     else:
         mode, (total, used) = "statvfs", _fs_usage(root)
     rep = EvictReport(mode, total, used, used, int(total * high_pct / 100), int(total * low_pct / 100),
-                      temps_removed=temps_removed, dry_run=dry_run)
+                      temps_removed=temps_removed, future_mtimes_clamped=clamped, clock=clock,
+                      unreadable=_unreadable(scans), dry_run=dry_run)
     if used < rep.high_bytes:
         return rep
     rep.triggered = True
     # Quarantined files are never served: they go first. Then chunks, LRU first.
-    victims = [(f, False) for s in scans for f in sorted(s.quarantined, key=lambda f: f.mtime)]
-    victims += [(f, True) for f in sorted((f for s in scans for f in s.chunks), key=lambda f: f.mtime)]
-    for f, check_magic in victims:
+    victims = [(s.path, f) for s in scans for f in sorted(s.quarantined, key=lambda f: f.mtime)]
+    victims += sorted(((s.path, f) for s in scans for f in s.chunks), key=lambda v: v[1].mtime)
+    for ns_dir, f in victims:
         if rep.used_after <= rep.low_bytes:
             break
-        outcome = _delete_if_unchanged(f, check_magic, dry_run)
+        outcome = _delete_if_unchanged(ns_dir, f, dry_run)
         if outcome == "vanished":
             rep.skipped_vanished += 1
         elif outcome == "used":
@@ -114,35 +184,60 @@ def evict(
     return rep
 
 
-def _delete_if_unchanged(f: Found, check_magic: bool, dry_run: bool) -> str:
+def _unlink_same(ns_dir: str, f: Found) -> bool:
     try:
-        st = os.lstat(f.path)
+        with safedir.dir_at(ns_dir, f.dirs) as d:
+            return safedir.unlink_if(f.name, d, f.ino, f.mtime_ns)
+    except OSError:
+        return False
+
+
+def _delete_if_unchanged(ns_dir: str, f: Found, dry_run: bool) -> str:
+    """Delete one scanned file if it is still that file, unused since, and starts with our magic.
+
+    Everything is relative to directory fds opened without following a
+    symlink, so a fan-out directory swapped for a symlink cannot redirect
+    the delete; only a regular file is ever removed.
+    """
+    try:
+        with safedir.dir_at(ns_dir, f.dirs) as d:
+            st = safedir.lstat_regular(f.name, d)
+            if st is None:
+                return "vanished"
+            if st.st_ino != f.ino or st.st_mtime_ns != f.mtime_ns:
+                return "used"  # read (restamped) or rewritten since the scan: not LRU any more
+            try:
+                fd, _ = safedir.open_regular(f.name, d)
+            except FileNotFoundError:
+                return "vanished"
+            except OSError:
+                return "foreign"
+            try:
+                head = os.pread(fd, len(MAGIC), 0)
+            except OSError:
+                return "foreign"
+            finally:
+                os.close(fd)
+            if head != MAGIC:
+                return "foreign"
+            if dry_run:
+                return "deleted"
+            return "deleted" if safedir.unlink_if(f.name, d, f.ino, f.mtime_ns) else "vanished"
     except FileNotFoundError:
         return "vanished"
-    if st.st_ino != f.ino or st.st_mtime != f.mtime:
-        return "used"  # read (restamped) or rewritten since the scan: not LRU any more
-    if check_magic:
-        try:
-            with open(f.path, "rb") as fh:
-                head = fh.read(len(MAGIC))
-        except FileNotFoundError:
-            return "vanished"
-        except OSError:
-            return "foreign"
-        if head != MAGIC:
-            return "foreign"
-    if dry_run:
-        return "deleted"
-    return "deleted" if layout.unlink_quiet(f.path) else "vanished"
+    except OSError:
+        return "foreign"  # a symlink or file where a directory belongs, or no access: not ours to touch
 
 
 def inspect(root: str, namespace: str | None = None) -> dict:
     """Per-namespace counts, bytes and ages, plus the filesystem's usage."""
     now = time.time()
     total, used = _fs_usage(root)
-    out = {"root": os.path.abspath(root), "fs_total_bytes": total, "fs_used_bytes": used, "namespaces": []}
+    out = {"root": os.path.abspath(root), "fs_total_bytes": total, "fs_used_bytes": used, "namespaces": [],
+           "unreadable": []}
     for s in scan_root(root, namespace):
         ages = sorted(now - f.mtime for f in s.chunks)
+        out["unreadable"] += _unreadable([s])
         out["namespaces"].append({
             "namespace": s.namespace,
             "files": len(s.chunks),
@@ -153,6 +248,7 @@ def inspect(root: str, namespace: str | None = None) -> dict:
             "oldest_temp_age_s": max((now - f.mtime for f in s.temps), default=None),
             "quarantined": len(s.quarantined),
             "foreign_entries": len(s.foreign),
+            "unreadable_entries": len(s.unreadable),
             "newest_access_age_s": ages[0] if ages else None,
             "median_access_age_s": ages[len(ages) // 2] if ages else None,
             "oldest_access_age_s": ages[-1] if ages else None,
@@ -166,13 +262,23 @@ class VerifyReport:
     ok: int = 0
     bad: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (path, reason)
     vanished: int = 0
+    unreadable: list[str] = dataclasses.field(default_factory=list)  # "path: why", skipped
     action: str = "report"
 
 
-def verify_file(path: str, expect_digest: bytes | None, expect_name: str | None, buf=None) -> str | None:
-    """Why the file is bad (a reason string), or None if every check passes."""
+def verify_file(dir_fd: int, name: str, expect_digest: bytes | None, expect_name: str | None,
+                buf=None) -> str | None:
+    """Why the file ``name`` in ``dir_fd`` is bad (a reason string), or None if every check passes.
+
+    Opened without following a symlink and without blocking: anything but
+    a regular file is "not_regular".
+    """
     buf = aligned_empty(_VERIFY_BLOCK) if buf is None else buf
-    with open(path, "rb", buffering=0) as fh:
+    try:
+        fd, st = safedir.open_regular(name, dir_fd)
+    except safedir.NotRegular as e:
+        return f"not_regular ({e.kind})"
+    with open(fd, "rb", buffering=0) as fh:
         hdr = fh.read(HEADER_SIZE)
         if len(hdr) < HEADER_SIZE:
             return "truncated"
@@ -184,7 +290,7 @@ def verify_file(path: str, expect_digest: bytes | None, expect_name: str | None,
             return "layout"
         if expect_name is not None and h.key.hex() != expect_name:
             return "key"
-        size = os.fstat(fh.fileno()).st_size
+        size = st.st_size
         if size < h.file_size:
             return "truncated"
         if size > h.file_size:
@@ -216,29 +322,50 @@ def verify(root: str, namespace: str | None = None, action: str = "report") -> V
         raise ValueError(f"action {action!r}; allowed: report, quarantine, delete")
     rep = VerifyReport(action=action)
     buf = aligned_empty(_VERIFY_BLOCK)
-    for s in scan_root(root, namespace):
+    scans = scan_root(root, namespace)
+    rep.unreadable = _unreadable(scans)
+    for s in scans:
         digest = _ns_digest(s.namespace)
         for f in s.chunks:
             try:
-                reason = verify_file(f.path, digest, f.name, buf)
+                with safedir.dir_at(s.path, f.dirs) as d:
+                    reason = _verify_one(rep, d, f, digest, buf)
+                    if reason is None:
+                        continue
+                    rep.bad.append((f.path, reason))
+                    if not reason.startswith(("not_regular", "unreadable")):
+                        _act(action, s.path, d, f, reason)
             except FileNotFoundError:
                 rep.vanished += 1
-                continue
             except OSError as e:
-                reason = f"unreadable ({e.strerror})"
-            rep.checked += 1
-            if reason is None:
-                rep.ok += 1
-                continue
-            rep.bad.append((f.path, reason))
-            try:
-                if action == "delete":
-                    os.unlink(f.path)
-                elif action == "quarantine":
-                    qdir = os.path.join(s.path, layout.QUARANTINE)
-                    layout.make_dirs(qdir)
-                    tag = reason.split(" ")[0]
-                    os.rename(f.path, os.path.join(qdir, f"{f.name}.{tag}.{os.getpid()}"))
-            except FileNotFoundError:
-                pass
+                rep.unreadable.append(f"{f.path}: {e.strerror or e}")
     return rep
+
+
+def _verify_one(rep: VerifyReport, d: int, f: Found, digest: bytes | None, buf) -> str | None:
+    try:
+        reason = verify_file(d, f.name, digest, f.name, buf)
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        reason = f"unreadable ({e.strerror})"
+    rep.checked += 1
+    if reason is None:
+        rep.ok += 1
+    return reason
+
+
+def _act(action: str, ns_dir: str, d: int, f: Found, reason: str) -> None:
+    """Delete or quarantine a bad file: that inode only, never a symlink, never through one."""
+    try:
+        if action == "delete":
+            safedir.unlink_if(f.name, d, f.ino)
+        elif action == "quarantine":
+            st = safedir.lstat_regular(f.name, d)
+            if st is None or st.st_ino != f.ino:
+                return
+            tag = reason.split(" ")[0]
+            with safedir.dir_at(ns_dir, (layout.QUARANTINE,), create=True, mode=layout.DIR_MODE) as q:
+                os.rename(f.name, f"{f.name}.{tag}.{os.getpid()}", src_dir_fd=d, dst_dir_fd=q)
+    except FileNotFoundError:
+        pass

@@ -2,7 +2,9 @@
 
 A write lands in a unique ``O_EXCL`` temp file in the final directory and is
 published by ``rename``, so a reader sees the whole file or nothing, even if
-the writer is killed; a read verifies everything before it says "hit". The
+the writer is killed; a read verifies everything before it says "hit".
+Every path operation goes through ``safedir`` (relative to directory fds,
+no symlink followed, no open that can block on a FIFO). The
 tier decides what failures mean (read-only, miss, quarantine); this module
 only reports them.
 """
@@ -17,7 +19,7 @@ from typing import Callable
 
 import numpy as np
 
-from tpu_offload.core.fs import layout
+from tpu_offload.core.fs import layout, safedir
 from tpu_offload.core.fs.fileio import (
     O_DIRECT, aligned_empty, direct_ok, is_direct_refusal, read_all, write_all,
 )
@@ -27,121 +29,157 @@ from tpu_offload.core.fs.format import (
 
 log = logging.getLogger("tpu_offload.fs")
 
-HIT, MISS, ERROR, CORRUPT = "hit", "miss", "error", "corrupt"
+HIT, MISS, ERROR, CORRUPT, UNSAFE = "hit", "miss", "error", "corrupt", "unsafe"
 
 
 class ChunkFiles:
-    def __init__(self, digest: bytes, *, fsync: bool = False, o_direct: bool = False, name: str = "fs"):
+    def __init__(self, ns_dir: str, digest: bytes, *, fsync: bool = False, o_direct: bool = False,
+                 name: str = "fs"):
+        self.ns_dir = ns_dir
         self.digest = digest
         self.fsync = fsync
         self.direct = bool(o_direct) and O_DIRECT != 0
         self.name = name
-        self._known_dirs: set[str] = set()
         self._tls = threading.local()
         self._fchmod = layout.umask_strips(layout.FILE_MODE)
         # Test seam: called with the temp path once the payload is written and
         # before the rename publishes it (a test kills the writer there).
         self.before_publish: Callable[[str], None] | None = None
 
+    def _dir(self, khex: str, create: bool = False):
+        """The key's fan-out directory as an fd context (no symlink followed on the way)."""
+        a, b, _ = layout.chunk_relpath(khex)
+        return safedir.dir_at(self.ns_dir, (a, b), create=create, mode=layout.DIR_MODE)
+
     # ---- write ---------------------------------------------------------
-    def write(self, d: str, path: str, key: bytes, khex: str, mv: memoryview) -> None:
-        """Publish ``mv`` as the chunk ``key`` at ``path`` (in directory ``d``); raises OSError."""
-        if d not in self._known_dirs:
-            layout.make_dirs(d)
-            self._known_dirs.add(d)
+    def write(self, key: bytes, khex: str, mv: memoryview) -> None:
+        """Publish ``mv`` as the chunk ``key``; raises OSError (ELOOP/ENOTDIR: a symlink on the way)."""
         hdr = self._header_buf()
         pack_header(hdr, self.digest, key, len(mv), payload_checksum(mv))
         use_direct = self.direct and direct_ok(mv)
-        tmp = f"{d}{os.sep}{layout.temp_name(khex)}"
-        fd, use_direct = self._open_tmp(tmp, d, use_direct)
-        try:
+        tmp = layout.temp_name(khex)
+        with self._dir(khex, create=True) as d:
+            fd, use_direct = self._open_tmp(tmp, d, use_direct)
             try:
-                if self._fchmod:  # the umask would strip bits of 0640
-                    os.fchmod(fd, layout.FILE_MODE)
                 try:
-                    write_all(fd, [memoryview(hdr), mv])
-                except OSError as e:
-                    if not (use_direct and is_direct_refusal(e)):
-                        raise
-                    self._no_direct(e)
+                    if self._fchmod:  # the umask would strip bits of 0640
+                        os.fchmod(fd, layout.FILE_MODE)
+                    try:
+                        write_all(fd, [memoryview(hdr), mv])
+                    except OSError as e:
+                        if not (use_direct and is_direct_refusal(e)):
+                            raise
+                        self._no_direct(e)
+                        os.close(fd)
+                        fd = os.open(tmp, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=d)
+                        write_all(fd, [memoryview(hdr), mv])
+                    if self.fsync:
+                        os.fsync(fd)
+                finally:
                     os.close(fd)
-                    fd = os.open(tmp, os.O_WRONLY | os.O_CLOEXEC)
-                    write_all(fd, [memoryview(hdr), mv])
-                if self.fsync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            if self.before_publish is not None:
-                self.before_publish(tmp)
-            os.rename(tmp, path)
-        except BaseException:
-            layout.unlink_quiet(tmp)
-            raise
-        if self.fsync:  # make the rename itself durable
-            dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
+                if self.before_publish is not None:
+                    self.before_publish(os.path.join(layout.chunk_dir(self.ns_dir, khex), tmp))
+                os.rename(tmp, khex, src_dir_fd=d, dst_dir_fd=d)
+            except BaseException:
+                safedir.unlink_if(tmp, d)
+                raise
+            if self.fsync:  # make the rename itself durable
+                safedir.fsync_dir(d)
 
-    def _open_tmp(self, tmp: str, d: str, use_direct: bool) -> tuple[int, bool]:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-        recreated = False
-        for _ in range(3):
+    def _open_tmp(self, tmp: str, d: int, use_direct: bool) -> tuple[int, bool]:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        for _ in range(2):
             try:
-                return os.open(tmp, flags | (O_DIRECT if use_direct else 0), layout.FILE_MODE), use_direct
-            except FileNotFoundError:
-                if recreated:
-                    raise
-                # The fan-out dir vanished (an external cleaner): recreate once.
-                recreated = True
-                self._known_dirs.discard(d)
-                layout.make_dirs(d)
-                self._known_dirs.add(d)
+                return os.open(tmp, flags | (O_DIRECT if use_direct else 0), layout.FILE_MODE, dir_fd=d), use_direct
             except OSError as e:
                 if not (use_direct and is_direct_refusal(e)):
                     raise
                 self._no_direct(e)
                 use_direct = False
-                layout.unlink_quiet(tmp)  # some filesystems (ramfs) create it, then refuse
+                safedir.unlink_if(tmp, d)  # some filesystems (ramfs) create it, then refuse
         raise OSError(errno.EIO, f"could not create {tmp}")
 
     # ---- read ----------------------------------------------------------
-    def read(self, path: str, key: bytes, mv: memoryview) -> tuple[str, object]:
+    def read(self, khex: str, key: bytes, mv: memoryview) -> tuple[str, object]:
         """Fill ``mv`` from the file. Returns one of
 
-        ``(HIT, None)``, ``(MISS, None)``, ``(ERROR, OSError)`` or
-        ``(CORRUPT, (reason, inode))``; only HIT means ``mv`` holds the chunk.
+        ``(HIT, None)``, ``(MISS, None)``, ``(UNSAFE, what)`` (a symlink, FIFO,
+        directory or device where the file or a directory belongs: a miss),
+        ``(ERROR, OSError)`` or ``(CORRUPT, (reason, inode))``; only HIT means
+        ``mv`` holds the chunk.
         """
         use_direct = self.direct and direct_ok(mv)
         hdr = self._header_buf()
-        for _ in range(2):
-            try:
-                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (O_DIRECT if use_direct else 0))
-            except FileNotFoundError:
-                return MISS, None
-            except OSError as e:
-                if use_direct and is_direct_refusal(e):
-                    self._no_direct(e)
-                    use_direct = False
-                    continue
-                return ERROR, e
-            try:
-                try:
-                    n = read_all(fd, [memoryview(hdr), mv])
-                except OSError as e:
-                    if use_direct and is_direct_refusal(e):
-                        self._no_direct(e)
-                        use_direct = False
-                        continue
-                    return ERROR, e
-                reason = self._check(key, hdr, mv, n)
-                if reason is not None:
-                    return CORRUPT, (reason, os.fstat(fd).st_ino)
-            finally:
-                os.close(fd)
-            return HIT, None
+        try:
+            with self._dir(khex) as d:
+                for _ in range(2):
+                    try:
+                        fd, _st = safedir.open_regular(khex, d, O_DIRECT if use_direct else 0)
+                    except FileNotFoundError:
+                        return MISS, None
+                    except safedir.NotRegular as e:
+                        return UNSAFE, e.kind
+                    except OSError as e:
+                        if use_direct and is_direct_refusal(e):
+                            self._no_direct(e)
+                            use_direct = False
+                            continue
+                        return ERROR, e
+                    try:
+                        try:
+                            n = read_all(fd, [memoryview(hdr), mv])
+                        except OSError as e:
+                            if use_direct and is_direct_refusal(e):
+                                self._no_direct(e)
+                                use_direct = False
+                                continue
+                            return ERROR, e
+                        reason = self._check(key, hdr, mv, n)
+                        if reason is not None:
+                            return CORRUPT, (reason, _st.st_ino)
+                    finally:
+                        os.close(fd)
+                    return HIT, None
+        except FileNotFoundError:
+            return MISS, None
+        except OSError as e:
+            if safedir.is_unsafe(e):
+                return UNSAFE, "symlink or file in place of a directory"
+            return ERROR, e
         return ERROR, OSError(errno.EIO, "O_DIRECT retry loop")
+
+    # ---- metadata ------------------------------------------------------
+    def stat(self, khex: str) -> os.stat_result | None:
+        """The published file's stat, or None: absent, or not a regular file reached without symlinks."""
+        try:
+            with self._dir(khex) as d:
+                return safedir.lstat_regular(khex, d)
+        except OSError:
+            return None
+
+    def restamp(self, khex: str) -> None:
+        """Set the file's mtime to now (the shared recency clock); never through a symlink."""
+        with self._dir(khex) as d:
+            if safedir.lstat_regular(khex, d) is not None:
+                os.utime(khex, dir_fd=d, follow_symlinks=False)
+
+    def unlink(self, khex: str, ino: int | None = None) -> bool:
+        """Remove the regular file (that inode, if given); True if we did. Symlinks are never removed."""
+        try:
+            with self._dir(khex) as d:
+                return safedir.unlink_if(khex, d, ino)
+        except FileNotFoundError:
+            return False
+
+    def quarantine(self, khex: str, ino: int, qname: str) -> bool:
+        """Move the file (that inode only) to ``<namespace>/quarantine/qname``."""
+        with self._dir(khex) as d:
+            st = safedir.lstat_regular(khex, d)
+            if st is None or st.st_ino != ino:
+                return False
+            with safedir.dir_at(self.ns_dir, (layout.QUARANTINE,), create=True, mode=layout.DIR_MODE) as q:
+                os.rename(khex, qname, src_dir_fd=d, dst_dir_fd=q)
+        return True
 
     def _check(self, key: bytes, hdr: np.ndarray, mv: memoryview, n: int) -> str | None:
         if n < HEADER_SIZE:

@@ -5,6 +5,8 @@ Exit codes (stable, for cron jobs and probes):
   1  verify found bad files / evict could not reach the low mark
   2  bad arguments
   3  the root is missing or unreadable
+  4  done, but some directories or files could not be read and were skipped
+     (listed on stderr); 1 takes precedence over 4
 """
 
 from __future__ import annotations
@@ -12,33 +14,44 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
-import re
 import sys
+from typing import Any, Callable
 
+from tpu_offload.core import config
 from tpu_offload.core.fs import admin
 
-EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, EXIT_NO_ROOT = 0, 1, 2, 3
-
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?B)?\s*$", re.IGNORECASE)
-_UNIT = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, EXIT_NO_ROOT, EXIT_PARTIAL = 0, 1, 2, 3, 4
+MIN_TMP_AGE_S = 60.0  # a slow write (NFS, a big chunk) can take this long: younger temps may be live
 
 
-def _size(text: str) -> int:
-    m = _SIZE.match(text)
-    if not m or float(m.group(1)) <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a size such as 500GiB, 2T or 1048576")
-    return int(float(m.group(1)) * _UNIT[m.group(2).upper()])
+def _checked(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """An argparse type from a config value parser: the same values and the same message."""
+
+    def typ(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"value {text!r} is not allowed; allowed: {e}") from None
+
+    typ.__name__ = getattr(parse, "__name__", "value")
+    return typ
 
 
-def _pct(text: str) -> float:
+def _pct_value(text: str) -> float:
     try:
         v = float(text)
-    except ValueError:
-        v = -1.0
-    if not 0 < v <= 100:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a percentage in (0, 100]")
+    except (ValueError, OverflowError):
+        v = math.nan
+    if not 0 < v <= 100:  # also refuses nan and inf
+        raise ValueError("a percentage greater than 0 and at most 100")
     return v
+
+
+_size = _checked(config.parse_size)
+_pct = _checked(_pct_value)
+_tmp_age = _checked(config.parse_number(MIN_TMP_AGE_S))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -58,8 +71,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="byte budget for our files; without it the watermarks apply to the filesystem (statvfs)")
     e.add_argument("--high", type=_pct, default=90.0, help="start evicting at this %% (default 90)")
     e.add_argument("--low", type=_pct, default=80.0, help="stop at this %% (default 80)")
-    e.add_argument("--tmp-age", type=float, default=600.0,
-                   help="delete temp files older than this many seconds (default 600)")
+    e.add_argument("--tmp-age", type=_tmp_age, default=600.0,
+                   help=f"delete our temp files older than this many seconds on the file server's clock "
+                        f"(default 600, at least {MIN_TMP_AGE_S:g})")
     e.add_argument("--dry-run", action="store_true", help="report what would be deleted")
 
     i = sub.add_parser("inspect", help="namespaces, sizes, counts and ages")
@@ -78,22 +92,37 @@ def main(argv: list[str] | None = None) -> int:
     if not os.path.isdir(args.root) or not os.access(args.root, os.R_OK | os.X_OK):
         print(f"tpu-offload-fs: root {args.root!r} is missing or unreadable", file=sys.stderr)
         return EXIT_NO_ROOT
+    if args.cmd == "evict" and args.low > args.high:
+        print(f"tpu-offload-fs: --low {args.low} is above --high {args.high}; allowed: --low <= --high",
+              file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        problems, unreadable = _run(args)
+    except OSError as e:  # only the root itself can fail this way: everything below is skipped and listed
+        print(f"tpu-offload-fs: cannot read root {args.root!r}: {e.strerror or e}", file=sys.stderr)
+        return EXIT_NO_ROOT
+    if unreadable:
+        print(f"tpu-offload-fs: {len(unreadable)} path(s) could not be read and were skipped:", file=sys.stderr)
+        for line in unreadable:
+            print(f"  {line}", file=sys.stderr)
+    return EXIT_PROBLEMS if problems else EXIT_PARTIAL if unreadable else EXIT_OK
+
+
+def _run(args) -> tuple[bool, list[str]]:
+    """Do the command and print its report; (problems found, paths skipped)."""
     if args.cmd == "evict":
-        if args.low > args.high:
-            print(f"tpu-offload-fs: --low {args.low} is above --high {args.high}", file=sys.stderr)
-            return EXIT_USAGE
         rep = admin.evict(args.root, budget_bytes=args.budget, high_pct=args.high, low_pct=args.low,
                           namespace=args.namespace, tmp_age_s=args.tmp_age, dry_run=args.dry_run)
         _emit(args, {**dataclasses.asdict(rep), "reached_low": rep.reached_low}, _evict_text(rep))
-        return EXIT_OK if rep.reached_low else EXIT_PROBLEMS
+        return not rep.reached_low, rep.unreadable
     if args.cmd == "inspect":
         out = admin.inspect(args.root, args.namespace)
         _emit(args, out, _inspect_text(out))
-        return EXIT_OK
+        return False, out["unreadable"]
     action = "quarantine" if args.quarantine else "delete" if args.delete else "report"
     rep = admin.verify(args.root, args.namespace, action)
     _emit(args, dataclasses.asdict(rep), _verify_text(rep))
-    return EXIT_PROBLEMS if rep.bad else EXIT_OK
+    return bool(rep.bad), rep.unreadable
 
 
 def _emit(args, obj, text: str) -> None:
@@ -111,7 +140,7 @@ def _evict_text(r: admin.EvictReport) -> str:
         return f"{head}; below the high mark, nothing evicted; {r.temps_removed} stale temp files removed"
     verb = "would evict" if r.dry_run else "evicted"
     return (f"{head}\n{verb} {r.evicted_files} files ({_gib(r.evicted_bytes)}), now {_gib(r.used_after)}; "
-            f"{r.temps_removed} stale temps removed; skipped: {r.skipped_vanished} vanished, "
+            f"{r.temps_removed} stale temps removed ({r.clock} clock); skipped: {r.skipped_vanished} vanished, "
             f"{r.skipped_recently_used} used meanwhile, {r.skipped_not_ours} without our magic"
             + ("" if r.reached_low else "\nWARNING: could not reach the low mark"))
 

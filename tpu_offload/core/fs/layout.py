@@ -3,9 +3,12 @@
 ``<root>/<namespace>/<k0k1>/<k2k3>/<key hex>``: the namespace is the layout
 fingerprint's, so data of another layout is never even looked at; the two
 hex fan-out levels keep directories small on Lustre/NFS. Names are the key's
-lowercase hex, so no key can climb out of the root. Temp files start with
-``.tmp.`` and quarantined files live under ``quarantine/``: neither matches
-a chunk name, so lookups can never see them.
+lowercase hex, so no key can climb out of the root. Temp files are named
+``.tmp.<key16>.<pid>.<token>.<n>`` and quarantined files live under
+``quarantine/``: neither matches a chunk name, so lookups never see them,
+and the cleaners delete only names of exactly these shapes. Walks go
+through ``safedir``: nothing below the namespace directory is followed if
+it is a symlink.
 """
 
 from __future__ import annotations
@@ -13,11 +16,14 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
+import re
 import secrets
 import stat
 import string
+import time
 from typing import Iterator
 
+from tpu_offload.core.fs import safedir
 from tpu_offload.core.fs.format import MAX_KEY_BYTES
 
 DIR_MODE = 0o750
@@ -25,6 +31,9 @@ FILE_MODE = 0o640
 TMP_PREFIX = ".tmp."
 QUARANTINE = "quarantine"
 _HEX = frozenset(string.hexdigits.lower())
+# Our names only: ``temp_name`` and the tier's/CLI's quarantine renames.
+_TMP_RE = re.compile(r"^\.tmp\.(?:[0-9a-f]{1,16}|probe|clock)\.[0-9]+\.[0-9a-f]{8}\.[0-9]+$")
+_QUAR_RE = re.compile(r"^[0-9a-f]{2,%d}\.[a-z_]{1,32}\.[0-9]+$" % (2 * MAX_KEY_BYTES))
 
 
 def key_hex(key: bytes) -> str:
@@ -103,12 +112,14 @@ def make_dirs(path: str, mode: int = DIR_MODE) -> None:
 
 @dataclasses.dataclass
 class Found:
-    path: str
+    path: str  # for messages; act on it with ``dirs`` + ``name`` under the namespace (no symlinks)
     name: str
     size: int
     blocks: int  # bytes actually allocated (st_blocks * 512)
     mtime: float
     ino: int
+    dirs: tuple[str, ...] = ()  # directories between the namespace directory and the file
+    mtime_ns: int = 0
 
 
 @dataclasses.dataclass
@@ -119,61 +130,148 @@ class NamespaceScan:
     temps: list[Found] = dataclasses.field(default_factory=list)
     quarantined: list[Found] = dataclasses.field(default_factory=list)
     foreign: list[str] = dataclasses.field(default_factory=list)
+    unreadable: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (path, why): skipped
 
 
-def _found(entry: os.DirEntry) -> Found | None:
-    try:
-        st = entry.stat(follow_symlinks=False)
-    except FileNotFoundError:  # deleted under us: another instance's eviction
-        return None
-    if not stat.S_ISREG(st.st_mode):
-        return None
-    return Found(entry.path, entry.name, st.st_size, st.st_blocks * 512, st.st_mtime, st.st_ino)
+def is_our_temp(name: str) -> bool:
+    """A temp file this code names (never an editor's ``.tmp.*`` or another tool's)."""
+    return _TMP_RE.match(name) is not None
 
 
-def _scandir(path: str) -> list[os.DirEntry]:
-    try:
-        with os.scandir(path) as it:
+def is_our_quarantine(name: str) -> bool:
+    return _QUAR_RE.match(name) is not None
+
+
+class _Walk:
+    """One directory walk: records what cannot be read instead of raising."""
+
+    def __init__(self, out: NamespaceScan, pause_every: int):
+        self.out = out
+        self.pause_every = pause_every
+        self.n = 0
+
+    def listing(self, parent_fd: int, name: str, path: str) -> tuple[int, list[os.DirEntry]] | None:
+        """(fd, entries) of a subdirectory, or None (gone, not a directory, unreadable)."""
+        try:
+            fd = os.open(name, safedir._LIST, dir_fd=parent_fd)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            if safedir.is_unsafe(e):
+                self.out.foreign.append(path)  # a symlink or a file where a directory belongs
+            else:
+                self.out.unreadable.append((path, e.strerror or str(e)))
+            return None
+        try:
+            return fd, self.entries(fd, path)
+        except OSError as e:
+            os.close(fd)
+            self.out.unreadable.append((path, e.strerror or str(e)))
+            return None
+
+    def entries(self, fd: int, path: str) -> list[os.DirEntry]:
+        with os.scandir(fd) as it:
             return list(it)
-    except FileNotFoundError:
-        return []
-    except NotADirectoryError:
-        return []
+
+    def found(self, entry: os.DirEntry, path: str, dirs: tuple[str, ...]) -> Found | None:
+        self.n += 1
+        if self.pause_every and self.n % self.pause_every == 0:
+            time.sleep(0)  # let a waiting engine thread take the GIL now, not after the switch interval
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except FileNotFoundError:  # deleted under us: another instance's eviction
+            return None
+        except OSError as e:
+            self.out.unreadable.append((path, e.strerror or str(e)))
+            return None
+        if not stat.S_ISREG(st.st_mode):
+            self.out.foreign.append(path)  # a FIFO, device, symlink or directory: never ours
+            return None
+        return Found(path, entry.name, st.st_size, st.st_blocks * 512, st.st_mtime, st.st_ino, dirs,
+                     st.st_mtime_ns)
 
 
-def scan_namespace(ns_dir: str) -> NamespaceScan:
-    """Every chunk, temp and quarantined file under one namespace directory."""
+def scan_namespace(ns_dir: str, pause_every: int = 0) -> NamespaceScan:
+    """Every chunk, temp and quarantined file under one namespace directory.
+
+    Raises OSError only if the namespace directory itself cannot be listed;
+    a subdirectory or file that cannot be read is skipped and listed in
+    ``unreadable``. Symlinks are never followed (they count as foreign).
+    ``pause_every`` yields the GIL every that many files (0: never).
+    """
     out = NamespaceScan(os.path.basename(ns_dir.rstrip(os.sep)), ns_dir)
-    for e1 in _scandir(ns_dir):
-        if e1.name == QUARANTINE and e1.is_dir(follow_symlinks=False):
-            out.quarantined.extend(f for e in _scandir(e1.path) if (f := _found(e)))
-            continue
-        if e1.name.startswith(TMP_PREFIX):  # the writability probe's temp
-            if f := _found(e1):
-                out.temps.append(f)
-            continue
-        if not (len(e1.name) == 2 and set(e1.name) <= _HEX and e1.is_dir(follow_symlinks=False)):
-            out.foreign.append(e1.path)
-            continue
-        for e2 in _scandir(e1.path):
-            if not (len(e2.name) == 2 and set(e2.name) <= _HEX and e2.is_dir(follow_symlinks=False)):
-                out.foreign.append(e2.path)
+    w = _Walk(out, pause_every)
+    try:
+        fd = safedir.open_base(ns_dir, listing=True)
+    except FileNotFoundError:
+        return out  # not created yet, or removed by an operator: nothing to see
+    try:
+        top = w.entries(fd, ns_dir)
+        for e1 in top:
+            p1 = f"{ns_dir}{os.sep}{e1.name}"
+            if e1.name == QUARANTINE:
+                sub = w.listing(fd, e1.name, p1)
+                if sub is not None:
+                    qfd, entries = sub
+                    try:
+                        for e in entries:
+                            f = w.found(e, f"{p1}{os.sep}{e.name}", (QUARANTINE,))
+                            if f is not None and is_our_quarantine(e.name):
+                                out.quarantined.append(f)
+                            elif f is not None:
+                                out.foreign.append(f.path)
+                    finally:
+                        os.close(qfd)
                 continue
-            for e in _scandir(e2.path):
-                if e.name.startswith(TMP_PREFIX):
-                    if f := _found(e):
-                        out.temps.append(f)
-                elif is_chunk_name(e.name) and chunk_relpath(e.name)[:2] == (e1.name, e2.name):
-                    if f := _found(e):
-                        out.chunks.append(f)
-                else:
-                    out.foreign.append(e.path)
+            if e1.name.startswith(TMP_PREFIX):  # the writability probe's temp
+                if (f := w.found(e1, p1, ())) is not None and is_our_temp(e1.name):
+                    out.temps.append(f)
+                elif f is not None:
+                    out.foreign.append(p1)
+                continue
+            if not (len(e1.name) == 2 and set(e1.name) <= _HEX):
+                out.foreign.append(p1)
+                continue
+            sub1 = w.listing(fd, e1.name, p1)
+            if sub1 is None:
+                continue
+            fd1, entries1 = sub1
+            try:
+                for e2 in entries1:
+                    p2 = f"{p1}{os.sep}{e2.name}"
+                    if not (len(e2.name) == 2 and set(e2.name) <= _HEX):
+                        out.foreign.append(p2)
+                        continue
+                    sub2 = w.listing(fd1, e2.name, p2)
+                    if sub2 is None:
+                        continue
+                    fd2, entries2 = sub2
+                    try:
+                        dirs = (e1.name, e2.name)
+                        for e in entries2:
+                            p = f"{p2}{os.sep}{e.name}"
+                            if is_our_temp(e.name):
+                                if (f := w.found(e, p, dirs)) is not None:
+                                    out.temps.append(f)
+                            elif is_chunk_name(e.name) and chunk_relpath(e.name)[:2] == dirs:
+                                if (f := w.found(e, p, dirs)) is not None:
+                                    out.chunks.append(f)
+                            else:
+                                out.foreign.append(p)
+                    finally:
+                        os.close(fd2)
+            finally:
+                os.close(fd1)
+    finally:
+        os.close(fd)
     return out
 
 
 def iter_namespaces(root: str, only: str | None = None) -> Iterator[str]:
-    """Namespace directories under ``root`` (sorted, for stable CLI output)."""
-    for e in sorted(_scandir(root), key=lambda e: e.name):
+    """Namespace directories under ``root`` (sorted, for stable CLI output); symlinks skipped."""
+    with os.scandir(root) as it:
+        entries = sorted(it, key=lambda e: e.name)
+    for e in entries:
         if e.is_dir(follow_symlinks=False) and (only is None or e.name == only):
             yield e.path
 

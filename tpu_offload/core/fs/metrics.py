@@ -37,6 +37,8 @@ class _Usage:
         files = GaugeMetricFamily("tpu_offload_fs_files", "Chunk files this tier knows", labels=names)
         infl = GaugeMetricFamily("tpu_offload_fs_writes_in_flight", "Writes queued or running", labels=names)
         state = GaugeMetricFamily("tpu_offload_fs_state", "1 for the current state", labels=[*names, "state"])
+        unreadable = GaugeMetricFamily("tpu_offload_fs_unreadable_paths",
+                                       "Paths the last rescan could not read and skipped", labels=names)
         for tier, fn in list(self.tiers.items()):
             s = fn()
             v = [tier, *self.labels.values()]
@@ -44,9 +46,10 @@ class _Usage:
             used.add_metric(v, s["used_bytes"])
             files.add_metric(v, s["files"])
             infl.add_metric(v, s["writes_in_flight"])
+            unreadable.add_metric(v, s.get("unreadable_paths", 0))
             for st in ("rw", "read_only", "off", "closed"):
                 state.add_metric([*v, st], 1.0 if s["state"] == st else 0.0)
-        yield from (cap, used, files, infl, state)
+        yield from (cap, used, files, infl, state, unreadable)
 
 
 class FsMetrics:

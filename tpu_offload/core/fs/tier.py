@@ -15,7 +15,12 @@ Why it is built this way:
   one warning; callers only see dropped writes and misses.
 * Recency is the file mtime (restamped on access, throttled), so LRU order is
   shared with other instances and the ``tpu-offload-fs evict`` CLI, and
-  survives restarts; the in-memory index is rebuilt from the directory.
+  survives restarts; the in-memory index is rebuilt from the directory off
+  its lock, so a rescan of 150k files never stalls ``touch`` or a read.
+* The volume is hostile (other tenants): nothing below the namespace is
+  followed if it is a symlink, a FIFO or device at a key is a miss, an
+  unreadable subdirectory is skipped and counted, only our own names are
+  ever deleted, and ages are judged on the file server's clock.
 """
 
 from __future__ import annotations
@@ -32,8 +37,8 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from tpu_offload.core.fs import layout
-from tpu_offload.core.fs.chunkfile import CORRUPT, ERROR, HIT, MISS, ChunkFiles
+from tpu_offload.core.fs import layout, safedir
+from tpu_offload.core.fs.chunkfile import CORRUPT, ERROR, HIT, MISS, UNSAFE, ChunkFiles
 from tpu_offload.core.fs.fileio import byte_view
 from tpu_offload.core.fs.format import HEADER_SIZE
 from tpu_offload.core.fs.index import FileIndex
@@ -51,6 +56,7 @@ log = logging.getLogger("tpu_offload.fs")
 
 _SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 _DENIED_ERRNOS = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
+_FUTURE_SLACK_S = 2.0  # mtime granularity and clock jitter: not "the future" yet
 
 
 class FileTier:
@@ -76,8 +82,9 @@ class FileTier:
     ):
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes}")
-        if capacity_bytes is not None and capacity_bytes <= 0:
-            raise ValueError(f"capacity_bytes must be > 0 or None, got {capacity_bytes}")
+        if capacity_bytes is not None and capacity_bytes < HEADER_SIZE + chunk_bytes:
+            raise ValueError(f"capacity_bytes={capacity_bytes} is smaller than one chunk file "
+                             f"({HEADER_SIZE + chunk_bytes} bytes); allowed: at least that, or None")
         if queue_depth < 1:
             raise ValueError(f"queue_depth must be >= 1, got {queue_depth}")
         self.name = name
@@ -92,7 +99,7 @@ class FileTier:
         self.stale_tmp_s = stale_tmp_s
         self.rescan_interval_s = rescan_interval_s
         self.readonly_retry_s = readonly_retry_s
-        self.files = ChunkFiles(fingerprint.digest(), fsync=fsync, o_direct=o_direct, name=name)
+        self.files = ChunkFiles(self.ns_dir, fingerprint.digest(), fsync=fsync, o_direct=o_direct, name=name)
         self._index = FileIndex(touch_interval_s)
         self._lock = threading.RLock()  # state, counters, in-flight writes
         self._scan_lock = threading.Lock()
@@ -104,8 +111,9 @@ class FileTier:
         self._state = TierState.RW
         self._retry_at: float | None = None
         self._warned = False
-        self._warned_errnos: set[int] = set()
+        self._warned_errnos: set[int | str] = set()
         self._last_scan = 0.0
+        self._unreadable: list[tuple[str, str]] = []
         self._fs_total = 0
         self._offload_metrics = metrics
         if fs_metrics is None:
@@ -128,6 +136,14 @@ class FileTier:
         """The configured tier, or None when no ``shared_storage_path`` is set."""
         if not cfg.shared_storage_path:
             return None
+        need = HEADER_SIZE + chunk_bytes
+        if cfg.fs_capacity_bytes is not None and cfg.fs_capacity_bytes < need:
+            from tpu_offload.core.config import ConfigError
+
+            raise ConfigError(
+                f"fs_capacity_bytes: value {cfg.fs_capacity_bytes} is not allowed; allowed: at least one "
+                f"chunk file, {need} bytes ({chunk_bytes} of KV + a {HEADER_SIZE}-byte header), or unset"
+            )
         return cls(
             cfg.shared_storage_path, fingerprint, chunk_bytes,
             capacity_bytes=cfg.fs_capacity_bytes, threads=cfg.fs_threads,
@@ -144,16 +160,20 @@ class FileTier:
         return layout.chunk_dir_and_path(self.ns_dir, layout.key_hex(key))[1]
 
     def contains(self, key: ChunkKey) -> bool:
-        """Index first; a stat finds files other processes wrote. No side effects."""
+        """Index first; a stat finds files other processes wrote. No side effects.
+
+        Only a regular file reached without a symlink counts: a FIFO,
+        directory, device or symlink at the key's path is a miss.
+        """
         if self._state in (TierState.OFF, TierState.CLOSED):
             return False
         if key in self._index:
             return True
         try:
-            st = os.stat(self.path_of(key))
-        except (OSError, ValueError):
+            st = self.files.stat(layout.key_hex(key))
+        except ValueError:
             return False
-        return st.st_size == self.file_bytes
+        return st is not None and st.st_size == self.file_bytes
 
     # ---- writes --------------------------------------------------------
     def submit_write(self, key: ChunkKey, data: np.ndarray) -> WriteTicket | None:
@@ -199,13 +219,9 @@ class FileTier:
             self._drop(self._state.value)
             return False
         khex = layout.key_hex(key)
-        d, path = layout.chunk_dir_and_path(self.ns_dir, khex)
         t0 = time.perf_counter()
         try:
-            try:
-                st = os.stat(path)
-            except FileNotFoundError:
-                st = None
+            st = self.files.stat(khex)
             if st is not None and st.st_size == self.file_bytes:
                 # Someone (maybe another instance) already published it.
                 self._index.add(key, st.st_size, disk_time=st.st_mtime)
@@ -213,7 +229,7 @@ class FileTier:
                 self._m.op("write", "exists")
                 self.touch(key)
                 return True
-            self.files.write(d, path, key, khex, mv)
+            self.files.write(key, khex, mv)
         except OSError as e:
             self._write_error(e)
             return False
@@ -231,7 +247,13 @@ class FileTier:
     def _write_error(self, e: OSError) -> None:
         self._count("writes_failed")
         self._m.op("write", "error")
-        if e.errno in _SPACE_ERRNOS or e.errno in _DENIED_ERRNOS:
+        if safedir.is_unsafe(e):  # a symlink or file where a fan-out directory belongs
+            self._drop("unsafe_path")
+            if "unsafe" not in self._warned_errnos:
+                self._warned_errnos.add("unsafe")
+                log.warning("fs tier %s: write refused (%s): something other than a directory is on the "
+                            "path below %s; symlinks are never followed", self.name, e, self.ns_dir)
+        elif e.errno in _SPACE_ERRNOS or e.errno in _DENIED_ERRNOS:
             self._to_read_only(e)
             self._drop(errno.errorcode.get(e.errno, "oserror").lower())
         elif e.errno not in self._warned_errnos:
@@ -261,15 +283,19 @@ class FileTier:
         if len(mv) != self.chunk_bytes:
             raise ValueError(f"buffer of {len(mv)} bytes; this tier stores {self.chunk_bytes}")
         t0 = time.perf_counter()
-        path = self.path_of(key)
-        outcome, detail = self.files.read(path, key, mv)
+        khex = layout.key_hex(key)
+        outcome, detail = self.files.read(khex, key, mv)
         if outcome is MISS:
+            return self._miss(key)
+        if outcome is UNSAFE:
+            self._count("read_not_regular")
+            self._m.op("read", "not_regular")
             return self._miss(key)
         if outcome is ERROR:
             return self._read_error(detail)
         if outcome is CORRUPT:
             reason, ino = detail
-            return self._reject(key, path, ino, reason)
+            return self._reject(key, khex, ino, reason)
         assert outcome is HIT
         self._m.read_latency.observe(time.perf_counter() - t0)
         self._m.read_bytes.inc(len(mv))
@@ -323,7 +349,7 @@ class FileTier:
             log.warning("fs tier %s: read failed (%s); treated as a miss", self.name, e)
         return False
 
-    def _reject(self, key: bytes, path: str, ino: int, reason: str) -> bool:
+    def _reject(self, key: bytes, khex: str, ino: int, reason: str) -> bool:
         """A file that must not be served: count it and take it out of sight."""
         self._index.remove(key)
         self._count("corrupt", 1, f"corrupt_{reason}", 1)
@@ -331,16 +357,12 @@ class FileTier:
         self._m.op("read", "corrupt")
         if self._offload_metrics is not None:
             self._offload_metrics.record_load_errors(1, tier=self.name)
-        log.warning("fs tier %s: rejected %s (%s)", self.name, path, reason)
-        try:
-            if os.lstat(path).st_ino != ino:
-                return False  # replaced by a fresh write since we read it
+        log.warning("fs tier %s: rejected %s (%s)", self.name, self.path_of(key), reason)
+        try:  # only that inode (not a fresh write since), never through a symlink
             if self.quarantine:
-                qdir = os.path.join(self.ns_dir, layout.QUARANTINE)
-                layout.make_dirs(qdir)
-                os.rename(path, os.path.join(qdir, f"{os.path.basename(path)}.{reason}.{os.getpid()}"))
+                self.files.quarantine(khex, ino, f"{khex}.{reason}.{os.getpid()}")
             else:
-                os.unlink(path)
+                self.files.unlink(khex, ino)
         except OSError:
             pass  # gone already, or not ours to delete: still a miss
         return False
@@ -368,7 +390,7 @@ class FileTier:
             self._touch_scheduled = False
         for key in keys:
             try:
-                os.utime(self.path_of(key))
+                self.files.restamp(layout.key_hex(key))
             except OSError:
                 pass  # evicted meanwhile, or another uid's file
 
@@ -381,7 +403,7 @@ class FileTier:
         n = 0
         for key, _size in victims:
             try:
-                n += layout.unlink_quiet(self.path_of(key))
+                n += self.files.unlink(layout.key_hex(key))
             except OSError as e:
                 log.debug("fs tier %s: evicting %s failed: %s", self.name, key.hex(), e)
         if n:
@@ -396,20 +418,80 @@ class FileTier:
         self._rescan(block=True)
 
     def _rescan(self, block: bool) -> None:
+        """Re-read the directory; the index is rebuilt off its lock (see ``FileIndex.adopt``)."""
         if not self._scan_lock.acquire(blocking=block):
             return  # another thread is scanning
         try:
-            started = time.time()
-            scan = layout.scan_namespace(self.ns_dir)
+            self._index.begin_rebuild()
+            try:
+                srv = self._server_now()
+                scan = layout.scan_namespace(self.ns_dir, pause_every=1024)
+            except BaseException:
+                self._index.abort_rebuild()
+                raise
+            now = srv if srv is not None else self._index.now()
             for t in scan.temps:
-                if started - t.mtime > self.stale_tmp_s and layout.unlink_quiet(t.path):
+                # Ages on the server's clock: our clock may run ahead of the writer's.
+                # Without it (read-only) we cannot judge an age, and could not delete anyway.
+                if srv is not None and srv - t.mtime > self.stale_tmp_s and self._unlink_found(t):
                     self._count("stale_temps_removed")
-            self._index.replace(((bytes.fromhex(f.name), f.size, f.mtime) for f in scan.chunks), started)
+            self._index.adopt((bytes.fromhex(f.name), f.size, self._clamp(f, now)) for f in scan.chunks)
+            self._note_unreadable(scan.unreadable)
             self._last_scan = time.monotonic()
         finally:
             self._scan_lock.release()
         if self.capacity_bytes is not None and self._index.used_bytes > self.capacity_bytes:
             self._evict_to(self.capacity_bytes)
+
+    def _server_now(self) -> float | None:
+        """The file server's clock (a probe file's mtime); also re-aims the index's clock."""
+        if self._state is not TierState.RW:
+            return None
+        try:
+            with safedir.dir_at(self.ns_dir) as d:
+                t0 = time.time()
+                srv = safedir.server_now(d, layout.temp_name("clock"))
+                local = (t0 + time.time()) / 2
+        except OSError:
+            return None
+        if srv is not None:
+            self._index.offset = srv - local
+        return srv
+
+    def _clamp(self, f: layout.Found, now: float) -> float:
+        """A file stamped in the future (a host whose clock runs ahead) is aged from now.
+
+        Its mtime is set to now on disk, so it ages for every instance and the
+        CLI; otherwise it would sort as most recent forever and never be evicted.
+        """
+        if f.mtime <= now + _FUTURE_SLACK_S:
+            return f.mtime
+        try:
+            with safedir.dir_at(self.ns_dir, f.dirs) as d:
+                if safedir.lstat_regular(f.name, d) is not None:
+                    os.utime(f.name, (now, now), dir_fd=d, follow_symlinks=False)
+            self._count("future_mtimes_clamped")
+        except OSError:
+            pass  # read-only, or gone: the index still ages it from now
+        return now
+
+    def _unlink_found(self, f: layout.Found) -> bool:
+        try:
+            with safedir.dir_at(self.ns_dir, f.dirs) as d:
+                return safedir.unlink_if(f.name, d, f.ino, f.mtime_ns)
+        except OSError:
+            return False
+
+    def _note_unreadable(self, unreadable: list[tuple[str, str]]) -> None:
+        """Skipped paths: counted, exported, one warning when the set first becomes non-empty."""
+        if unreadable:
+            self._count("scan_unreadable", len(unreadable))
+            if not self._unreadable:
+                path, why = unreadable[0]
+                log.warning("fs tier %s: %d path(s) under %s could not be read and are skipped "
+                            "(first: %s: %s); the rest is served", self.name, len(unreadable),
+                            self.ns_dir, path, why)
+        self._unreadable = unreadable
 
     # ---- state ---------------------------------------------------------
     def _open_namespace(self) -> None:
@@ -420,16 +502,21 @@ class FileTier:
                 self._to_off(e)
                 return
             self._to_read_only(e)
+        if os.path.islink(self.ns_dir):  # never followed: whoever made it, it is not ours
+            self._to_off(OSError(errno.ELOOP, "the namespace directory is a symlink"))
+            return
         try:
             st = os.statvfs(self.ns_dir)
             self._fs_total = st.f_blocks * st.f_frsize
         except OSError:
             self._fs_total = 0
         if self._state is TierState.RW:
-            probe = os.path.join(self.ns_dir, layout.temp_name("probe"))
+            probe = layout.temp_name("probe")
             try:
-                os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, layout.FILE_MODE))
-                os.unlink(probe)
+                with safedir.dir_at(self.ns_dir) as d:
+                    os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                                     layout.FILE_MODE, dir_fd=d))
+                    os.unlink(probe, dir_fd=d)
             except OSError as e:
                 self._to_read_only(e)
         try:
@@ -523,6 +610,7 @@ class FileTier:
         return {
             "capacity_bytes": budget, "used_bytes": self._index.used_bytes, "files": len(self._index),
             "writes_in_flight": self._writes, "state": self._state.value,
+            "unreadable_paths": len(self._unreadable),
         }
 
     def counters(self) -> dict[str, int]:
