@@ -2,7 +2,8 @@
 
 XLA_FLAGS must be set before jax is first imported, so it is set here at
 import time; TPU_OFFLOAD_* from the caller's shell would leak into configs,
-so they are cleared.
+so they are cleared. Runs under ``.venv-tpu`` (jax 0.11.2, the version
+tpu-inference pins) and ``.venv`` (jax 0.10).
 """
 
 import os
@@ -11,20 +12,47 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# The stand-in runs under vLLM's CPU platform; with libtpu installed (the
+# tpu-inference environment) vLLM would otherwise detect both and refuse.
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 for _k in [k for k in os.environ if k.startswith("TPU_OFFLOAD_")]:
     del os.environ[_k]
 
 import pytest  # noqa: E402
 
 
+MESH_KINDS = ("auto", "explicit", "manual")
+
+
+def make_mesh(kind: str = "auto", shape=(1, 8), names=("data", "model")):
+    """An emulated CPU mesh with ``kind`` axes.
+
+    ``auto`` is what tpu-inference builds (``jax.sharding.Mesh(devices, names)``
+    / ``make_optimized_mesh(..., AxisType.Auto)``); ``jax.make_mesh`` defaults
+    to ``explicit``; ``manual`` is what code inside ``shard_map`` sees.
+    """
+    import jax
+    import numpy as np
+    from jax.sharding import AxisType, Mesh
+
+    n = int(np.prod(shape))
+    if len(jax.devices()) < n:
+        pytest.fail(f"need {n} emulated CPU devices, got {len(jax.devices())}: jax was imported before "
+                    "tests/tpu/conftest.py could set XLA_FLAGS; run tests/tpu on its own")
+    axis_type = {"auto": AxisType.Auto, "explicit": AxisType.Explicit, "manual": AxisType.Manual}[kind]
+    return Mesh(np.array(jax.devices()[:n]).reshape(shape), names, axis_types=(axis_type,) * len(names))
+
+
 @pytest.fixture(scope="session")
 def mesh():
-    import jax
+    """tpu-inference's kind of mesh: Auto axes."""
+    return make_mesh("auto")
 
-    if len(jax.devices()) < 8:
-        pytest.fail(f"need 8 emulated CPU devices, got {len(jax.devices())}: jax was imported before "
-                    "tests/tpu/conftest.py could set XLA_FLAGS; run tests/tpu on its own")
-    return jax.make_mesh((1, 8), ("data", "model"))
+
+@pytest.fixture(scope="session", params=MESH_KINDS)
+def any_mesh(request):
+    """The data path must work on every axis type."""
+    return make_mesh(request.param)
 
 
 @pytest.fixture(scope="session")

@@ -42,7 +42,8 @@ def reply(obj):
 
 
 def main():
-    mesh = jax.make_mesh((1, 8), ("data", "model"))
+    # Auto axes, as tpu-inference builds its mesh (jax.make_mesh would give Explicit ones).
+    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(1, 8), ("data", "model"))
     sh = NamedSharding(mesh, P(None, None, "model", None))
     shape = (NB, BS, HEADS, DIM)
     data = [np.random.default_rng(layer).standard_normal(shape).astype(np.float32) for layer in range(LAYERS)]

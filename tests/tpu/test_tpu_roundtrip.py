@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from conftest import MESH_KINDS, make_mesh
 from tpu_offload.core.config import ConfigError
 from tpu_offload.jax_backend import KVLayout, LoadChunk, StoreChunk, TransferEngine
 from tpu_offload.jax_backend.memory import check_staging_fits
@@ -45,11 +46,13 @@ COMPILES = CompileCounter()
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("bpc,n_chunks,staging", [(1, 1, 4), (1, 9, 4), (2, 3, 4), (4, 5, 8), (3, 2, 7)])
-def test_store_load_bit_exact(mesh, dtype, bpc, n_chunks, staging):
+def test_store_load_bit_exact(any_mesh, dtype, bpc, n_chunks, staging):
     """Round trips across chunk sizes and counts, including batches larger
     than the staging buffer (several passes, nothing dropped) and a staging
-    size that is not a multiple of the chunk (7 blocks, 3-block chunks)."""
-    caches = make_caches(mesh, dtype)
+    size that is not a multiple of the chunk (7 blocks, 3-block chunks), on
+    Auto (tpu-inference), Explicit and Manual mesh axes."""
+    caches = make_caches(any_mesh, dtype)
+    shardings = [c.sharding for c in caches]
     ref = [bits(c) for c in caches]
     eng = TransferEngine(KVLayout.from_caches(caches), num_slots=16, blocks_per_chunk=bpc, staging_blocks=staging)
     rng = np.random.default_rng(bpc * 100 + n_chunks)
@@ -62,6 +65,7 @@ def test_store_load_bit_exact(mesh, dtype, bpc, n_chunks, staging):
     order = rng.permutation(n_chunks)  # load in a different order than stored
     caches, done = eng.load(caches, [LoadChunk(int(slots[i]), dst[i].tolist()) for i in order])
     done.block_until_ready()
+    assert [c.sharding for c in caches] == shardings  # the runner gets its own mesh and spec back
     got = [bits(c) for c in caches]
     for layer in range(LAYERS):
         for c in range(n_chunks):
@@ -168,11 +172,12 @@ def test_staging_must_fit_in_hbm(mesh):
     assert "missing" in msg and "TPU_OFFLOAD_NUM_STAGING_BLOCKS" in msg and "at most 25" in msg
 
 
-def test_hybrid_layer_groups_and_packed_5d_layout():
+@pytest.mark.parametrize("kind", MESH_KINDS)
+def test_hybrid_layer_groups_and_packed_5d_layout(kind):
     """tpu-inference's real cache is (blocks, block_size, heads, packing, head_dim)
     sharded P(BATCH, KV_CONTEXT, KV_HEAD) with tuple axis names; hybrid models
     mix layer shapes. Both must round-trip, one group per shape."""
-    mesh = jax.make_mesh((1, 1, 8), ("data", "pcp", "model"))
+    mesh = make_mesh(kind, (1, 1, 8), ("data", "pcp", "model"))
     sh = NamedSharding(mesh, P(("data",), ("pcp",), ("model",)))
     shapes = [(NB, 8, 8, 2, 16), (NB, 8, 16, 2, 16), (NB, 8, 8, 2, 16)]  # layers 0 and 2 share a shape
     caches = [jax.device_put(jax.random.normal(jax.random.key(i), s).astype(jnp.bfloat16), sh)
@@ -189,3 +194,18 @@ def test_hybrid_layer_groups_and_packed_5d_layout():
         got = bits(caches[layer])
         for s, d in ((5, 30), (6, 31), (1, 32), (2, 33)):
             assert np.array_equal(got[d], ref[layer][s])
+
+
+COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter")
+
+
+def test_programs_stay_on_each_device(any_mesh):
+    """Every device moves only its own head shards: no program of the data path
+    may contain a cross-device collective, whatever the mesh's axis types."""
+    caches = make_caches(any_mesh, jnp.bfloat16, seed=6)
+    eng = TransferEngine(KVLayout.from_caches(caches), num_slots=8, blocks_per_chunk=2, staging_blocks=4)
+    p = eng.programs
+    for name, prog in [("gather", p.gather(4)), ("scatter", p.scatter(4)), ("store", p.store()), ("load", p.load())]:
+        hlo = prog.as_text()
+        found = [c for c in COLLECTIVES if c in hlo]
+        assert not found, f"{name} contains {found}"

@@ -7,6 +7,13 @@ group (hybrid models have several); every buffer we allocate is per group and
 keeps the cache's sharding of the block dimensions, so each device (and each
 host process) only ever touches its own head shards.
 
+Every program is compiled against ``program_mesh``: the cache mesh's devices
+and axis names with ``AxisType.Auto`` axes. tpu-inference builds Auto meshes,
+``jax.make_mesh`` builds Explicit ones, and code inside ``shard_map`` sees
+Manual ones; a compiled program accepts arrays from any of them (same devices,
+same layout), and its outputs that go back to the runner carry the cache's own
+sharding, so the runner never sees a foreign mesh.
+
 Data moves as raw bits (a same-width unsigned dtype): XLA:CPU rewrites bf16
 updates into f32 over the whole operand, which breaks in-place donation; bits
 cost nothing to reinterpret on any backend.
@@ -20,7 +27,7 @@ from typing import Sequence
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 _BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
@@ -102,14 +109,21 @@ class KVLayout:
         return cls(mesh=mesh, num_blocks=num_blocks, num_layers=len(kv_caches), groups=groups)
 
     # ---- shardings ------------------------------------------------------
+    @property
+    def program_mesh(self) -> Mesh:
+        return auto_mesh(self.mesh)
+
+    def sharding(self, *spec, memory_kind: str = "device") -> NamedSharding:
+        return NamedSharding(self.program_mesh, PartitionSpec(*spec), memory_kind=memory_kind)
+
     def staging_sharding(self, g: LayerGroup) -> NamedSharding:
-        return NamedSharding(self.mesh, PartitionSpec(None, None, *g.block_spec), memory_kind="device")
+        return self.sharding(None, None, *g.block_spec)
 
     def slab_sharding(self, g: LayerGroup, memory_kind: str) -> NamedSharding:
-        return NamedSharding(self.mesh, PartitionSpec(None, None, None, *g.block_spec), memory_kind=memory_kind)
+        return self.sharding(None, None, None, *g.block_spec, memory_kind=memory_kind)
 
     def replicated(self) -> NamedSharding:
-        return NamedSharding(self.mesh, PartitionSpec(), memory_kind="device")
+        return self.sharding()
 
     # ---- sizes ----------------------------------------------------------
     @property
@@ -120,6 +134,21 @@ class KVLayout:
     def device_block_bytes(self) -> int:
         """The largest per-device share of one block (sizes staging per device)."""
         return sum(_per_device_bytes(g.block_bytes, g.block_spec, self.mesh) for g in self.groups)
+
+
+_AUTO_MESHES: dict = {}
+
+
+def auto_mesh(mesh: Mesh) -> Mesh:
+    """``mesh`` with every axis ``AxisType.Auto`` (the same object if it already is)."""
+    if all(t == AxisType.Auto for t in mesh.axis_types):
+        return mesh
+    key = (mesh.axis_names, tuple(d.id for d in mesh.devices.flat), mesh.devices.shape)
+    out = _AUTO_MESHES.get(key)
+    if out is None:
+        out = _AUTO_MESHES[key] = Mesh(mesh.devices, mesh.axis_names,
+                                       axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+    return out
 
 
 def _block_spec(sharding, ndim: int) -> tuple:

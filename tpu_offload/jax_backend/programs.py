@@ -21,7 +21,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import NamedSharding, PartitionSpec
 
 from tpu_offload.jax_backend.layout import KVLayout
 
@@ -63,15 +62,16 @@ class Programs:
         self._staging_sh = tuple(layout.staging_sharding(g) for g in g0)
         self._slab_sh = tuple(layout.slab_sharding(g, memory_kind) for g in g0)
         self._slab_dev_sh = tuple(layout.slab_sharding(g, "device") for g in g0)
-        self._cache_sh = tuple(tuple(g.cache_sharding for _ in g.layers) for g in g0)
+        self._cache_sh = tuple(tuple(g.cache_sharding for _ in g.layers) for g in g0)  # the runner's own
+        self._cache_in_sh = tuple(layout.sharding(*_cache_spec(g)) for g in g0)  # the same on program_mesh
         self._rep = layout.replicated()
 
     # ---- abstract values ----------------------------------------------
     def _caches_aval(self):
         return tuple(
-            tuple(jax.ShapeDtypeStruct((self.layout.num_blocks, *g.block_shape), g.dtype, sharding=g.cache_sharding)
+            tuple(jax.ShapeDtypeStruct((self.layout.num_blocks, *g.block_shape), g.dtype, sharding=s)
                   for _ in g.layers)
-            for g in self.layout.groups
+            for g, s in zip(self.layout.groups, self._cache_in_sh)
         )
 
     def _staging_aval(self):
@@ -123,15 +123,14 @@ class Programs:
     # ---- builders -------------------------------------------------------
     def _build_gather(self, n: int):
         groups = self.layout.groups
-
-        rows_sh = tuple(NamedSharding(self.layout.mesh, PartitionSpec(None, *g.block_spec)) for g in groups)
+        rows_sh = tuple(self.layout.sharding(None, None, *g.block_spec) for g in groups)
 
         def gather(caches, staging, ids):
             out = []
             for g, layers, st, rsh in zip(groups, caches, staging, rows_sh):
-                # Explicit output sharding: the block dim may be sharded (tpu-inference's BATCH axes).
-                rows = jnp.stack([lax.bitcast_convert_type(c, g.bits).at[ids].get(out_sharding=rsh)
-                                  for c in layers], axis=1)
+                # Auto axes: shardings are constraints, never ``out_sharding`` (Explicit axes only).
+                rows = jnp.stack([lax.bitcast_convert_type(c, g.bits)[ids] for c in layers], axis=1)
+                rows = lax.with_sharding_constraint(rows, rsh)
                 out.append(lax.dynamic_update_slice_in_dim(st, rows, 0, axis=0))
             return tuple(out)
 
@@ -146,7 +145,7 @@ class Programs:
             for g, layers, st in zip(groups, caches, staging):
                 rows = lax.bitcast_convert_type(st[:n], g.dtype)
                 out.append(tuple(
-                    c.at[ids].set(rows[:, i], mode="drop", unique_indices=True, out_sharding=g.cache_sharding)
+                    c.at[ids].set(rows[:, i], mode="drop", unique_indices=True)
                     for i, c in enumerate(layers)
                 ))
             done = jnp.sum(ids >= 0, dtype=jnp.int32)
@@ -221,6 +220,12 @@ class Programs:
         shardings = jax.tree.map(lambda a: a.sharding, avals)
         make = jax.jit(lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), avals), out_shardings=shardings)
         return make()
+
+
+def _cache_spec(g) -> tuple:
+    """The cache's PartitionSpec, block dim included (its first entry)."""
+    spec = tuple(g.cache_sharding.spec)
+    return (spec[0] if spec else None, *g.block_spec)
 
 
 def slab_sh_tree(slab_sh, k: int):
