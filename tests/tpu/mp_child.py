@@ -69,8 +69,11 @@ def main():
             break
         deadline = time.monotonic() + 60
         report = None
+        sending, recving = set(), set()
         while report is None and time.monotonic() < deadline:
-            worker.get_finished()
+            s, r = worker.get_finished()
+            sending |= s or set()
+            recving |= r or set()
             report = worker.take_report()
             if report is None:
                 time.sleep(0.01)
@@ -81,7 +84,8 @@ def main():
                 for layer, c in enumerate(runner.kv_caches) for s in c.addressable_shards
                 for src, dst in cmd["expect"]
             )
-        reply({"report": report.to_dict() if report else None, "ok": ok, "pid": jax.process_index()})
+        reply({"report": report.to_dict() if report else None, "ok": ok, "pid": jax.process_index(),
+               "finished_sending": sorted(sending), "finished_recving": sorted(recving)})
     worker.shutdown()
 
 

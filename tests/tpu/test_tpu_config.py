@@ -87,3 +87,32 @@ def test_shipped_kv_transfer_configs(name):
     assert s.num_slots > 0 and s.staging_blocks >= s.blocks_per_chunk
     if name == "offload-fs.json":
         assert s.config.shared_storage_path
+
+
+def test_reporting_workers_follow_tpu_inference_executors(monkeypatch):
+    """One report per JAX process (host), whatever the TP size (vLLM's world_size)."""
+    from tpu_offload.connector.compat import reporting_workers
+
+    def cfg(backend, bundles=None):
+        pg = SimpleNamespace(bundle_specs=bundles) if bundles is not None else None
+        return SimpleNamespace(parallel_config=SimpleNamespace(distributed_executor_backend=backend,
+                                                               placement_group=pg, world_size=16))
+
+    monkeypatch.delenv("VLLM_RAY_BUNDLE_INDICES", raising=False)
+    assert reporting_workers(cfg("uni")) == 1
+    assert reporting_workers(cfg(None)) == 1
+    hosts = [{"TPU": 8.0, "node:10.0.0.1": 0.001}, {"TPU": 8.0}]
+    assert reporting_workers(cfg("ray", hosts)) == 2
+    assert reporting_workers(cfg("ray", hosts + [{"CPU": 1.0}])) == 2  # a head node without chips runs no worker
+
+    class RayDistributedExecutorV2:  # tpu-inference passes the executor class itself
+        pass
+
+    assert reporting_workers(cfg(RayDistributedExecutorV2, hosts)) == 2
+    monkeypatch.setenv("VLLM_RAY_BUNDLE_INDICES", "0,1,2,3")
+    assert reporting_workers(cfg("ray", hosts)) == 4
+    monkeypatch.delenv("VLLM_RAY_BUNDLE_INDICES")
+    with pytest.raises(RuntimeError, match="placement group"):
+        reporting_workers(cfg("ray"))
+    with pytest.raises(RuntimeError, match="mp"):
+        reporting_workers(cfg("mp"))

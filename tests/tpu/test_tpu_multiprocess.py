@@ -93,7 +93,38 @@ def step_output(req_id, n_tokens):
                            num_scheduled_tokens={req_id: n_tokens})
 
 
-def test_chunk_loadable_only_after_every_process_reported():
+class TwoHostPlacementGroup:
+    """What Ray hands tpu-inference's executor for 2 hosts x 4 chips (only ``bundle_specs`` is read)."""
+
+    bundle_specs = [{"TPU": 4.0, "node:10.0.0.1": 0.001}, {"TPU": 4.0}]
+
+
+def aggregator_for(tiny_model_dir, world_size):
+    """vLLM's real aggregator, built the way EngineCore builds it from our scheduler-side connector."""
+    from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from tpu_offload.connector import TPUOffloadConnector
+    from tpu_standin import make_vllm_config
+
+    vc = make_vllm_config(tiny_model_dir, block_size=BS, num_blocks=16, extra={"num_cpu_chunks": 8})
+    vc.parallel_config.distributed_executor_backend = "ray"
+    vc.parallel_config.placement_group = TwoHostPlacementGroup()
+    conn = TPUOffloadConnector(vc, KVConnectorRole.SCHEDULER)
+    assert conn.get_finished_count() == 2  # one JAX process per host, not one per chip
+    return KVOutputAggregator.from_connector(conn, world_size)
+
+
+def runner_output(reply):
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+    out = ModelRunnerOutput(req_ids=[], req_id_to_index={})
+    out.kv_connector_output = KVConnectorOutput(finished_sending=set(reply["finished_sending"]) or None,
+                                                finished_recving=set(reply["finished_recving"]) or None)
+    return out
+
+
+def test_chunk_loadable_only_after_every_process_reported(tiny_model_dir):
     cfg = OffloadConfig(num_cpu_chunks=8, staging_blocks=4, blocks_per_chunk=1)
     sched = OffloadScheduler(Settings(config=cfg, block_size=BS, blocks_per_chunk=1, num_slots=8, chunk_bytes=0,
                                       staging_blocks=4), ConnectorMetrics(CollectorRegistry()))
@@ -136,6 +167,12 @@ def test_chunk_loadable_only_after_every_process_reported():
         replies = [c.recv() for c in children]
         assert all(r["ok"] for r in replies), "a process's shards were not restored bit-exactly"
         assert {r["pid"] for r in replies} == {0, 1}
+        # vLLM's aggregator: TP 8 over 2 processes is world_size 8 but 2 reports. The async load of
+        # "b" must finish (else the request waits forever and its pinned chunks leak).
+        assert all(r["finished_recving"] == ["b"] for r in replies)
+        outputs = [runner_output(r) for r in replies]
+        agg = aggregator_for(tiny_model_dir, world_size=8)
+        assert agg.aggregate(outputs).kv_connector_output.finished_recving == {"b"}
         sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=OffloadReport.coerce(replies[0]["report"])))
         assert sched.manager.stats().pinned_chunks == 3
         sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=OffloadReport.coerce(replies[1]["report"])))

@@ -78,3 +78,44 @@ def extract_report(output) -> Any:
     if stats is not None and isinstance(getattr(stats, "data", None), dict):
         return stats.data.get(STATS_REPORT_KEY)
     return None
+
+
+def reporting_workers(vllm_config) -> int:
+    """Worker processes whose outputs vLLM's ``KVOutputAggregator`` merges each step.
+
+    The aggregator waits for ``get_finished_count() or parallel_config.world_size``
+    reports of a request before it counts it finished. tpu-inference runs one
+    JAX process per host (SPMD over all of that host's chips), not one per
+    device, so ``world_size`` (TP x PP, e.g. 16) overcounts: a TP 16 job on 2
+    hosts sends 2 reports and would wait forever. The count is read the way
+    tpu-inference's executors create their workers:
+
+    * single host (``"uni"``): one worker (the aggregator is not even used);
+    * Ray (``RayDistributedExecutor`` / ``RayDistributedExecutorV2``): one
+      worker per placement-group bundle that holds TPUs, or per entry of
+      ``VLLM_RAY_BUNDLE_INDICES``.
+    """
+    import os
+
+    pc = vllm_config.parallel_config
+    backend = getattr(pc, "distributed_executor_backend", None)
+    name = backend if isinstance(backend, str) or backend is None else getattr(backend, "__name__", str(backend))
+    if name in (None, "uni", "external_launcher"):
+        return 1
+    if "ray" not in str(name).lower():
+        raise RuntimeError(
+            f"distributed_executor_backend={name!r}: the offload connector knows how many workers report "
+            "only for tpu-inference's executors (uni, RayDistributedExecutor, RayDistributedExecutorV2)")
+    indices = os.environ.get("VLLM_RAY_BUNDLE_INDICES", "").strip()
+    if indices:
+        return len(indices.split(","))
+    pg = getattr(pc, "placement_group", None)
+    bundles = list(getattr(pg, "bundle_specs", None) or [])
+    if not bundles:
+        raise RuntimeError(f"distributed_executor_backend={name!r} but the Ray placement group is not known yet: "
+                           "cannot tell how many worker processes report")
+    with_tpu = [b for b in bundles if b.get(RAY_DEVICE_KEY, 0)]
+    return len(with_tpu) or len(bundles)
+
+
+RAY_DEVICE_KEY = "TPU"  # tpu-inference's TpuPlatform.ray_device_key

@@ -96,6 +96,13 @@ class TPUOffloadConnector(KVConnectorBase_V1):
         # completions are collected even when no request is running.
         return self.scheduler is not None and self.scheduler.has_pending_work()
 
+    def get_finished_count(self) -> int | None:
+        """Reports per request vLLM's aggregator must wait for: one per JAX process (host), not per chip."""
+        n = compat.reporting_workers(self._vllm_config)
+        if self.scheduler is not None:
+            self.scheduler.expected_procs = n
+        return n
+
     def reset_cache(self) -> bool | None:
         return self.scheduler.reset_cache() if self.scheduler is not None else None
 

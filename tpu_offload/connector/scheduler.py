@@ -78,6 +78,7 @@ class OffloadScheduler:
         self._slot_of: dict[ChunkKey, int] = {}  # for write-back: the slot an evicted chunk leaves
         self._fs_bad: set[ChunkKey] = set()  # files that failed to promote: not offered again
         self._procs = 1  # worker processes that must report each order (learned from reports)
+        self.expected_procs: int | None = None  # what get_finished_count told vLLM's aggregator
         self._quarantine: set[ChunkKey] = set()  # present in the index but proved bad: never served
         self._staging_used = 0
         self._fp = fingerprint
@@ -327,6 +328,9 @@ class OffloadScheduler:
         if raw is None:
             return
         report = OffloadReport.coerce(raw)
+        if report.process_count > self._procs and self.expected_procs not in (None, report.process_count):
+            log.error("tpu_offload: %d worker processes report, but vLLM's aggregator was told to wait for %d "
+                      "per request: finished requests will be miscounted", report.process_count, self.expected_procs)
         self._procs = max(self._procs, report.process_count)
         for order, failed in self._complete(self._store_orders, report.stores):
             for k in settle_store(self.manager, order, failed):
