@@ -412,3 +412,14 @@ def test_fuzz_only_config_error(extra, env):
         assert str(e)
         return
     assert isinstance(cfg, OffloadConfig)
+
+
+def test_shared_storage_is_shared_by_default_and_write_back_lag_is_bounded():
+    cfg = OffloadConfig.from_sources({}, env={})
+    assert cfg.fs_write_mode == "write_through" and cfg.fs_write_back_lag_s == 10.0
+    cfg = OffloadConfig.from_sources({"fs_write_mode": "write_back", "fs_write_back_lag_s": "0.5"}, env={})
+    assert cfg.fs_write_back_lag_s == 0.5
+    assert OffloadConfig.from_sources({}, env={"TPU_OFFLOAD_FS_WRITE_BACK_LAG_S": "2"}).fs_write_back_lag_s == 2.0
+    for bad in (-1, "nan", "inf", "soon"):
+        with pytest.raises(ConfigError, match="'fs_write_back_lag_s'.*allowed: a number >= 0"):
+            OffloadConfig.from_sources({"fs_write_back_lag_s": bad}, env={})

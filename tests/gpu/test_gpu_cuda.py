@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_offload.transfer import HostTransferEngine
+from gpu_offload.torch_backend.engine import HostTransferEngine
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

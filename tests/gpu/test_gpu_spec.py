@@ -9,7 +9,7 @@ from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, Cano
 
 from tpu_offload.core.config import ConfigError
 
-from gpu_offload.spec import HostOffloadSpec
+from gpu_offload.spec import HostOffloadSpec  # the configured spec_module_path
 from gpu_offload.testing import offloading_config
 
 PAGE = 128 * 2 * 2 * 64 * 4  # tokens x (K,V) x kv heads x head_dim x fp32 = 128 KiB
@@ -73,7 +73,7 @@ def test_unsized_engine_is_refused_when_used():
 
 
 def test_tpu_only_settings_are_named_not_silently_ignored(monkeypatch):
-    import gpu_offload.spec as spec_mod
+    import gpu_offload.vllm.spec as spec_mod
 
     seen = []
     monkeypatch.setattr(spec_mod.logger, "warning", lambda msg, *a: seen.append(msg % a))

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from gpu_offload import testing
-from gpu_offload.transfer import HostTransferEngine
+from gpu_offload.torch_backend.engine import HostTransferEngine
 
 NUM_BLOCKS = 64
 NUM_SLOTS = 24
@@ -86,7 +86,7 @@ def test_round_trip_bit_exact(strategy, k, dtype, n_blocks):
 
     w.submit_store(1, gpu_spec(blocks), host_spec(slots))
     (res,) = w.get_finished()
-    assert res.success and res.transfer_size == n_blocks * 3 * pages(tensors[0]).shape[1]
+    assert res.ok and res.nbytes == n_blocks * 3 * pages(tensors[0]).shape[1]
     check_slab(w, tensors, blocks, slots, k)
     assert w.pool.valid[slots].all()
 
@@ -94,7 +94,7 @@ def test_round_trip_bit_exact(strategy, k, dtype, n_blocks):
         t[blocks] = 0
     w.submit_load(2, host_spec(slots), gpu_spec(blocks))
     (res,) = w.get_finished()
-    assert res.success and res.transfer_size == n_blocks * 3 * pages(tensors[0]).shape[1]
+    assert res.ok and res.nbytes == n_blocks * 3 * pages(tensors[0]).shape[1]
     for t, o in zip(tensors, originals):
         assert torch.equal(pages(t), pages(o))
     assert w.take_load_error_blocks() == set()
@@ -116,7 +116,7 @@ def test_load_starting_inside_a_chunk(strategy, k):
     dst = [40 + i for i in range(len(want))]
     w.submit_load(2, host_spec(slots), gpu_spec(dst, block_index=skip))
     (res,) = w.get_finished()
-    assert res.success
+    assert res.ok
     for t in tensors:
         assert torch.equal(pages(t)[dst], pages(t)[want])
 
@@ -151,7 +151,7 @@ def test_two_kv_groups_use_their_own_tensors(strategy):
     spec = gpu_spec(g0 + g1, groups=[(4, 0), (3, 0)])
     w.submit_store(1, spec, host_spec(slots))
     (res,) = w.get_finished()
-    assert res.transfer_size == (4 * 2 + 3 * 1) * pages(tensors[0]).shape[1]
+    assert res.nbytes == (4 * 2 + 3 * 1) * pages(tensors[0]).shape[1]
     tensors[0][g0] = 0
     tensors[1][g0] = 0
     tensors[2][g1] = 0
@@ -193,7 +193,7 @@ def test_load_from_an_invalid_slot_is_a_load_error(strategy):
     tensors[0][[1, 2, 3, 4]] = 0
     w.submit_load(2, host_spec(slots), gpu_spec(blocks))
     (res,) = w.get_finished()
-    assert res.success  # never a failed result: vLLM 0.32 would assert
+    assert res.ok  # the job ran; its invalid pages are load errors
     assert w.take_load_error_blocks() == {3, 4}
     assert w.take_load_error_blocks() == set()  # reported once
     assert torch.equal(pages(tensors[0])[[1, 2]], expect_ok)  # the valid chunk still loaded
@@ -206,7 +206,7 @@ def test_injected_failures_fail_whole_jobs_and_leave_slots_invalid():
     testing.fail_next_stores(w, 1)
     w.submit_store(1, gpu_spec([1, 2]), host_spec([0, 1]))
     (res,) = w.get_finished()
-    assert res.success and res.transfer_size is None and w.stats.store_failures == 1
+    assert not res.ok and res.nbytes is None and w.stats.store_failures == 1
     assert not w.pool.valid[[0, 1]].any()
 
     w.submit_store(2, gpu_spec([1, 2]), host_spec([0, 1]))
@@ -214,7 +214,7 @@ def test_injected_failures_fail_whole_jobs_and_leave_slots_invalid():
     testing.fail_next_loads(w, 1)
     w.submit_load(3, host_spec([0, 1]), gpu_spec([5, 6]))
     (res,) = w.get_finished()
-    assert res.success and w.take_load_error_blocks() == {5, 6}
+    assert not res.ok and w.take_load_error_blocks() == {5, 6}
     w.submit_load(4, host_spec([0, 1]), gpu_spec([5, 6]))  # the hook fired once only
     w.get_finished()
     assert w.take_load_error_blocks() == set()
@@ -225,7 +225,7 @@ def test_malformed_spec_is_a_failed_job_not_an_exception():
     w = make_engine([kv_tensor(torch.float32, 0)], 2, "direct")
     assert w.submit_load(1, host_spec([0]), gpu_spec([1, 2, 3])) is True  # needs 2 slots
     (res,) = w.get_finished()
-    assert res.success and w.take_load_error_blocks() == {1, 2, 3}
+    assert not res.ok and w.take_load_error_blocks() == {1, 2, 3}
     assert w.submit_store(2, gpu_spec([NUM_BLOCKS + 5]), host_spec([0])) is True  # bad block id
     w.get_finished()
     assert w.stats.store_failures == 1

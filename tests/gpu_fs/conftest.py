@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpu_offload.tiny_model import TinyLlama
+from gpu_offload.testing.tiny_model import TinyLlama
 
 
 @pytest.fixture(scope="session")

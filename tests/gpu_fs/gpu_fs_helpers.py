@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from gpu_offload import selection
+from gpu_offload.vllm import selection
 from gpu_offload.testing import offloading_config  # noqa: F401  (re-exported for the tests)
 
 

@@ -9,6 +9,7 @@ A second engine over the same directory stands in for another process.
 from __future__ import annotations
 
 import os
+import time
 import types
 
 import numpy as np
@@ -18,8 +19,8 @@ import torch
 from tpu_offload.core.fs import FileTier
 from tpu_offload.core.keys import LayoutFingerprint
 
-from gpu_offload.fs_specs import HostLoadSpec, HostStoreSpec
-from gpu_offload.transfer import HostTransferEngine
+from gpu_offload.vllm.fs_specs import HostLoadSpec, HostStoreSpec
+from gpu_offload.torch_backend.engine import HostTransferEngine
 
 NUM_BLOCKS, NUM_SLOTS, K = 32, 8, 2
 PAGES = (4096, 8192)  # two canonical tensors with different page sizes
@@ -215,3 +216,67 @@ def test_unplaced_chunk_fails_the_load_job(root):
     finish(b, [1])
     assert b.take_load_error_blocks() == {4, 5}
     b.shutdown()
+
+
+def _published(tier: FileTier, k: bytes) -> bool:
+    return os.path.exists(tier.path_of(k))
+
+
+def test_write_back_publishes_an_idle_engines_chunks_within_the_lag(root):
+    """No engine step after the store: the drainer thread still writes them."""
+    ts = tensors(0)
+    a = HostTransferEngine(ts, list(PAGES), [(0, 1)], NUM_SLOTS, K, strategy="direct")
+    a.attach_files(FileTier(str(root), FP, a.pool.chunk_bytes, capacity_bytes=None, threads=2),
+                   "write_back", write_back_lag_s=0.3)
+    t0 = time.monotonic()
+    store(a, 1, [0, 1, 2, 3], [0, 1], [key(1), key(2)])
+    assert not _published(a.fs.tier, key(1)) and a.fs.dirty_chunks == 2  # held back for the lag
+    while not (_published(a.fs.tier, key(1)) and _published(a.fs.tier, key(2))):
+        assert time.monotonic() - t0 < 5.0, "write-back lag not honoured"
+        time.sleep(0.02)
+    assert time.monotonic() - t0 >= 0.3 and a.fs.stats.lag_writes == 2 and a.fs.dirty_chunks == 0
+    assert np.array_equal(file_payload(a.fs.tier, key(2)), expected_row(ts, [2, 3]))
+    store(a, 2, [4, 5], [0], [key(3)], evicted=[key(1)])  # already on file: not written again
+    assert a.fs.flush(10) and a.fs.stats.write_backs == 0
+    a.shutdown()
+
+
+def test_write_back_chunks_still_in_ram_reach_the_files_at_shutdown(root):
+    a, ts = engine(root, mode="write_back")  # no lag: only eviction or shutdown writes
+    store(a, 1, [0, 1, 2, 3, 4, 5], [0, 1, 2], [key(1), key(2), key(3)])
+    assert a.fs.flush(10) and not any(_published(a.fs.tier, key(i)) for i in (1, 2, 3))
+    a.shutdown()
+    assert a.fs.stats.shutdown_writes == 3 and a.fs.stats.writes_dropped == 0
+    b, _ = engine(root, seed=1)  # another process's view of the directory
+    for i, blocks in ((1, [0, 1]), (2, [2, 3]), (3, [4, 5])):
+        assert np.array_equal(file_payload(b.fs.tier, key(i)), expected_row(ts, blocks))
+    b.shutdown()
+
+
+def test_worker_sends_file_tier_metrics_through_vllms_channel(root):
+    from gpu_offload.vllm import metrics
+    from gpu_offload.vllm.worker import HostOffloadWorker
+
+    w = HostOffloadWorker(tensors(0), list(PAGES), [(0, 1)], NUM_SLOTS, K, strategy="direct",
+                          tokens_per_block=[16], rank=3)
+    w.fs_metrics = metrics.worker_fs_metrics()
+    w.attach_files(FileTier(str(root), FP, w.pool.chunk_bytes, capacity_bytes=1 << 30, threads=2,
+                            fs_metrics=w.fs_metrics))
+    store(w, 1, [0, 1, 2, 3], [0, 1], [key(1), key(2)])
+    assert w.fs.flush(10)
+    w.submit_load(2, HostLoadSpec([1], [key(2)], [False]), gpu([9]))  # one block of chunk 2: 16 tokens
+    finish(w, [2])
+    data = w.take_connector_stats().data["data"]
+    declared = metrics.metric_definitions()
+    assert set(data) <= set(declared)
+    assert data[metrics.FS_BYTES][("fs", "write")] == 2 * w.pool.chunk_bytes
+    assert len(data[metrics.FS_LATENCY][("fs", "write")]) == 2
+    assert data[metrics.FS_GAUGES["files"]][("fs", "3")] == 2
+    assert data[metrics.FS_GAUGES["capacity_bytes"]][("fs", "3")] == 1 << 30
+    assert data[metrics.FS_STATE][("fs", "3", "rw")] == 1
+    assert metrics.HIT_TOKENS not in data  # hits are sent by rank 0 only (vLLM sums over ranks)
+    again = w.take_connector_stats().data["data"]  # counters are deltas
+    assert metrics.FS_BYTES not in again and metrics.FS_LATENCY not in again
+    w.rank = w._stats.rank = 0
+    assert w.take_connector_stats().data["data"][metrics.HIT_TOKENS] == {("cpu",): 16}
+    w.shutdown()

@@ -11,7 +11,9 @@ stride), so each run of consecutive host slots crosses the bus as one large
 memcpy; partially covered chunks copy only the sub-block spans they own.
 Loads copy whole rows in and scatter on the device. The staging buffer holds
 ``capacity`` slots; longer transfers are cut into pieces that reuse it in
-stream order. The same code runs on CPU tensors, which is how CI checks it.
+stream order. Row runs are also cut at multiples of ``piece_rows`` (the host
+slab's registration pieces), so no memcpy straddles two registrations. The
+same code runs on CPU tensors, which is how CI checks it.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from gpu_offload.layout import HostLayout, PagedRows
-from gpu_offload.plan import GroupPages, TransferPlan, runs
+from gpu_offload.torch_backend.layout import HostLayout, PagedRows
+from gpu_offload.torch_backend.plan import GroupPages, TransferPlan, piece_spans, runs
 
 # A run is copied with narrow() when it is long enough to beat a gather.
 RUN_MIN_PAGES = 4
@@ -90,6 +92,7 @@ class StagedCopier:
         staging: PagedRows,
         upload: Callable[[np.ndarray], torch.Tensor],
         non_blocking: bool,
+        piece_rows: int | None = None,
     ):
         self.engine = engine
         self.host_rows = host_rows  # (num_slots, stride) int8 on the CPU
@@ -98,6 +101,8 @@ class StagedCopier:
         self.capacity = staging.rows.shape[0]
         self.upload = upload
         self.nb = non_blocking
+        self.piece_rows = piece_rows
+        self.row_copies: list[tuple[int, int]] | None = None  # tests: (first host row, rows) per memcpy
         self._all_tensors = tuple(range(self.layout.num_tensors))
 
     # ---- planning: one packed index upload per transfer ------------------------
@@ -168,8 +173,7 @@ class StagedCopier:
             return
         slots = plan.slots[pos]
         for s, n in zip(*(x.tolist() for x in runs(pos, slots))):
-            i0, s0 = int(pos[s]) - p0, int(slots[s])
-            self.staging.rows[i0 : i0 + n].copy_(self.host_rows[s0 : s0 + n], non_blocking=self.nb)
+            self._copy_rows(int(pos[s]) - p0, int(slots[s]), n, to_host=False)
 
     def _rows_to_host(self, plan: TransferPlan, p0: int, work) -> None:
         """Full chunks go out as whole rows; partial ones only as their own spans."""
@@ -181,11 +185,22 @@ class StagedCopier:
             if len(fpos):
                 fslots = plan.slots[fpos]
                 for s, n in zip(*(x.tolist() for x in runs(fpos, fslots))):
-                    i0, s0 = int(fpos[s]) - p0, int(fslots[s])
-                    self.host_rows[s0 : s0 + n].copy_(self.staging.rows[i0 : i0 + n], non_blocking=self.nb)
+                    self._copy_rows(int(fpos[s]) - p0, int(fslots[s]), n, to_host=True)
             for j in np.flatnonzero(~full).tolist():
                 i, slot = int(pos[j]) - p0, int(plan.slots[pos[j]])
                 j0 = int(g.sub[lo + first[j]])
                 for t in g.tensors:
                     a, b = self.layout.tensor_span(t, j0, j0 + int(count[j]))
                     self.host_rows[slot, a:b].copy_(self.staging.rows[i, a:b], non_blocking=self.nb)
+
+    def _copy_rows(self, i0: int, s0: int, n: int, to_host: bool) -> None:
+        """Staging rows [i0, i0+n) <-> host rows [s0, s0+n), one memcpy per registration piece."""
+        for off, m in piece_spans(s0, n, self.piece_rows):
+            host = self.host_rows[s0 + off : s0 + off + m]
+            staged = self.staging.rows[i0 + off : i0 + off + m]
+            if to_host:
+                host.copy_(staged, non_blocking=self.nb)
+            else:
+                staged.copy_(host, non_blocking=self.nb)
+            if self.row_copies is not None:
+                self.row_copies.append((s0 + off, m))

@@ -30,7 +30,7 @@ from tpu_offload.core.fs.format import HEADER_SIZE
 from tpu_offload.core.fs.layout import chunk_dir_and_path, key_hex
 from tpu_offload.core.keys import LayoutFingerprint
 
-from gpu_offload.vllm_compat import CPULoadStoreSpec
+from gpu_offload.vllm.compat import CPULoadStoreSpec
 
 
 class HostStoreSpec(CPULoadStoreSpec):

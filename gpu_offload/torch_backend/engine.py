@@ -1,17 +1,18 @@
 """Transfer engine: engine KV blocks <-> slots of a host ``HostChunkPool``.
 
-It is vLLM's ``OffloadingWorker`` for our host tier (one instance per worker
-rank). On CUDA, transfers are asynchronous on per-direction streams
+One instance per worker rank; ``gpu_offload.vllm.worker`` makes it vLLM's
+``OffloadingWorker`` (this module imports no vLLM, so a benchmark on a bare
+CUDA box needs only torch). On CUDA, transfers are asynchronous on per-direction streams
 (``cuda_lane``); on vLLM's CPU platform they are plain synchronous copies, so
 the whole path runs in CI.
 
 Failure contract. A failed transfer must become a recompute, never wrong KV
-and never a crash: vLLM 0.32 asserts ``TransferResult.success``. So every job
-is reported finished with ``success=True``; a failed load keeps the engine
-block ids it could not fill, and ``take_load_error_blocks`` hands them to the
-scheduler (see ``vllm_compat.install_load_error_reporting``) in the same step
-the job is reported. A failed store leaves its slots marked invalid in
-``pool.valid``, so any later load from them is a load error too.
+and never a crash. Every job is reported finished (``JobResult.ok`` says
+whether it moved its bytes); a failed load keeps the engine block ids it
+could not fill, and ``take_load_errors`` hands them and the job ids to the
+adapter in the same step the job is reported. A failed store leaves its
+slots marked invalid in ``pool.valid``, so any later load from them is a
+load error too.
 
 With a file tier attached (``attach_files``), ``gpu_offload.fs_link`` does
 the file I/O: a load whose spec promotes chunks waits (off the engine
@@ -28,12 +29,11 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from gpu_offload import testing
-from gpu_offload.copy_ops import DirectCopier, StagedCopier
-from gpu_offload.fs_link import FileLink, Promotion
-from gpu_offload.layout import HostLayout, PagedRows
-from gpu_offload.plan import TransferPlan, TransferPlanner
-from gpu_offload.vllm_compat import OffloadingWorker, TransferResult, get_logger
+from gpu_offload._log import get_logger
+from gpu_offload.torch_backend.copy_ops import DirectCopier, StagedCopier
+from gpu_offload.torch_backend.fs_link import FileLink, Promotion
+from gpu_offload.torch_backend.layout import HostLayout, PagedRows
+from gpu_offload.torch_backend.plan import TransferPlan, TransferPlanner
 from tpu_offload.core.pool import PAGE, HostChunkPool
 
 logger = get_logger(__name__)
@@ -44,6 +44,17 @@ class InjectedFailure(RuntimeError):
 
 
 @dataclasses.dataclass
+class JobResult:
+    """One finished job. ``ok``: its bytes moved (a load may still have left
+    some blocks unfilled: they are in ``take_load_errors``)."""
+
+    job_id: int
+    ok: bool
+    nbytes: int | None = None
+    seconds: float | None = None
+
+
+@dataclasses.dataclass
 class _Job:
     job_id: int
     is_store: bool
@@ -51,6 +62,7 @@ class _Job:
     slots: np.ndarray | None = None  # store: slots to mark valid on success
     keys: list | None = None  # store: chunk key per slot (file tier)
     failed: list[int] = dataclasses.field(default_factory=list)  # load: blocks left unfilled
+    hits: dict | None = None  # load: {tier: (chunks, tokens)} it moves, counted once it lands
     nbytes: int = 0
     seconds: float | None = None
     error: BaseException | None = None
@@ -72,6 +84,7 @@ class EngineStats:
     store_failures: int = 0  # jobs whose slots stayed invalid
     load_error_jobs: int = 0
     load_error_blocks: int = 0
+    loaded_tokens: int = 0  # tokens whose KV loads landed (partial chunks count their part)
 
 
 @dataclasses.dataclass
@@ -83,6 +96,7 @@ class _DeferredLoad:
     dst_spec: Any
     expedited: bool
     promotion: Promotion | None
+    filed_slots: frozenset = frozenset()  # slots of this job filled from files (hit tier "fs")
 
 
 class _SyncLane:
@@ -115,12 +129,13 @@ def _as_pages(tensor: torch.Tensor, page_bytes: int) -> torch.Tensor:
     return t
 
 
-class HostTransferEngine(OffloadingWorker):
+class HostTransferEngine:
     """Moves chunks between engine blocks and a preallocated host slab.
 
     ``strategy``: ``"direct"`` (same-device page copies; the CPU default),
     ``"staged"`` (device gather + whole-row DMA; the CUDA default, also
-    runnable on CPU for tests) or ``"auto"``.
+    runnable on CPU for tests) or ``"auto"``. ``tokens_per_block``: per KV
+    group, for counting the tokens a load actually moved (``hits``).
     """
 
     def __init__(
@@ -135,6 +150,8 @@ class HostTransferEngine(OffloadingWorker):
         strategy: str = "auto",
         pin: bool = True,
         zero_pool: bool = False,
+        tokens_per_block: Sequence[int] | None = None,
+        piece_rows: int | None = None,
     ):
         self.layout = HostLayout.build(page_bytes, blocks_per_chunk)
         self.engine = [_as_pages(t, p) for t, p in zip(tensors, page_bytes)]
@@ -149,48 +166,71 @@ class HostTransferEngine(OffloadingWorker):
         if strategy not in ("direct", "staged") or (strategy == "direct" and self.device.type != "cpu"):
             raise ValueError(f"strategy {strategy!r} is not available on device {self.device}")
         self.strategy = strategy
+        self.tokens_per_block = tuple(tokens_per_block) if tokens_per_block else (0,) * len(group_tensors)
+        if len(self.tokens_per_block) != len(group_tensors):
+            raise ValueError(f"tokens_per_block has {len(self.tokens_per_block)} entries for "
+                             f"{len(group_tensors)} KV groups")
         self.pool = HostChunkPool(num_slots, self.layout.chunk_bytes, zero=zero_pool)
         self.host_rows = torch.from_numpy(self.pool.slab).view(torch.int8)
         self.planner = TransferPlanner(blocks_per_chunk, group_tensors, self.num_engine_blocks, num_slots)
         self.stats = EngineStats()
+        self.hits = {"cpu": [0, 0], "fs": [0, 0]}  # tier -> [chunks, tokens] of loads that landed
+        self.closed = False
         self._done: list[_Job] = []
         self._load_errors: set[int] = set()
+        self._failed_load_jobs: set[int] = set()
         self._forced_load_failures = 0  # test hooks (gpu_offload.testing)
         self._forced_store_failures = 0
-        self._registered: list[int] = []
+        self._registered: list = []
+        self._piece_rows = piece_rows  # copies never cross a multiple of it (registration pieces)
         self.fs: FileLink | None = None
         self._deferred: list[_DeferredLoad] = []
         self._promoting_slots: set[int] = set()
         if self.is_cuda and pin:
-            from gpu_offload import cuda_lane
+            from gpu_offload.torch_backend import cuda_lane
 
-            self._registered = cuda_lane.register_host_rows(self.host_rows)
+            self._registered, pinned_rows = cuda_lane.register_host_rows(self.host_rows)
+            if pinned_rows is not None:
+                self._piece_rows = pinned_rows
         if not self._registered:
             _prefault(self.pool.slab)
         staging_slots = max(1, staging_blocks // blocks_per_chunk)
+        self.device_bytes = 0  # device memory we allocate (outside vLLM's gpu_memory_utilization)
         self._store_lane, self._load_lane, self._make_expedited = self._lanes(staging_slots)
         self._expedited_lane = None
-        testing.register(self)
         logger.info(
             "host tier worker: %d slots x %d B (%.1f MiB), %d tensors, %d blocks/chunk, %s on %s%s",
             num_slots, self.layout.chunk_bytes, self.pool.nbytes / 2**20, self.layout.num_tensors,
             blocks_per_chunk, strategy, self.device, ", pinned" if self._registered else "",
         )
+        if self.is_cuda:
+            logger.info(
+                "host tier worker: %.1f MiB of device memory for staging and index buffers (up to "
+                "%.1f MiB once the expedited lane starts), outside gpu_memory_utilization: leave "
+                "that headroom", self.device_bytes / 2**20, 1.5 * self.device_bytes / 2**20,
+            )
 
     @classmethod
     def from_canonical(cls, kv_caches, num_slots: int, blocks_per_chunk: int, **kw) -> "HostTransferEngine":
-        """From vLLM's ``CanonicalKVCaches``."""
+        """From vLLM's ``CanonicalKVCaches`` (duck-typed: no vLLM import)."""
         tensors = [ct.tensor for ct in kv_caches.tensors]
         pages = [ct.page_size_bytes for ct in kv_caches.tensors]
         groups = [tuple(sorted({r.tensor_idx for r in refs})) for refs in kv_caches.group_data_refs]
         return cls(tensors, pages, groups, num_slots, blocks_per_chunk, **kw)
 
-    def attach_files(self, tier, write_mode: str = "write_back", ring_slots: int | None = None) -> FileLink:
+    def owns(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """Whether ``tensors`` are the engine KV tensors this engine was built on."""
+        mine = [(t.device, t.data_ptr()) for t in self.engine]
+        return len(tensors) == len(mine) and all(
+            (t.device, t.data_ptr()) == m for t, m in zip(tensors, mine))
+
+    def attach_files(self, tier, write_mode: str = "write_through", ring_slots: int | None = None,
+                     write_back_lag_s: float | None = None) -> FileLink:
         """Put a ``FileTier`` under this worker's host slab (see ``fs_link``)."""
-        self.fs = FileLink(tier, self.pool, write_mode, ring_slots)
+        self.fs = FileLink(tier, self.pool, write_mode, ring_slots, write_back_lag_s=write_back_lag_s)
         return self.fs
 
-    # ---- OffloadingWorker ----------------------------------------------------
+    # ---- jobs ------------------------------------------------------------------
     def submit_store(self, job_id: int, src_spec, dst_spec) -> bool:
         job = _Job(job_id, True, np.asarray(src_spec.block_ids))
         try:
@@ -229,7 +269,8 @@ class HostTransferEngine(OffloadingWorker):
                 return True
         return self._submit_load_now(job_id, src_spec, dst_spec, expedited)
 
-    def _submit_load_now(self, job_id: int, src_spec, dst_spec, expedited: bool) -> bool:
+    def _submit_load_now(self, job_id: int, src_spec, dst_spec, expedited: bool,
+                         filed_slots: frozenset = frozenset()) -> bool:
         job = _Job(job_id, False, np.asarray(dst_spec.block_ids))
         try:
             if self._forced_load_failures > 0:
@@ -238,6 +279,7 @@ class HostTransferEngine(OffloadingWorker):
             plan = self.planner.plan(dst_spec.block_ids, dst_spec.group_sizes,
                                      dst_spec.block_indices, src_spec.block_ids)
             plan = self._drop_invalid(plan, job)
+            job.hits = self._hits_of(plan, filed_slots)
             self.stats.loaded_pages += plan.num_pages
             lane = self._lane_for(expedited)
             job.nbytes = lane.submit(job, plan, to_host=False) if plan.num_pages else 0
@@ -248,7 +290,7 @@ class HostTransferEngine(OffloadingWorker):
             self._done.append(job)
         return True
 
-    def get_finished(self) -> list[TransferResult]:
+    def get_finished(self) -> list[JobResult]:
         if self._deferred:
             self._run_ready_loads()
         done, self._done = self._done, []
@@ -271,6 +313,9 @@ class HostTransferEngine(OffloadingWorker):
                     lane.wait(job_ids)
 
     def shutdown(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
         if self.is_cuda:
             for lane in (self._store_lane, self._load_lane, self._expedited_lane):
                 if lane is not None:
@@ -278,53 +323,62 @@ class HostTransferEngine(OffloadingWorker):
                         lane.drain()
                     except Exception:
                         logger.exception("draining a transfer lane failed")
-            from gpu_offload import cuda_lane
+            from gpu_offload.torch_backend import cuda_lane
 
             if self._registered:
                 cuda_lane.unregister_host(self._registered)
         if self.fs is not None:
             try:
-                self.fs.close()  # lets queued writes finish: files are complete or absent
+                self.fs.close()  # drains write-back, lets queued writes finish: files are complete or absent
             except Exception:
                 logger.exception("closing the file tier failed")
-        testing.unregister(self)
         logger.debug("host tier worker shut down: %s", self.stats)
 
     # ---- load errors -----------------------------------------------------------
+    def take_load_errors(self) -> tuple[set[int], set[int]]:
+        """(engine blocks not filled, ids of the load jobs they belong to) of
+        the jobs finished since the last call; cleared on read."""
+        out = (self._load_errors, self._failed_load_jobs)
+        self._load_errors, self._failed_load_jobs = set(), set()
+        return out
+
     def take_load_error_blocks(self) -> set[int]:
-        """Engine blocks of finished loads that were not filled; cleared on read."""
-        errors, self._load_errors = self._load_errors, set()
-        return errors
+        return self.take_load_errors()[0]
 
     # ---- internals -------------------------------------------------------------
     def _run_ready_loads(self) -> None:
         """Submit deferred loads in order, up to the first whose reads are not in."""
         while self._deferred:
             d = self._deferred[0]
+            filed: frozenset = frozenset()
             if d.promotion is not None:
                 if not d.promotion.ready():
                     return
                 self.fs.finish_promotion(d.promotion)
                 self._promoting_slots.difference_update(d.promotion.slots)
+                filed = frozenset(s for s, ok in zip(d.promotion.slots, d.promotion.ok) if ok)
             self._deferred.pop(0)
-            self._submit_load_now(d.job_id, d.src_spec, d.dst_spec, d.expedited)
+            self._submit_load_now(d.job_id, d.src_spec, d.dst_spec, d.expedited, filed)
 
     def _lanes(self, staging_slots: int):
         """(store lane, load lane, factory of the expedited-load lane)."""
         if self.is_cuda:
-            from gpu_offload import cuda_lane
+            from gpu_offload.torch_backend import cuda_lane
 
             def lane(priority: int = 0):
                 return cuda_lane.CudaLane(self.engine, self.host_rows, self.layout, staging_slots,
-                                          index_capacity=4 * self.num_engine_blocks, priority=priority)
+                                          index_capacity=4 * self.num_engine_blocks, priority=priority,
+                                          piece_rows=self._piece_rows)
 
-            return lane(), lane(), lambda: lane(-1)  # expedited: higher stream priority
+            store, load = lane(), lane()
+            self.device_bytes = store.device_bytes + load.device_bytes
+            return store, load, lambda: lane(-1)  # expedited: higher stream priority
         if self.strategy == "direct":
             copier = DirectCopier(self.engine, PagedRows(self.host_rows, self.layout))
         else:
             staging = torch.empty((staging_slots, self.pool.stride), dtype=torch.int8, device=self.device)
             copier = StagedCopier(self.engine, self.host_rows, PagedRows(staging, self.layout),
-                                  upload=torch.from_numpy, non_blocking=False)
+                                  upload=torch.from_numpy, non_blocking=False, piece_rows=self._piece_rows)
         sync = _SyncLane(copier)
         return sync, sync, lambda: sync
 
@@ -355,7 +409,30 @@ class HostTransferEngine(OffloadingWorker):
             groups.append(g.select(ok))
         return TransferPlan(groups, plan.slots)
 
-    def _finish(self, job: _Job) -> TransferResult:
+    def _hits_of(self, plan: TransferPlan, filed_slots: frozenset) -> dict:
+        """{tier: (chunks, tokens)} this plan moves. Tokens: the deepest group
+        (pages x its block size), so a load that enters a chunk mid-way counts
+        only its own blocks; chunks: distinct slots with a page moved."""
+        out = {}
+        filed = np.fromiter(filed_slots, dtype=np.int64) if filed_slots else None
+        for tier in ("cpu", "fs"):
+            tokens, slots = 0, set()
+            for g in plan.groups:
+                if filed is None:
+                    mask = None if tier == "cpu" else np.zeros(g.num_pages, bool)
+                else:
+                    mask = np.isin(g.slot, filed)
+                    if tier == "cpu":
+                        mask = ~mask
+                sl = g.slot if mask is None else g.slot[mask]
+                tpb = self.tokens_per_block[g.index]
+                tokens = max(tokens, len(sl) * tpb)
+                slots.update(np.unique(sl).tolist())
+            if slots:
+                out[tier] = (len(slots), tokens)
+        return out
+
+    def _finish(self, job: _Job) -> JobResult:
         s = self.stats
         if job.error is not None:
             logger.error("%s job %d failed: %r", "store" if job.is_store else "load", job.job_id, job.error)
@@ -377,14 +454,13 @@ class HostTransferEngine(OffloadingWorker):
                 s.load_error_jobs += 1
                 s.load_error_blocks += len(job.failed)
                 self._load_errors.update(job.failed)
+                self._failed_load_jobs.add(job.job_id)
             if job.error is None:
                 s.loaded_bytes += job.nbytes
                 s.load_seconds += job.seconds or 0.0
+                for tier, (chunks, tokens) in (job.hits or {}).items():
+                    self.hits[tier][0] += chunks
+                    self.hits[tier][1] += tokens
+                    s.loaded_tokens += tokens
         ok = job.error is None
-        # success=True even for a failed job: vLLM 0.32 asserts it; the failure
-        # travels as load-error block ids instead.
-        return TransferResult(
-            job_id=job.job_id, success=True,
-            transfer_size=job.nbytes if ok else None,
-            transfer_time=job.seconds if ok else None,
-        )
+        return JobResult(job.job_id, ok, job.nbytes if ok else None, job.seconds if ok else None)

@@ -27,6 +27,7 @@ class GroupPages:
     pos: np.ndarray  # int64 index into the transfer's slot list (non-decreasing)
     slot: np.ndarray  # int64 host slot of each page
     sub: np.ndarray  # int64 sub-block of each page inside its chunk
+    index: int = 0  # the KV group's position in the spec
 
     @property
     def num_pages(self) -> int:
@@ -34,7 +35,7 @@ class GroupPages:
 
     def select(self, mask: np.ndarray) -> "GroupPages":
         """A copy holding only the masked pages (error paths only)."""
-        return GroupPages(self.tensors, self.gpu[mask], self.pos[mask], self.slot[mask], self.sub[mask])
+        return GroupPages(self.tensors, self.gpu[mask], self.pos[mask], self.slot[mask], self.sub[mask], self.index)
 
 
 @dataclasses.dataclass
@@ -108,7 +109,7 @@ class TransferPlanner:
             pos += s_off
             np.remainder(sub, self.k, out=sub)
             np.take(slots_all, pos, out=slot)
-            groups.append(GroupPages(self.group_tensors[g], gpu, pos, slot, sub))
+            groups.append(GroupPages(self.group_tensors[g], gpu, pos, slot, sub, g))
             b_off += n
             s_off += n_slots
         if s_off != len(slots_all):
@@ -125,3 +126,17 @@ def runs(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     starts = np.concatenate(([0], breaks))
     lengths = np.diff(np.concatenate((starts, [n])))
     return starts, lengths
+
+
+def piece_spans(start: int, n: int, piece: int | None):
+    """Cut rows ``[start, start + n)`` at multiples of ``piece``: (offset, length)
+    pairs, offsets relative to ``start``. ``piece`` None: one span."""
+    if piece is None or n <= 0:
+        if n > 0:
+            yield 0, n
+        return
+    off = 0
+    while off < n:
+        m = min(n - off, piece - (start + off) % piece)
+        yield off, m
+        off += m

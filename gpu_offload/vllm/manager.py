@@ -20,6 +20,11 @@ host to files. ``prepare_load`` gives a file-resident chunk a host slot
 (store + complete + pin in the core index, so it is pinned like any load)
 and marks it ``promote`` in the spec; the worker fills the slot from the
 file, then copies it to the device. The manager never reads or writes a file.
+
+Hits: ``hit_chunks`` / ``fs_hit_chunks`` count chunks handed to loads here
+(tests and the demo read them). The exported ``tpu_offload_hit_*`` series
+come from the worker instead (``gpu_offload.vllm.worker``): it knows which
+blocks actually landed, including loads that cover only part of a chunk.
 """
 
 from __future__ import annotations
@@ -29,26 +34,24 @@ from typing import TYPE_CHECKING, Collection, Iterable
 from tpu_offload.core.lru import LRUChunkManager
 from tpu_offload.core.manager import Lookup
 
-from gpu_offload import metrics, testing
-from gpu_offload.fs_specs import HostLoadSpec, HostStoreSpec
-from gpu_offload.vllm_compat import (
+from gpu_offload._log import get_logger
+from gpu_offload.vllm import metrics
+from gpu_offload.vllm.compat import (
     DISK_HIT_SOURCE,
     HOST_HIT_SOURCE,
     CPULoadStoreSpec,
     LookupResult,
     ManagerCompat,
-    get_logger,
     OffloadingManager,
     PrepareStoreOutput,
     RequestOffloadingContext,
     make_event,
-    require_vllm,
 )
+from gpu_offload.vllm.fs_specs import HostLoadSpec, HostStoreSpec
 
 if TYPE_CHECKING:
-    from gpu_offload.fs_specs import FileView
+    from gpu_offload.vllm.fs_specs import FileView
 
-require_vllm("gpu_offload.manager")
 logger = get_logger(__name__)
 
 _LOOKUP = {Lookup.MISS: LookupResult.MISS, Lookup.HIT: LookupResult.HIT, Lookup.PENDING: LookupResult.HIT_PENDING}
@@ -87,13 +90,13 @@ class HostTierManager(ManagerCompat, OffloadingManager):
         self._promoting: dict = {}  # key -> in-flight loads that promote it (get_load_source)
         self._unplaced: dict = {}  # key -> in-flight loads it could not be placed in
         # Since the last get_stats.
-        self._pending_hits = self._pending_stored = self._pending_fs_hits = 0
+        self._pending_stored = 0
         self._evictions_seen = 0
         self._alloc_sizes: list[int] = []
-        testing.register_manager(self)
+        self.closed = False
 
     def shutdown(self) -> None:
-        testing.unregister_manager(self)
+        self.closed = True
 
     def _new_index(self) -> LRUChunkManager:
         return LRUChunkManager(self.num_chunks, self.chunk_bytes, enable_events=self.enable_events)
@@ -163,9 +166,7 @@ class HostTierManager(ManagerCompat, OffloadingManager):
 
     def _count_hits(self, host: int, files: int) -> None:
         self.hit_chunks += host
-        self._pending_hits += host
         self.fs_hit_chunks += files
-        self._pending_fs_hits += files
 
     def touch(self, keys: Collection, req_context) -> None:
         if self._forgotten:
@@ -255,14 +256,11 @@ class HostTierManager(ManagerCompat, OffloadingManager):
         self._evictions_seen = self._lru.evictions
         out = metrics.build_stats(
             self._lru.stats(),
-            hit_chunks=self._pending_hits,
-            tokens_per_chunk=self.tokens_per_chunk,
             stored_chunks=self._pending_stored,
             evicted_chunks=evicted,
             allocation_sizes=self._alloc_sizes,
-            fs_hit_chunks=self._pending_fs_hits,
         )
-        self._pending_hits = self._pending_stored = self._pending_fs_hits = 0
+        self._pending_stored = 0
         self._alloc_sizes = []
         return out
 

@@ -1,16 +1,18 @@
 """TEST-ONLY hooks into live transfer engines. Not for production use.
 
 End-to-end tests run a real vLLM engine whose worker lives deep inside the
-engine core; these hooks reach it without monkey-patching vLLM:
+engine core; these helpers reach it without production code knowing:
 
-* ``live_workers()`` / ``the_manager()`` — engines (and scheduler-side
-  managers) created in this process and not shut down.
-* ``corrupt_slot(worker, slot)`` — overwrite a host slot's bytes while it
+* ``live_workers()`` / ``live_managers()`` / ``the_worker()`` /
+  ``the_manager()``: our workers and scheduler-side managers alive in this
+  process (through ``HostOffloadSpec.instances``; not shut down).
+* ``corrupt_slot(worker, slot)``: overwrite a host slot's bytes while it
   stays marked valid, to prove restored KV is what the model reads.
-* ``fail_next_loads(worker, n)`` — the next ``n`` load jobs raise inside the
-  transfer, to exercise the load-error → recompute path.
-* ``fail_next_stores(worker, n)`` — the next ``n`` store jobs raise, leaving
+* ``fail_next_loads(worker, n)``: the next ``n`` load jobs raise inside the
+  transfer, to exercise the load-error -> recompute path.
+* ``fail_next_stores(worker, n)``: the next ``n`` store jobs raise, leaving
   their slots invalid, so a later hit on them must be recomputed.
+* ``offloading_config(...)``: vLLM's ``OffloadingConfig`` without an engine.
 
 They only work when the worker shares the test's process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, uniprocess executor).
@@ -18,41 +20,28 @@ They only work when the worker shares the test's process
 
 from __future__ import annotations
 
-import weakref
-
 import numpy as np
 
-_LIVE: "weakref.WeakSet" = weakref.WeakSet()
-_MANAGERS: "weakref.WeakSet" = weakref.WeakSet()
 
+def _specs() -> list:
+    from gpu_offload.vllm.spec import HostOffloadSpec
 
-def register(worker) -> None:
-    _LIVE.add(worker)
-
-
-def unregister(worker) -> None:
-    _LIVE.discard(worker)
+    return list(HostOffloadSpec.instances)
 
 
 def live_workers() -> list:
-    return list(_LIVE)
-
-
-def register_manager(manager) -> None:
-    _MANAGERS.add(manager)
+    """Our vLLM workers alive in this process (created, not shut down)."""
+    return [s._worker for s in _specs() if s._worker is not None and not s._worker.closed]
 
 
 def live_managers() -> list:
-    return list(_MANAGERS)
-
-
-def unregister_manager(manager) -> None:
-    _MANAGERS.discard(manager)
+    """Our scheduler-side managers alive in this process."""
+    return [s._manager for s in _specs() if s._manager is not None and not s._manager.closed]
 
 
 def the_manager():
     """The single live scheduler-side manager; raises if there is not exactly one."""
-    managers = list(_MANAGERS)
+    managers = live_managers()
     if len(managers) != 1:
         raise RuntimeError(f"expected one live host-tier manager, found {len(managers)}")
     return managers[0]

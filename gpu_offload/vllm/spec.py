@@ -1,0 +1,210 @@
+"""``HostOffloadSpec``: our host tier as a vLLM ``OffloadingSpec``.
+
+Select it with::
+
+    --kv-transfer-config '{"kv_connector":"OffloadingConnector","kv_role":"kv_both",
+      "kv_load_failure_policy":"recompute",
+      "kv_connector_extra_config":{"spec_name":"HostOffloadSpec",
+        "spec_module_path":"gpu_offload.spec","cpu_bytes_to_use":68719476736}}'
+
+``kv_load_failure_policy`` must be ``"recompute"``: a chunk that cannot be
+loaded (failed transfer, slot whose store failed) is then recomputed; with
+vLLM's default ``"fail"`` the request fails instead (never wrong KV either way).
+
+Sizing and tensor parallelism. ``cpu_bytes_to_use`` (or ``cpu_bytes`` /
+``cpu_gib`` / ``TPU_OFFLOAD_CPU_BYTES``) is the host budget of the whole
+engine, as for vLLM's own CPU spec and ``--kv-offloading-size``: with TP=N
+each worker allocates ``cpu_bytes / N`` for its own KV shard. A chunk on one
+worker is ``worker_kv_bytes_per_block * blocks_per_chunk`` bytes, rounded up
+to 4 KiB; every worker has the same number of slots, which is the manager's
+capacity. ``num_cpu_chunks`` sets that slot count directly instead.
+``blocks_per_chunk`` / ``block_size`` are read by vLLM itself; the spec only
+checks that our config agrees.
+
+The spec object exists once in the scheduler process (``get_manager``) and
+once per worker (``get_worker``); the API server only calls the classmethods.
+
+File tier: with ``shared_storage_path`` every worker puts a ``FileTier``
+under its host slab (its own per-rank namespace; ``fs_write_mode``
+``write_through`` (default: other replicas see a chunk as soon as it is
+written) or ``write_back`` (written within ``fs_write_back_lag_s``, on
+eviction, and at shutdown)) and does all file I/O; the manager only checks
+which chunk files exist (``FileView``) and asks the workers to promote them.
+See ``torch_backend.fs_link`` and ``fs_specs``.
+
+We subclass vLLM's ``CPUOffloadingSpec`` (skipping its ``__init__``: nothing
+of its host buffer is used) only because vLLM feeds the ``vllm:kv_offload_*``
+series users check (``total_bytes``, ``total_time``, ``size``, by
+``transfer_type`` CPU_to_GPU / GPU_to_CPU) for that class alone; their
+meaning is ours: bytes between device and host RAM.
+
+Importing this module installs ``hooks`` on vLLM's ``OffloadingConnector``
+(load-error reporting, worker metrics, one offloading engine per process).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from typing import Any
+
+from tpu_offload.core.config import ConfigError, OffloadConfig
+from tpu_offload.core.pool import PAGE
+
+from gpu_offload._log import get_logger
+from gpu_offload.vllm import hooks, metrics
+from gpu_offload.vllm.compat import HostSpecBase, OffloadingSpec, current_load_failure_policy
+
+logger = get_logger(__name__)
+
+hooks.install()
+
+# Settings the TPU connector honours and this spec does not.
+_TPU_ONLY = ("snapshot_path", "host_memory_kind", "skip_precompile", "block_buckets", "verify_checksums", "sync_load")
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(OffloadConfig)}
+
+
+class HostOffloadSpec(HostSpecBase):
+    # Specs alive in this process: how gpu_offload.testing finds an in-process
+    # engine's worker and manager (weak: never keeps an engine alive).
+    instances: "weakref.WeakSet[HostOffloadSpec]" = weakref.WeakSet()
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict:
+        return metrics.metric_definitions()
+
+    @classmethod
+    def config_info_keys(cls, extra_config: dict[str, Any] | None = None) -> tuple[str, ...]:
+        return metrics.CONFIG_INFO_KEYS
+
+    def __init__(self, config):
+        OffloadingSpec.__init__(self, config)  # not CPUOffloadingSpec's: no vLLM host buffer
+        hooks.install()
+        HostOffloadSpec.instances.add(self)
+        self.offload_config = OffloadConfig.from_sources(dict(self.extra_config))
+        oc = self.offload_config
+        self.tokens_per_block_0 = config.groups[0].tokens_per_block if config.groups else 0
+        if self.tokens_per_block_0:
+            ours = oc.resolve_blocks_per_chunk(self.tokens_per_block_0)
+            if ours != self.blocks_per_chunk:
+                raise ConfigError(
+                    f"chunk size: vLLM uses blocks_per_chunk={self.blocks_per_chunk} (from "
+                    f"kv_connector_extra_config) but the tpu_offload config resolves {ours} "
+                    f"(TPU_OFFLOAD_BLOCKS_PER_CHUNK?); set the chunk size only in kv_connector_extra_config"
+                )
+        self.world_size = max(1, config.parallel.world_size)
+        self.worker_chunk_bytes = config.worker_kv_bytes_per_block * self.blocks_per_chunk
+        self.num_chunks = 0
+        if self.worker_chunk_bytes > 0:
+            stride = -(-self.worker_chunk_bytes // PAGE) * PAGE
+            self.num_chunks = oc.resolve_num_chunks(stride * self.world_size)
+        elif oc.num_cpu_chunks is None and oc.cpu_bytes is None:
+            oc.resolve_num_chunks(1)  # raises the "no host-tier size" ConfigError
+        self._manager = None
+        self._worker = None
+        self._warn_about_config()
+
+    def _warn_about_config(self) -> None:
+        policy = current_load_failure_policy()
+        if policy is not None and policy != "recompute":
+            logger.warning(
+                "kv_load_failure_policy=%r: a host-tier chunk that fails to load will fail its "
+                "request; set \"kv_load_failure_policy\":\"recompute\" to recompute it instead", policy,
+            )
+        if self.config.canonical_layout:
+            logger.warning("canonical_layout is not supported by HostOffloadSpec; using the per-worker layout")
+        ignored = [f for f in _TPU_ONLY if getattr(self.offload_config, f) != _DEFAULTS[f]]
+        if ignored:
+            logger.warning(
+                "%s only apply to the TPU connector and are ignored here (for warm restarts on "
+                "vLLM use shared_storage_path: its files survive restarts)", ", ".join(ignored),
+            )
+
+    def _check_sized(self) -> None:
+        if self.num_chunks < 1:
+            raise ConfigError(
+                "host tier cannot be sized: vLLM reported "
+                f"worker_kv_bytes_per_block={self.config.worker_kv_bytes_per_block}"
+            )
+
+    def get_manager(self):
+        if self._manager is None:
+            self._check_sized()
+            from gpu_offload.vllm.manager import HostTierManager
+
+            stride = -(-self.worker_chunk_bytes // PAGE) * PAGE
+            self._manager = HostTierManager(
+                self.num_chunks,
+                stride * self.world_size,
+                blocks_per_chunk=self.blocks_per_chunk,
+                tokens_per_block=self.tokens_per_block_0,
+                enable_events=self.kv_events_config.enable_kv_cache_events and self.offload_config.enable_events,
+                files=self._file_view(),
+            )
+            logger.info(
+                "host tier: %d chunks x %d blocks, %.1f MiB per chunk over %d worker(s)",
+                self.num_chunks, self.blocks_per_chunk, stride * self.world_size / 2**20, self.world_size,
+            )
+        return self._manager
+
+    def get_worker(self, kv_caches):
+        tensors = [ct.tensor for ct in kv_caches.tensors]
+        if self._worker is not None:
+            if not self._worker.owns(tensors):
+                raise RuntimeError(hooks.SECOND_ENGINE_ERROR)
+            return self._worker
+        self._check_sized()
+        from gpu_offload.vllm.worker import HostOffloadWorker
+
+        groups = self.config.groups  # the offloaded groups, in the order of group_data_refs
+        self._worker = HostOffloadWorker.from_canonical(
+            kv_caches,
+            num_slots=self.num_chunks,
+            blocks_per_chunk=self.blocks_per_chunk,
+            staging_blocks=self.offload_config.staging_blocks,
+            tokens_per_block=[g.tokens_per_block for g in groups]
+            if len(groups) == len(kv_caches.group_data_refs) else None,
+            rank=self.config.parallel.rank,
+        )
+        actual = self._worker.layout.chunk_bytes
+        self._attach_files(self._worker)
+        if actual > self.worker_chunk_bytes:
+            logger.warning(
+                "worker chunk is %d B, vLLM sized %d B: the host tier uses %d B more than budgeted",
+                actual, self.worker_chunk_bytes, (actual - self.worker_chunk_bytes) * self.num_chunks,
+            )
+        return self._worker
+
+    # ---- file tier -----------------------------------------------------------------
+    def _file_view(self):
+        path = self.offload_config.shared_storage_path
+        if not path:
+            return None
+        from gpu_offload.vllm.fs_specs import FileView, fingerprint
+
+        view = FileView(path, [fingerprint(self.config, r) for r in range(self.world_size)],
+                        self.worker_chunk_bytes)
+        logger.info("file tier: looking up chunks under %s (%d rank namespace(s))", view.root, len(view.ns_dirs))
+        return view
+
+    def _attach_files(self, worker) -> None:
+        oc = self.offload_config
+        if not oc.shared_storage_path:
+            return
+        from tpu_offload.core.fs import FileTier
+
+        from gpu_offload.vllm.fs_specs import fingerprint
+
+        chunk = worker.pool.chunk_bytes
+        if chunk != self.worker_chunk_bytes:
+            logger.warning(
+                "file tier: worker chunks are %d B but the scheduler expects %d B files; "
+                "every file lookup will miss", chunk, self.worker_chunk_bytes,
+            )
+        worker.fs_metrics = metrics.worker_fs_metrics()
+        tier = FileTier.from_config(oc, fingerprint(self.config, self.config.parallel.rank), chunk,
+                                    fs_metrics=worker.fs_metrics)
+        worker.attach_files(tier, oc.fs_write_mode, write_back_lag_s=oc.fs_write_back_lag_s)
+        logger.info("file tier: %s, %s%s, %s", tier.ns_dir, oc.fs_write_mode,
+                    f" (lag {oc.fs_write_back_lag_s:g} s)" if oc.fs_write_mode == "write_back" else "",
+                    tier.state.value)
