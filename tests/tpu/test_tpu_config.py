@@ -116,3 +116,56 @@ def test_reporting_workers_follow_tpu_inference_executors(monkeypatch):
         reporting_workers(cfg("ray"))
     with pytest.raises(RuntimeError, match="mp"):
         reporting_workers(cfg("mp"))
+
+
+def _tpu_inference_sharding():
+    """tpu-inference's real ShardingConfigManager (its package needs the CPU support's torchax shim)."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "tests" / "tpu_engine"))
+    try:
+        import cpu_support
+
+        cpu_support._import_torchax()
+        from tpu_inference.layers.common.sharding import ShardingConfigManager
+    except Exception as e:  # the .venv environment has no working tpu-inference
+        pytest.skip(f"tpu-inference cannot be imported here: {e!r}")
+    finally:
+        sys.path.pop(0)
+    return ShardingConfigManager
+
+
+@pytest.mark.parametrize("strategy,dp", [
+    ({"enable_dp_attention": True}, 1),  # attention DP: 8 chips, 2 KV heads -> attn_dp 4
+    ({}, 2),  # plain DP: tpu-inference resets data_parallel_size to 1 behind our back
+])
+def test_data_parallelism_refused_as_tpu_inference_configures_it(tiny_model_dir, monkeypatch, strategy, dp):
+    from tpu_offload.connector.compat import data_parallel
+    from tpu_standin import make_vllm_config
+
+    monkeypatch.setenv("NEW_MODEL_DESIGN", "1" if strategy else "0")  # tpu-inference: attention DP needs it
+    manager = _tpu_inference_sharding()
+    vc = make_vllm_config(tiny_model_dir, block_size=16, num_blocks=16, extra={"num_cpu_chunks": 4})
+    vc.parallel_config.tensor_parallel_size = 8
+    vc.parallel_config.data_parallel_size = dp
+    vc.additional_config = {"sharding": {"sharding_strategy": strategy}}
+    vc.sharding_config = manager.from_vllm_config(vc)  # what TpuPlatform.check_and_update_config does
+    assert vc.parallel_config.data_parallel_size == 1  # so a data_parallel_size guard alone never fires
+    assert vc.sharding_config.total_dp_size > 1
+    assert data_parallel(vc)[0] == vc.sharding_config.total_dp_size
+    with pytest.raises(ConfigError, match="supports DP=1 only") as e:
+        resolve(vc, page(), env={})
+    assert "attention_data_parallelism" in str(e.value) and "enable_dp_attention" in str(e.value)
+
+
+def test_data_parallelism_seen_before_tpu_inference_configures_it():
+    from tpu_offload.connector.compat import data_parallel
+
+    vc = vllm_config({"num_cpu_chunks": 4})
+    vc.additional_config = {"sharding": {"sharding_strategy": {"enable_dp_attention": True, "attn_dp_size": 2}}}
+    assert data_parallel(vc)[0] == 2
+    vc.additional_config = {"sharding": {"sharding_strategy": {"enable_dp_attention": False}}}
+    assert data_parallel(vc)[0] == 1
+    vc.scheduler_config = SimpleNamespace(scheduler_cls="tpu_inference.core.sched.dp_scheduler.DPScheduler")
+    with pytest.raises(ConfigError, match="DPScheduler"):
+        resolve(vc, page(), env={})

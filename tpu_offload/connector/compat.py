@@ -119,3 +119,35 @@ def reporting_workers(vllm_config) -> int:
 
 
 RAY_DEVICE_KEY = "TPU"  # tpu-inference's TpuPlatform.ray_device_key
+
+
+def data_parallel(vllm_config) -> tuple[int, str]:
+    """The engine's data-parallel degree and where it was configured.
+
+    tpu-inference folds DP into its mesh (``ShardingConfigManager``): it reads
+    ``data_parallel_size`` and ``additional_config.sharding.sharding_strategy``
+    (``enable_dp_attention``, ``attn_dp_size``), then resets
+    ``data_parallel_size`` to 1 so vLLM starts one engine, and switches to its
+    ``DPScheduler`` when ``sharding_config.total_dp_size > 1``.
+    """
+    sharding = getattr(vllm_config, "sharding_config", None)
+    if sharding is not None and hasattr(sharding, "total_dp_size"):
+        n = int(sharding.total_dp_size)
+        if n > 1:
+            st = sharding.sharding_strategy
+            return n, (f"tpu-inference sharding: data_parallelism={st.data_parallelism}, "
+                       f"attention_data_parallelism={st.attention_data_parallelism}, "
+                       f"attention_data_expert_parallelism={st.attention_data_expert_parallelism}")
+    sched_cls = getattr(getattr(vllm_config, "scheduler_config", None), "scheduler_cls", None)
+    name = sched_cls if isinstance(sched_cls, str) else getattr(sched_cls, "__name__", "")
+    if name and name.rsplit(".", 1)[-1] == "DPScheduler":
+        return 2, f"scheduler_cls={name}"
+    strategy = ((getattr(vllm_config, "additional_config", None) or {}).get("sharding") or {}).get(
+        "sharding_strategy") or {}
+    if sharding is None:  # not configured by tpu-inference's platform (yet): read what it would read
+        attn = strategy.get("attn_dp_size")
+        if strategy.get("enable_dp_attention") and (attn is None or int(attn) > 1):
+            return int(attn or 2), (f"additional_config.sharding.sharding_strategy.enable_dp_attention="
+                                    f"{strategy.get('enable_dp_attention')}")
+    n = int(getattr(vllm_config.parallel_config, "data_parallel_size", 1) or 1)
+    return n, f"data_parallel_size={n}"
