@@ -169,3 +169,23 @@ def test_data_parallelism_seen_before_tpu_inference_configures_it():
     vc.scheduler_config = SimpleNamespace(scheduler_cls="tpu_inference.core.sched.dp_scheduler.DPScheduler")
     with pytest.raises(ConfigError, match="DPScheduler"):
         resolve(vc, page(), env={})
+
+
+@pytest.mark.parametrize("attrs,needle", [
+    ({"additional_config": {"enable_continue_decode": True}}, "enable_continue_decode=True"),
+    ({"speculative_config": SimpleNamespace(method="eagle3")}, "speculative_config.method='eagle3'"),
+    ({"speculative_config": SimpleNamespace(method="dflash")}, "draft model"),
+])
+def test_runner_modes_that_break_ordering_are_refused(attrs, needle):
+    vc = vllm_config({"num_cpu_chunks": 4})
+    for k, v in attrs.items():
+        setattr(vc, k, v)
+    with pytest.raises(ConfigError, match=needle):
+        resolve(vc, page(), env={})
+
+
+def test_model_free_speculation_is_allowed():
+    vc = vllm_config({"num_cpu_chunks": 4})
+    vc.speculative_config = SimpleNamespace(method="ngram")
+    vc.additional_config = {"enable_continue_decode": False}
+    assert resolve(vc, page(), env={}).num_slots == 4

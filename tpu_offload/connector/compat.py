@@ -151,3 +151,33 @@ def data_parallel(vllm_config) -> tuple[int, str]:
                                     f"{strategy.get('enable_dp_attention')}")
     n = int(getattr(vllm_config.parallel_config, "data_parallel_size", 1) or 1)
     return n, f"data_parallel_size={n}"
+
+
+# Speculative methods with no draft model: no draft KV layers in runner.kv_caches.
+MODEL_FREE_SPEC_METHODS = ("ngram", "ngram_gpu", "suffix")
+
+
+def unsupported_runner_mode(vllm_config) -> str | None:
+    """Why tpu-inference's runner, as configured, breaks the connector's ordering (None if it does not).
+
+    * ``additional_config.enable_continue_decode``: the fused decode loop takes
+      ``runner.kv_caches`` as a donated argument inside the connector context
+      and rebinds the result only after it, so ``wait_for_save`` (and an
+      async ``start_load_kv``) would read deleted arrays.
+    * speculative decoding with a draft model (eagle3, dflash, mtp, ...): the
+      drafter writes its own KV layers after the connector context has closed,
+      so a stored chunk would hold the draft layers' previous bytes for the
+      step's positions, and a restored one would feed them to the drafter.
+    """
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    if extra.get("enable_continue_decode"):
+        return (f"additional_config.enable_continue_decode={extra.get('enable_continue_decode')!r}: tpu-inference's "
+                "fused decode loop donates runner.kv_caches before the runner rebinds them, so the connector "
+                "would read deleted caches. Turn enable_continue_decode off to offload KV")
+    spec = getattr(vllm_config, "speculative_config", None)
+    method = getattr(spec, "method", None) if spec is not None else None
+    if spec is not None and method not in MODEL_FREE_SPEC_METHODS:
+        return (f"speculative_config.method={method!r}: the draft model writes its KV layers after the connector "
+                "has stored the step's chunks, so stored draft layers would be stale. Allowed with offloading: "
+                f"no speculative decoding, or a method without a draft model ({', '.join(MODEL_FREE_SPEC_METHODS)})")
+    return None
