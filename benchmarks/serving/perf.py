@@ -1,0 +1,140 @@
+"""The guides' workload, driven by inference-perf (run from its own venv, ``.venv-bench``).
+
+llm-d's tiered-prefix-cache benchmark is inference-perf with ``load.type: concurrent``
+over ``data.type: shared_prefix``: ``num_groups`` long system prompts, each followed by
+``num_prompts_per_group`` short questions, sent in a shuffled order. Here every size is a
+parameter so the same shape fits a 2-core machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH_VENV = ROOT / ".venv-bench"
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    groups: int = 24
+    system_prompt_len: int = 1024
+    question_len: int = 64
+    output_len: int = 16
+    prompts_per_group: int = 6
+    requests: int = 144
+    concurrency: int = 4
+    seed: int = 7
+
+    @property
+    def working_set_tokens(self) -> int:
+        """Tokens whose KV the run keeps reusing: the system prompts."""
+        return self.groups * self.system_prompt_len
+
+    def reusable_tokens(self, block: int) -> int:
+        """Prompt tokens a perfect cache could serve: every visit to a group after its first
+        reuses the group's system prompt (whole blocks only)."""
+        visits = self.requests
+        firsts = min(self.groups, visits)
+        return (visits - firsts) * (self.system_prompt_len // block) * block
+
+
+def config(w: Workload, url: str, model: str, report_dir: Path) -> dict:
+    return {
+        "api": {"type": "completion", "streaming": True},
+        "data": {"type": "shared_prefix", "shared_prefix": {
+            "num_groups": w.groups, "num_prompts_per_group": w.prompts_per_group,
+            "system_prompt_len": w.system_prompt_len, "question_len": w.question_len,
+            "output_len": w.output_len, "seed": w.seed}},
+        "load": {"type": "concurrent", "stages": [{"num_requests": w.requests, "concurrency_level": w.concurrency}],
+                 "num_workers": 1, "worker_max_concurrency": max(w.concurrency, 1), "base_seed": w.seed,
+                 "request_timeout": 600},
+        "server": {"type": "vllm", "model_name": model, "base_url": url, "ignore_eos": True},
+        "tokenizer": {"pretrained_model_name_or_path": model},
+        "report": {"request_lifecycle": {"summary": True, "per_stage": False, "per_request": False},
+                   "prometheus": {"summary": False, "per_stage": False}},
+        "storage": {"local_storage": {"path": str(report_dir)}},
+    }
+
+
+def run(w: Workload, url: str, model: str, workdir: Path, label: str, timeout_s: float = 1800) -> dict:
+    """Run inference-perf once; return its ``summary_lifecycle_metrics`` report (plus wall time)."""
+    exe = BENCH_VENV / "bin" / "inference-perf"
+    if not exe.exists():
+        raise FileNotFoundError(f"{exe} is missing: run `make .venv-bench/.installed` (Python 3.12 + inference-perf)")
+    workdir.mkdir(parents=True, exist_ok=True)
+    report_dir = workdir / "report"
+    cfg_path = workdir / "inference-perf.yaml"
+    cfg_path.write_text(yaml.safe_dump(config(w, url, model, report_dir), sort_keys=False))
+    log = workdir / "inference-perf.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "PYTHONPATH"))}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    t0 = time.monotonic()
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([str(exe), "-c", str(cfg_path), "--log-level", "INFO"], env=env, stdout=out,
+                                stderr=subprocess.STDOUT, cwd=workdir, start_new_session=True)
+        _progress(proc, w.requests, label, t0, timeout_s, url)
+    if proc.returncode != 0:
+        raise RuntimeError(f"inference-perf exited with {proc.returncode}; log {log}:\n{log.read_text()[-3000:]}")
+    found = sorted(report_dir.rglob("summary_lifecycle_metrics.json"))
+    if not found:
+        raise RuntimeError(f"inference-perf wrote no summary_lifecycle_metrics.json under {report_dir}")
+    summary = json.loads(found[-1].read_text())
+    summary["wall_seconds"] = time.monotonic() - t0
+    return summary
+
+
+def _progress(proc, total: int, label: str, t0: float, timeout_s: float, url: str) -> None:
+    """Print completed requests (from the server's own counter) until inference-perf exits."""
+    import httpx
+
+    from benchmarks.serving import prom
+
+    start = None
+    last = ""
+    while proc.poll() is None:
+        if time.monotonic() - t0 > timeout_s:
+            import signal
+
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise TimeoutError(f"inference-perf ran past {timeout_s:.0f} s ({label})")
+        try:
+            s = prom.parse(httpx.get(f"{url}/metrics", timeout=10).text)
+            done = prom.total(s, "vllm:request_success_total") or 0
+            if start is None:
+                start = done
+            line = f"  [{label}] {int(done - start)}/{total} requests, {time.monotonic() - t0:.0f} s"
+            if line != last:
+                print(line, end="\r", file=sys.stderr, flush=True)
+                last = line
+        except Exception:  # noqa: BLE001 - progress is best effort; the run itself is checked after
+            pass
+        time.sleep(2)
+    print(file=sys.stderr)
+
+
+def figures(summary: dict) -> dict:
+    """The guides' columns from an inference-perf summary (seconds, tokens/s)."""
+    ok = summary.get("successes", {})
+    lat = ok.get("latency", {})
+    ttft = lat.get("time_to_first_token") or {}
+    e2e = lat.get("request_latency") or {}
+    tp = ok.get("throughput", {})
+    pt = ok.get("prompt_tokens", {}) or {}
+    return {
+        "requests_ok": ok.get("count", 0),
+        "requests_failed": (summary.get("failures") or {}).get("count", 0),
+        "ttft_mean": ttft.get("mean"), "ttft_p90": ttft.get("p90"),
+        "e2e_mean": e2e.get("mean"), "e2e_p90": e2e.get("p90"),
+        "input_tps": tp.get("input_tokens_per_sec"), "output_tps": tp.get("output_tokens_per_sec"),
+        "total_tps": tp.get("total_tokens_per_sec"),
+        "prompt_tokens": pt.get("total"), "cached_prompt_tokens": pt.get("cached"),
+    }
