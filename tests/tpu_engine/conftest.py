@@ -1,0 +1,90 @@
+"""The real tpu-inference engine on JAX CPU (run with .venv-tpu, in one process).
+
+XLA_FLAGS must hold 4 emulated devices before JAX is first imported, so TP 1,
+2 and 4 share this process; cpu_support.apply() must run before vLLM
+resolves its platform. Both happen here, at import. Engines are expensive
+(20-40 s to start on 2 cores), so they are shared: ``engines.get(key, make)``
+keeps one engine alive (vLLM's worker connector is process-global) and test
+files are laid out so consecutive tests ask for the same one. Baseline tokens
+(no connector) are computed once per engine shape for every workload.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
+os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+os.environ["SKIP_JAX_PRECOMPILE"] = "1"
+os.environ["VLLM_PLUGINS"] = ""
+os.environ["TOKENIZERS_PARALLELISM"] = "false"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import cpu_support  # noqa: E402
+import engine_run  # noqa: E402
+
+engine_run.env_without_offload_vars()
+cpu_support.apply()
+
+import pytest  # noqa: E402
+
+from tiny_models import KV1, KV4  # noqa: E402
+from workloads import Workload  # noqa: E402
+
+MODELS = {m.name: m for m in (KV4, KV1)}
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    made: dict[tuple[str, str], str] = {}
+
+    def get(name: str, dtype: str) -> str:
+        if (name, dtype) not in made:
+            made[name, dtype] = MODELS[name].write(str(tmp_path_factory.mktemp(f"{name}-{dtype}")), dtype)
+        return made[name, dtype]
+
+    return get
+
+
+class Engines:
+    """At most one live engine; a request for another key closes the current one."""
+
+    def __init__(self, model_dir):
+        self.model_dir = model_dir
+        self.key = None
+        self.run: engine_run.EngineRun | None = None
+        self.baselines: dict[tuple, list[list[int]]] = {}
+        self.started = 0
+
+    def get(self, key, shape: engine_run.Shape, kv_transfer_config: dict | None = None, **kw) -> engine_run.EngineRun:
+        if self.key != key or self.run is None:
+            self.close()
+            self.run = engine_run.EngineRun(self.model_dir(shape.model, shape.dtype), shape, kv_transfer_config, **kw)
+            self.key = key
+            self.started += 1
+        return self.run
+
+    def close(self) -> None:
+        if self.run is not None:
+            self.run.close()
+        self.run, self.key = None, None
+
+    def baseline(self, shape: engine_run.Shape, workload: Workload) -> list[list[int]]:
+        """Tokens without any connector; every registered workload runs in one
+        engine session, each on a cold prefix cache, as the tests run them."""
+        k = (shape, workload.name)
+        if k not in self.baselines:
+            eng = self.get(("baseline", shape), shape)
+            for w in Workload.registry.values():
+                eng.reset_prefix_cache()
+                self.baselines[shape, w.name] = w.run(eng)
+        return self.baselines[k]
+
+
+@pytest.fixture(scope="session")
+def engines(model_dir):
+    e = Engines(model_dir)
+    yield e
+    e.close()

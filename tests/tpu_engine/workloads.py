@@ -1,0 +1,68 @@
+"""Named prompt workloads, so a no-connector baseline can be computed once for all.
+
+A workload is a sequence of rounds; each round is one ``generate`` call (the
+prompts of a round are batched together). Prompts are token ids drawn from a
+seeded generator: the same workload is the same bytes in every process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import numpy as np
+
+from tiny_models import VOCAB
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    return [int(x) for x in np.random.default_rng(seed).integers(3, VOCAB, size=n)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    name: str
+    rounds: tuple[tuple[tuple[int, ...], ...], ...]
+    max_tokens: int = 8
+
+    registry: ClassVar[dict[str, "Workload"]] = {}
+
+    def __post_init__(self):
+        Workload.registry[self.name] = self
+
+    @classmethod
+    def of(cls, name: str, rounds: list[list[list[int]]], max_tokens: int = 8) -> "Workload":
+        return cls(name, tuple(tuple(tuple(p) for p in r) for r in rounds), max_tokens)
+
+    @property
+    def prompts(self) -> list[list[int]]:
+        return [list(p) for r in self.rounds for p in r]
+
+    def run(self, eng, rounds=None) -> list[list[int]]:
+        """Tokens per prompt, rounds in order (``rounds`` picks a subset by index)."""
+        out = []
+        for i, r in enumerate(self.rounds):
+            if rounds is None or i in rounds:
+                out += eng.generate([list(p) for p in r], self.max_tokens)
+        return out
+
+
+def shared_prefix(seed: int, prefix: int, suffixes: int, suffix_len: int) -> list[list[int]]:
+    """Prompts sharing one prefix, each with its own suffix."""
+    head = prompt(seed, prefix)
+    return [head + prompt(seed * 1000 + i, suffix_len) for i in range(suffixes)]
+
+
+# ---- the workloads the tests run -------------------------------------------------
+# block_size 16: prompts of 5-10 blocks; block_size 128: 2-3 blocks.
+ROUNDTRIP = {16: Workload.of("roundtrip16", [[prompt(1, 100), prompt(2, 165), prompt(3, 70)]]),
+             128: Workload.of("roundtrip128", [[prompt(1, 300), prompt(2, 400)]])}
+NEGATIVE = {16: Workload.of("negative16", [[prompt(11, 130)]], max_tokens=8),
+            128: Workload.of("negative128", [[prompt(11, 300)]], max_tokens=8)}
+FAULTS = {16: Workload.of("faults16", [[prompt(21, 120), prompt(22, 90)]]),
+          128: Workload.of("faults128", [[prompt(21, 300), prompt(22, 280)]])}
+# Device pressure: more prefixes than the KV cache holds, then the first ones again.
+PRESSURE = {16: Workload.of("pressure16", [[prompt(31 + i, 112)] for i in range(8)] + [[prompt(31, 112)], [prompt(32, 112)]]),
+            128: Workload.of("pressure128", [[prompt(31 + i, 260)] for i in range(5)] + [[prompt(31, 260)], [prompt(32, 260)]])}
+DETERMINISM = Workload.of("determinism", [[prompt(41, 40), prompt(42, 100), prompt(43, 170), prompt(44, 70)]],
+                          max_tokens=24)
