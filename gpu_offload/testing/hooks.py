@@ -5,7 +5,7 @@ engine core; these helpers reach it without production code knowing:
 
 * ``live_workers()`` / ``live_managers()`` / ``the_worker()`` /
   ``the_manager()``: our workers and scheduler-side managers alive in this
-  process (through ``HostOffloadSpec.instances``; not shut down).
+  process (through ``HostOffloadSpec.live_parts``; not shut down).
 * ``corrupt_slot(worker, slot)``: overwrite a host slot's bytes while it
   stays marked valid, to prove restored KV is what the model reads.
 * ``fail_next_loads(worker, n)``: the next ``n`` load jobs raise inside the
@@ -23,20 +23,23 @@ from __future__ import annotations
 import numpy as np
 
 
-def _specs() -> list:
+def _live(kind: str) -> list:
+    from gpu_offload.vllm.manager import HostTierManager
     from gpu_offload.vllm.spec import HostOffloadSpec
+    from gpu_offload.vllm.worker import HostOffloadWorker
 
-    return list(HostOffloadSpec.instances)
+    cls = HostOffloadWorker if kind == "worker" else HostTierManager
+    return [p for p in list(HostOffloadSpec.live_parts) if isinstance(p, cls) and not p.closed]
 
 
 def live_workers() -> list:
-    """Our vLLM workers alive in this process (created, not shut down)."""
-    return [s._worker for s in _specs() if s._worker is not None and not s._worker.closed]
+    """Our vLLM workers alive in this process (created by a spec, not shut down)."""
+    return _live("worker")
 
 
 def live_managers() -> list:
     """Our scheduler-side managers alive in this process."""
-    return [s._manager for s in _specs() if s._manager is not None and not s._manager.closed]
+    return _live("manager")
 
 
 def the_manager():

@@ -44,9 +44,9 @@ MAX_REGISTER_BYTES = 64 << 30
 _HOST_REGISTER_PORTABLE = 1
 
 
-def piece_rows_for(row_bytes: int, max_bytes: int = MAX_REGISTER_BYTES) -> int:
+def piece_rows_for(row_bytes: int, max_bytes: int | None = None) -> int:
     """Rows per registration piece: whole rows, at most ``max_bytes`` (at least one row)."""
-    return max(max_bytes // row_bytes, 1)
+    return max((MAX_REGISTER_BYTES if max_bytes is None else max_bytes) // row_bytes, 1)
 
 
 def register_host_rows(rows: torch.Tensor) -> tuple[list[int], int | None]:

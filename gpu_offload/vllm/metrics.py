@@ -105,6 +105,25 @@ def metric_definitions() -> dict:
     }
 
 
+def release_prometheus_names(registry=None) -> int:
+    """Unregister collectors of our series from ``registry`` (prometheus' default).
+
+    vLLM drops its own ``vllm:*`` collectors before an engine re-creates them
+    (``unregister_vllm_metrics``); ours are named ``tpu_offload_*``, so without
+    this the second engine of a process (a restart, as in notebooks and tests)
+    fails with ``DuplicateTimeseries``. Returns how many were removed.
+    """
+    if registry is None:
+        from prometheus_client import REGISTRY as registry
+    ours = {n for n in metric_definitions() if not n.startswith("vllm:")}
+    gone = 0
+    for collector in list(getattr(registry, "_collector_to_names", {})):
+        if getattr(collector, "_name", None) in ours:
+            registry.unregister(collector)
+            gone += 1
+    return gone
+
+
 def build_stats(
     s: TierStats,
     *,

@@ -65,12 +65,15 @@ _DEFAULTS = {f.name: f.default for f in dataclasses.fields(OffloadConfig)}
 
 
 class HostOffloadSpec(HostSpecBase):
-    # Specs alive in this process: how gpu_offload.testing finds an in-process
-    # engine's worker and manager (weak: never keeps an engine alive).
-    instances: "weakref.WeakSet[HostOffloadSpec]" = weakref.WeakSet()
+    # Managers and workers alive in this process: how gpu_offload.testing finds
+    # an in-process engine's parts (weak: never keeps an engine alive).
+    live_parts: weakref.WeakSet = weakref.WeakSet()
 
     @classmethod
     def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict:
+        """vLLM calls this when an engine creates its offloading metrics: the
+        moment to release names an earlier engine of this process registered."""
+        metrics.release_prometheus_names()
         return metrics.metric_definitions()
 
     @classmethod
@@ -80,7 +83,6 @@ class HostOffloadSpec(HostSpecBase):
     def __init__(self, config):
         OffloadingSpec.__init__(self, config)  # not CPUOffloadingSpec's: no vLLM host buffer
         hooks.install()
-        HostOffloadSpec.instances.add(self)
         self.offload_config = OffloadConfig.from_sources(dict(self.extra_config))
         oc = self.offload_config
         self.tokens_per_block_0 = config.groups[0].tokens_per_block if config.groups else 0
@@ -141,6 +143,7 @@ class HostOffloadSpec(HostSpecBase):
                 enable_events=self.kv_events_config.enable_kv_cache_events and self.offload_config.enable_events,
                 files=self._file_view(),
             )
+            HostOffloadSpec.live_parts.add(self._manager)
             logger.info(
                 "host tier: %d chunks x %d blocks, %.1f MiB per chunk over %d worker(s)",
                 self.num_chunks, self.blocks_per_chunk, stride * self.world_size / 2**20, self.world_size,
@@ -166,6 +169,7 @@ class HostOffloadSpec(HostSpecBase):
             if len(groups) == len(kv_caches.group_data_refs) else None,
             rank=self.config.parallel.rank,
         )
+        HostOffloadSpec.live_parts.add(self._worker)
         actual = self._worker.layout.chunk_bytes
         self._attach_files(self._worker)
         if actual > self.worker_chunk_bytes:

@@ -1,0 +1,130 @@
+"""The CUDA path's logic, on CPU: no GPU is needed for any of these.
+
+* The index-upload pool never makes the engine thread wait: with every
+  buffer still in flight (5+ requests storing in one step) it grows.
+* Copies never straddle the host slab's 64 GiB registration pieces.
+* A failed ``cudaHostRegister`` clears the CUDA error it leaves behind.
+"""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from gpu_offload.torch_backend import cuda_lane, cuda_rt
+from gpu_offload.torch_backend.engine import HostTransferEngine
+from gpu_offload.torch_backend.plan import piece_spans
+
+
+class Entry(list):
+    """(host buffer, device buffer, busy flag) like the CUDA pool's entries."""
+
+    def __init__(self, capacity: int):
+        super().__init__([torch.empty(capacity, dtype=torch.int64), None, [True]])
+
+
+def pool(initial=4):
+    made = []
+
+    def alloc(capacity):
+        made.append(Entry(capacity))
+        return made[-1]
+
+    return cuda_lane.UploadPool(alloc, lambda e: not e[2][0], capacity=8, initial=initial), made
+
+
+def test_upload_pool_grows_instead_of_waiting_when_every_buffer_is_in_flight():
+    p, made = pool()
+    for e in made:
+        e[2][0] = False  # the four initial uploads finished
+    got = []
+    for _ in range(6):  # six stores in one step, none of their uploads finished yet
+        got.append(p.acquire(8))
+        got[-1][2][0] = True  # the upload is queued: busy until its event completes
+    assert len(set(map(id, got))) == 6 and len(p.entries) == 6 and p.grown == 2
+    got[0][2][0] = False  # one upload finished: it is reused, nothing new is made
+    assert p.acquire(4) is got[0] and len(made) == 6
+
+
+def test_upload_pool_replaces_a_free_buffer_that_is_too_small():
+    p, made = pool(initial=1)
+    made[0][2][0] = False
+    big = p.acquire(100)
+    assert entry_len(big) == 100 and [id(e) for e in p.entries] == [id(big)]
+
+
+def entry_len(e) -> int:
+    return e[0].numel()
+
+
+@pytest.mark.parametrize("start, n, piece, want", [
+    (0, 10, None, [(0, 10)]),
+    (0, 6, 3, [(0, 3), (3, 3)]),
+    (2, 5, 3, [(0, 1), (1, 3), (4, 1)]),
+    (3, 3, 3, [(0, 3)]),
+    (5, 0, 3, []),
+])
+def test_piece_spans_cut_at_multiples_of_the_piece(start, n, piece, want):
+    assert list(piece_spans(start, n, piece)) == want
+
+
+def test_staged_copies_never_straddle_registration_pieces_and_stay_bit_exact():
+    g = torch.Generator().manual_seed(0)
+    t = torch.randint(-128, 128, (40, 4096), dtype=torch.int8, generator=g)
+    orig = t.clone()
+    w = HostTransferEngine([t], [4096], [(0,)], 16, 1, strategy="staged", staging_blocks=16, piece_rows=3)
+    w._store_lane.copier.row_copies = []
+    spec = types.SimpleNamespace(block_ids=np.arange(10, dtype=np.int32), group_sizes=[10], block_indices=[0])
+    slots = types.SimpleNamespace(block_ids=np.arange(1, 11, dtype=np.int32))  # rows 1..10: crosses 3, 6, 9
+    w.submit_store(1, spec, slots)
+    w.get_finished()
+    copies = w._store_lane.copier.row_copies
+    assert sum(n for _, n in copies) == 10
+    assert all(s // 3 == (s + n - 1) // 3 for s, n in copies), copies
+    t.zero_()
+    dst = types.SimpleNamespace(block_ids=np.arange(20, 30, dtype=np.int32), group_sizes=[10], block_indices=[0])
+    w.submit_load(2, slots, dst)
+    w.get_finished()
+    assert torch.equal(t[20:30], orig[0:10])
+    w.shutdown()
+
+
+class FakeRuntime:
+    def __init__(self, fail_at: int):
+        self.calls, self.fail_at, self.cleared, self.unregistered = 0, fail_at, 0, []
+
+    def host_register(self, ptr, size, flags):
+        self.calls += 1
+        return 2 if self.calls == self.fail_at else 0  # cudaErrorMemoryAllocation
+
+    def host_unregister(self, ptr):
+        self.unregistered.append(ptr)
+        return 0
+
+    def clear_last_error(self):
+        self.cleared += 1
+        return 2
+
+    def error_string(self, err):
+        return "out of memory"
+
+
+def test_failed_host_register_clears_the_sticky_error_and_unpins_what_it_pinned(monkeypatch):
+    rt = FakeRuntime(fail_at=2)
+    monkeypatch.setattr(cuda_rt, "runtime", lambda: rt)
+    monkeypatch.setattr(cuda_lane, "MAX_REGISTER_BYTES", 4 * 4096)  # pieces of 4 rows
+    rows = torch.zeros((10, 4096), dtype=torch.int8)
+    assert cuda_lane.register_host_rows(rows) == ([], None)
+    assert rt.cleared == 1 and rt.unregistered == [rows.data_ptr()]
+    ok = FakeRuntime(fail_at=-1)
+    monkeypatch.setattr(cuda_rt, "runtime", lambda: ok)
+    ptrs, piece = cuda_lane.register_host_rows(rows)
+    assert piece == 4 and ptrs == [rows.data_ptr() + i * 4 * 4096 for i in range(3)] and ok.cleared == 0
+
+
+def test_the_cuda_runtime_is_found_among_loaded_libraries():
+    assert cuda_rt.find_loaded_library("libc.so") or cuda_rt.find_loaded_library("libc-")
+    assert cuda_rt.find_loaded_library("libdoes_not_exist") is None
