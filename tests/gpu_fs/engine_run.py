@@ -3,13 +3,17 @@
     python engine_run.py PLAN.json
 
 The plan: ``{"model": dir, "kv_transfer_config": {...} | null, "steps":
-[{"prompts": [[ids...], ...], "reset": "none" | "prefix" | "connector"}, ...]}``.
-Each step optionally resets (vLLM's prefix cache, or it and our host tier),
-runs its prompts greedily in one batch, lets the deferred stores run, waits
-for the file writes and records the outputs, how many chunks came from host
-RAM and from files, and which chunk files appeared. The engine runs in this
-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the counters are read
-directly. The last line of stdout is the result.
+[{"prompts": [[ids...], ...], "reset": "none" | "prefix" | "connector",
+"idle_s": 0}, ...]}``. Each step optionally resets (vLLM's prefix cache, or
+it and our host tier), runs its prompts greedily in one batch, lets the
+deferred stores run, stays idle for ``idle_s`` (no engine step: only the
+write-back drainer can write), waits for queued file writes and records the
+outputs, how many chunks came from host RAM and from files, and which chunk
+files appeared. The engine runs in this process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the counters are read directly.
+The last line of stdout is the result; the process then exits normally, so
+vLLM's own shutdown closes the file tier (write-back chunks still in host
+RAM are written then: ``dirty_at_exit`` says how many).
 
 Every engine of the file-tier tests runs in its own process: besides proving
 cross-process sharing, two vLLM engines in one process do not work with KV
@@ -21,9 +25,11 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")  # same cores with and without offloading
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
@@ -55,6 +61,8 @@ def main(plan_path: str) -> int:
             llm.generate([{"prompt_token_ids": [1] * 8}], sp, use_tqdm=False)  # runs the deferred stores
             rec.update(host_hits=manager.hit_chunks - before[0], fs_hits=manager.fs_hit_chunks - before[1],
                        load_error_blocks=worker.stats.load_error_blocks - before[2])
+        if step.get("idle_s"):
+            time.sleep(step["idle_s"])
         if fs is not None:
             rec["flushed"] = fs.flush(60)
             now = chunk_files(fs.tier.ns_dir)
@@ -63,7 +71,8 @@ def main(plan_path: str) -> int:
     result = {"steps": steps}
     if fs is not None:
         result.update(fs_stats=vars(fs.stats), tier_counters=fs.tier.counters(), ns_dir=fs.tier.ns_dir,
-                      chunk_bytes=worker.pool.chunk_bytes, evictions=manager.index.evictions)
+                      chunk_bytes=worker.pool.chunk_bytes, evictions=manager.index.evictions,
+                      dirty_at_exit=fs.dirty_chunks)
     print(json.dumps(result), flush=True)
     return 0
 

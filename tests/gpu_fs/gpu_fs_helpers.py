@@ -11,8 +11,6 @@ from pathlib import Path
 from gpu_offload.vllm import selection
 from gpu_offload.testing import offloading_config  # noqa: F401  (re-exported for the tests)
 
-
-
 REPO = Path(__file__).resolve().parents[2]
 RUNNER = Path(__file__).with_name("engine_run.py")
 
@@ -21,6 +19,14 @@ ENGINE_TIMEOUT_S = 300
 
 def kv_transfer_config(path, **extra) -> dict:
     return selection.kv_transfer_config(64 << 20, shared_storage_path=str(path), **extra)
+
+
+def shipped_kv_transfer_config(path, **extra) -> dict:
+    """``configs/vllm/offload-host-fs.json`` as shipped, but on ``path`` with a host
+    budget this machine has (the shipped 64 GiB is for real hosts)."""
+    ktc = json.loads((REPO / "configs/vllm/offload-host-fs.json").read_text())
+    ktc["kv_connector_extra_config"].update(cpu_bytes_to_use=64 << 20, shared_storage_path=str(path), **extra)
+    return ktc
 
 
 class EngineRun:
@@ -35,6 +41,7 @@ class EngineRun:
             **os.environ,
             "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
             "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
             "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
         }
         env = {k: v for k, v in env.items() if not k.startswith("TPU_OFFLOAD_")}
