@@ -125,6 +125,7 @@ def run_cell(cell: Cell, w: perf.Workload, workdir: Path, *, probe: tuple | None
         final = prom.parse(cell.server.metrics())
         rec["tier"] = tier_state(final)
         rec["rss_bytes_end"] = cell.server.rss_bytes()
+        rec["log"] = log_findings(cell.server.tail(1 << 30))
         if samples:
             rec["samples"] = samples
         if listener is not None:
@@ -134,6 +135,15 @@ def run_cell(cell: Cell, w: perf.Workload, workdir: Path, *, probe: tuple | None
     finally:
         if listener is not None:
             listener.close()
+
+
+def log_findings(text: str) -> dict:
+    """Errors and recomputed loads the server logged (a failed load is recomputed, not an
+    HTTP error, so inference-perf alone would not see it)."""
+    lines = text.splitlines()
+    errors = [ln for ln in lines if " ERROR " in ln or ln.startswith("Traceback")]
+    recomputed = [ln for ln in lines if "will be recomputed" in ln or "failed to load" in ln]
+    return {"errors": len(errors), "recompute_warnings": len(recomputed), "first_error": errors[0][:300] if errors else None}
 
 
 def hit_accounting(before: dict, after: dict, summary: dict, w: perf.Workload, cell: Cell) -> dict:

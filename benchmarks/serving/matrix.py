@@ -170,6 +170,11 @@ def check(records: list[dict]) -> dict:
         if r["config"] != "none" and h["ours_vs_external_diff"]:
             fail(f"{tag}: our tier counted {h['tier_hit_tokens_cpu'] + h['tier_hit_tokens_fs']:.0f} hit tokens, "
                  f"vLLM {h['external_hit_tokens']:.0f}")
+        lg = r.get("log") or {}
+        if lg.get("errors"):
+            fail(f"{tag}: the server logged {lg['errors']} error line(s), first: {lg['first_error']}")
+        if lg.get("recompute_warnings"):
+            lines.append(f"NOTE {tag}: {lg['recompute_warnings']} recompute warning(s) in the server log")
         p = r.get("probes")
         if p:
             if not p["stable"]:
