@@ -115,6 +115,10 @@ class HostOffloadSpec(HostSpecBase):
             )
         if self.config.canonical_layout:
             logger.warning("canonical_layout is not supported by HostOffloadSpec; using the per-worker layout")
+        oc = self.offload_config
+        if oc.fs_write_mode == "write_through" and oc.fs_write_back_lag_s != _DEFAULTS["fs_write_back_lag_s"]:
+            logger.warning("fs_write_back_lag_s=%g is ignored: fs_write_mode is write_through (every chunk "
+                           "is written as soon as it is stored)", oc.fs_write_back_lag_s)
         ignored = [f for f in _TPU_ONLY if getattr(self.offload_config, f) != _DEFAULTS[f]]
         if ignored:
             logger.warning(

@@ -13,7 +13,6 @@ without a kv-transfer-config, gets the same cores.
 
 from __future__ import annotations
 
-import gc
 import os
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -23,15 +22,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
 
+from gpu_engines import start_engine, stop_engine  # noqa: E402
 from gpu_offload.testing.tiny_model import TinyGemma3, TinyLlama  # noqa: E402
-from gpu_offload.vllm import selection  # noqa: E402
 
 MODEL = TinyLlama()  # hidden 256, 2 layers, 4 heads / 2 KV heads, head_dim 64
 HYBRID_MODEL = TinyGemma3()  # one sliding-window + one full-attention layer: two KV-cache groups
-
-
-def kv_transfer_config(cpu_bytes: int = 64 << 20, **extra) -> dict:
-    return selection.kv_transfer_config(cpu_bytes, **extra)
 
 
 @pytest.fixture(scope="session")
@@ -42,28 +37,6 @@ def tiny_model_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def hybrid_model_dir(tmp_path_factory) -> str:
     return HYBRID_MODEL.write(str(tmp_path_factory.mktemp("tiny_gemma3")))
-
-
-def start_engine(model_dir: str, **kw):
-    """(llm, worker, manager) of a new in-process engine with our spec."""
-    from vllm import LLM
-
-    from gpu_offload import testing
-
-    old = {id(x) for x in testing.live_workers() + testing.live_managers()}
-    llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="float32", max_model_len=1024,
-              enforce_eager=True, max_num_seqs=4, kv_transfer_config=kv_transfer_config(),
-              disable_log_stats=False, **kw)
-    (worker,) = [w for w in testing.live_workers() if id(w) not in old]
-    (manager,) = [m for m in testing.live_managers() if id(m) not in old]
-    return llm, worker, manager
-
-
-def stop_engine(llm) -> None:
-    """Shut an in-process engine down (vLLM's own teardown: connector, workers, dist env)."""
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
 
 
 class Engines:

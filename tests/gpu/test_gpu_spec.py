@@ -82,3 +82,14 @@ def test_tpu_only_settings_are_named_not_silently_ignored(monkeypatch):
     HostOffloadSpec(offloading_config({"num_cpu_chunks": 4, "snapshot_path": "/tmp/snap", "verify_checksums": True}))
     (msg,) = [m for m in seen if "TPU connector" in m]
     assert "snapshot_path" in msg and "verify_checksums" in msg and "host_memory_kind" not in msg
+
+
+def test_a_write_back_lag_without_write_back_is_named(monkeypatch):
+    import gpu_offload.vllm.spec as spec_mod
+
+    seen = []
+    monkeypatch.setattr(spec_mod.logger, "warning", lambda msg, *a: seen.append(msg % a))
+    HostOffloadSpec(offloading_config({"num_cpu_chunks": 4, "fs_write_mode": "write_back", "fs_write_back_lag_s": 2}))
+    assert not any("fs_write_back_lag_s" in m for m in seen)
+    HostOffloadSpec(offloading_config({"num_cpu_chunks": 4, "fs_write_back_lag_s": 2}))  # write-through default
+    assert any("fs_write_back_lag_s=2 is ignored" in m for m in seen)

@@ -12,7 +12,7 @@ import pytest
 
 from gpu_offload import testing
 
-from conftest import start_engine
+from gpu_engines import start_engine
 
 pytestmark = pytest.mark.engine
 
