@@ -1,0 +1,82 @@
+"""Reaching our connector's halves inside a running engine, and waiting for it."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from engine_run import Shape
+
+# One shape per TP: TP 1 in bf16 with 16-token blocks; TP 2 in float32 with
+# 128-token blocks (the tpu-v7 overlay's block size).
+SETUPS = {
+    "tp1-bf16-bs16": Shape("kv4", "bfloat16", tp=1, block_size=16, num_blocks=40),
+    "tp2-f32-bs128": Shape("kv4", "float32", tp=2, block_size=128, num_blocks=8, max_model_len=768),
+}
+
+# Sizes for the tiny model; everything else comes from configs/tpu-inference/*.json.
+OURS = {"cpu_bytes": "64MiB", "staging_blocks": 32, "verify_checksums": True}
+
+
+def sch(eng):
+    return eng.scheduler_connector.scheduler
+
+
+def wrk(eng):
+    return eng.worker_connector.worker
+
+
+def totals(eng) -> dict[str, float]:
+    """Scheduler and worker counters since the engine started."""
+    return {**sch(eng).totals, **wrk(eng).totals}
+
+
+def delta(after: dict, before: dict, key: str) -> float:
+    return after.get(key, 0) - before.get(key, 0)
+
+
+def settle(eng, timeout_s: float = 60.0) -> None:
+    """Step the engine until every store has completed (the engine keeps
+    stepping for them itself; a test must not reset the cache before)."""
+    deadline = time.monotonic() + timeout_s
+    while sch(eng).has_pending_work():
+        if time.monotonic() > deadline:
+            raise AssertionError("stores still pending after %.0f s" % timeout_s)
+        eng.llm.llm_engine.step()
+
+
+def valid_slots(eng) -> set[int]:
+    return set(np.flatnonzero(wrk(eng).engine.valid).tolist())
+
+
+def zero_slots(eng, slots, *, keep_checksums: bool) -> None:
+    """Overwrite host chunks with zeros (every local shard). ``keep_checksums``
+    refreshes their checksums, as a corruption no checksum can see would."""
+    engine = wrk(eng).engine
+    for s in slots:
+        for view in engine.row_views(int(s)):
+            view[:] = 0
+        if keep_checksums and engine.checksums is not None:
+            engine.checksums[int(s)] = engine._checksum(int(s))
+
+
+class LookupSpy:
+    """Records what our scheduler answers vLLM: (tokens hit, load asynchronously?)."""
+
+    def __init__(self, eng):
+        self.conn = eng.scheduler_connector
+        self.real = self.conn.get_num_new_matched_tokens
+        self.answers: list[tuple[int, bool]] = []
+
+    def __enter__(self):
+        def spy(request, num_computed_tokens):
+            out = self.real(request, num_computed_tokens)
+            self.answers.append(out)
+            return out
+
+        self.conn.get_num_new_matched_tokens = spy
+        return self
+
+    def __exit__(self, *exc):
+        del self.conn.get_num_new_matched_tokens  # back to the class method
