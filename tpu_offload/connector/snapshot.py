@@ -17,7 +17,7 @@ import logging
 import os
 import secrets
 
-from tpu_offload.core.fs.snapshot import read_json
+from tpu_offload.core.fs.snapshot import SnapshotPathError, is_snapshot_json, read_json
 from tpu_offload.core.keys import ChunkKey, LayoutFingerprint
 from tpu_offload.core.lru import LRUChunkManager
 
@@ -43,6 +43,10 @@ def save_index(path: str, snapshot_id: str, fp: LayoutFingerprint, manager: LRUC
         "keys": [bytes(k).hex() for k, _ in items], "slots": [int(s) for _, s in items],
     }
     os.makedirs(path, exist_ok=True)
+    target = os.path.join(path, INDEX)
+    if os.path.lexists(target) and not is_snapshot_json(target, FORMAT):  # never overwrite someone's file
+        raise SnapshotPathError(f"{target!r} exists and is not a tpu-offload index; refusing to replace it. "
+                                "Allowed: a snapshot_path that is new, empty, or holds an earlier snapshot")
     tmp = os.path.join(path, f".{INDEX}.tmp.{os.getpid()}.{new_id()}")
     try:
         with open(tmp, "w") as f:

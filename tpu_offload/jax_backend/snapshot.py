@@ -22,7 +22,7 @@ import shutil
 import jax
 import numpy as np
 
-from tpu_offload.core.fs.snapshot import read_json
+from tpu_offload.core.fs.snapshot import check_replaceable, is_snapshot_json, read_json
 from tpu_offload.jax_backend import hostview
 
 log = logging.getLogger(__name__)
@@ -50,6 +50,8 @@ def save_slabs(engine, host_dir: str, snapshot_id: str, fp_digest: str) -> int:
     import orbax.checkpoint as ocp
 
     pidx, nproc = jax.process_index(), jax.process_count()
+    # Never replace a directory at host_dir that is not an earlier slab snapshot.
+    check_replaceable(os.path.abspath(host_dir), lambda p: is_snapshot_json(os.path.join(p, _meta_name(0)), FORMAT))
     valid = [int(s) for s in np.flatnonzero(engine.valid)]
     parent = os.path.dirname(os.path.abspath(host_dir))
     base = os.path.basename(host_dir)

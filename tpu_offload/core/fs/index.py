@@ -18,15 +18,6 @@ from typing import Iterable
 import numpy as np
 
 
-class _Rec:
-    __slots__ = ("size", "last", "disk")
-
-    def __init__(self, size: int, last: float, disk: float):
-        self.size = size
-        self.last = last  # last access we know of (wall seconds)
-        self.disk = disk  # last access stamped on the file (mtime)
-
-
 class FileIndex:
     """Guarded by one short lock; a rebuild from a scan never holds it for long.
 
@@ -35,12 +26,16 @@ class FileIndex:
     live dict are safe under the GIL, and any key they could have got wrong
     is in the journal), then swaps it in and replays the journal under the
     lock: the engine waits for O(keys changed during the scan), never for
-    O(files).
+    O(files). Per key it stores only bytes, floats and ints, which the
+    garbage collector does not track: a rebuild of 150k entries creates no
+    objects whose collection would stall every thread.
     """
 
     def __init__(self, touch_interval_s: float = 1.0):
         self._lock = threading.Lock()
-        self._od: collections.OrderedDict[bytes, _Rec] = collections.OrderedDict()
+        self._od: collections.OrderedDict[bytes, float] = collections.OrderedDict()  # key -> last access
+        self._disk: dict[bytes, float] = {}  # key -> last access stamped on the file (mtime)
+        self._size: dict[bytes, int] = {}
         self._touch_interval = touch_interval_s
         self._journal: dict[bytes, None] | None = None
         self.used_bytes = 0
@@ -66,50 +61,50 @@ class FileIndex:
         now = self.now()
         with self._lock:
             self._changed(key)
-            rec = self._od.get(key)
-            if rec is None:
-                self._od[key] = _Rec(size, now, now if disk_time is None else disk_time)
-                self.used_bytes += size
-                return
-            self.used_bytes += size - rec.size
-            rec.size, rec.last = size, now
-            if disk_time is not None:
-                rec.disk = disk_time
+            old = self._size.get(key)
+            if old is None:
+                self._disk[key] = now if disk_time is None else disk_time
+            elif disk_time is not None:
+                self._disk[key] = disk_time
+            self.used_bytes += size - (old or 0)
+            self._size[key] = size
+            self._od[key] = now
             self._od.move_to_end(key)
 
     def touch(self, key: bytes) -> bool:
         """Mark as just used; True if the file's mtime is due a restamp."""
         now = self.now()
         with self._lock:
-            rec = self._od.get(key)
-            if rec is None:
+            if key not in self._od:
                 return False
             self._changed(key)
-            rec.last = now
+            self._od[key] = now
             self._od.move_to_end(key)
-            if now - rec.disk >= self._touch_interval:
-                rec.disk = now
+            if now - self._disk[key] >= self._touch_interval:
+                self._disk[key] = now
                 return True
             return False
 
+    def _pop(self, key: bytes) -> int:
+        del self._disk[key]
+        size = self._size.pop(key)
+        self.used_bytes -= size
+        self._changed(key)
+        return size
+
     def remove(self, key: bytes) -> int | None:
         with self._lock:
-            rec = self._od.pop(key, None)
-            if rec is None:
+            if self._od.pop(key, None) is None:
                 return None
-            self._changed(key)
-            self.used_bytes -= rec.size
-            return rec.size
+            return self._pop(key)
 
     def pop_lru_until(self, budget_bytes: int) -> list[tuple[bytes, int]]:
         """Take least-recent entries out until the total fits the budget."""
         out = []
         with self._lock:
             while self.used_bytes > budget_bytes and self._od:
-                key, rec = self._od.popitem(last=False)
-                self._changed(key)
-                self.used_bytes -= rec.size
-                out.append((key, rec.size))
+                key, _ = self._od.popitem(last=False)
+                out.append((key, self._pop(key)))
         return out
 
     def begin_rebuild(self) -> None:
@@ -121,7 +116,7 @@ class FileIndex:
         with self._lock:
             self._journal = None
 
-    def adopt(self, on_disk: Iterable[tuple[bytes, int, float]], pause_every: int = 4096) -> None:
+    def adopt(self, on_disk: Iterable[tuple[bytes, int, float]], pause_every: int = 2048) -> None:
         """Adopt a directory scan begun after ``begin_rebuild``: (key, size, mtime) per file.
 
         Files gone from disk leave the index, except ones added or touched
@@ -129,36 +124,46 @@ class FileIndex:
         and what this process saw (mtime restamps are throttled).
         """
         live = self._od
-        keys, recs, lasts = [], [], []
+        keys: list[bytes] = []
+        lasts: list[float] = []
+        sizes: list[int] = []
+        disks: list[float] = []
         for n, (key, size, mtime) in enumerate(on_disk, 1):
-            rec = live.get(key)
-            last = max(mtime, rec.last) if rec is not None else mtime
+            seen = live.get(key)
             keys.append(key)
-            recs.append(_Rec(size, last, mtime))
-            lasts.append(last)
-            if n % pause_every == 0:
-                time.sleep(0)  # hand the GIL to a waiting engine thread
-        order = np.argsort(np.asarray(lasts, dtype=np.float64), kind="stable")  # sorts without the GIL
-        new: collections.OrderedDict[bytes, _Rec] = collections.OrderedDict()
+            lasts.append(mtime if seen is None or seen < mtime else seen)
+            sizes.append(size)
+            disks.append(mtime)
+        order = np.argsort(np.asarray(lasts, dtype=np.float64), kind="stable")
+        od: collections.OrderedDict[bytes, float] = collections.OrderedDict()
+        disk: dict[bytes, float] = {}
+        size_of: dict[bytes, int] = {}
         used = 0
         for n, i in enumerate(order.tolist(), 1):
-            r = recs[i]
-            new[keys[i]] = r
-            used += r.size
+            k = keys[i]
+            od[k] = lasts[i]
+            disk[k] = disks[i]
+            size_of[k] = sizes[i]
+            used += sizes[i]
             if n % pause_every == 0:
-                time.sleep(0)
+                time.sleep(1e-4)  # step aside: a waiting engine thread takes the GIL
+        del keys, lasts, sizes, disks
         with self._lock:
             journal, self._journal = self._journal or {}, None
             for key in journal:  # in order of change: the most recent end up last
+                if od.pop(key, None) is not None:
+                    del disk[key]
+                    used -= size_of.pop(key)
                 cur = self._od.get(key)
-                old = new.pop(key, None)
-                if old is not None:
-                    used -= old.size
                 if cur is not None:
-                    new[key] = cur
-                    used += cur.size
-            self._od = new
+                    od[key] = cur
+                    disk[key] = self._disk[key]
+                    size_of[key] = self._size[key]
+                    used += size_of[key]
+            old = self._od, self._disk, self._size
+            self._od, self._disk, self._size = od, disk, size_of
             self.used_bytes = used
+        del old  # freed here, outside the lock
 
     def keys_lru_order(self) -> list[bytes]:
         with self._lock:
@@ -167,4 +172,6 @@ class FileIndex:
     def clear(self) -> None:
         with self._lock:
             self._od.clear()
+            self._disk.clear()
+            self._size.clear()
             self.used_bytes = 0

@@ -30,6 +30,7 @@ DIR_MODE = 0o750
 FILE_MODE = 0o640
 TMP_PREFIX = ".tmp."
 QUARANTINE = "quarantine"
+PAUSE_S = 1e-4  # how long a long walk steps aside for other threads (see ``_Walk.stat``)
 _HEX = frozenset(string.hexdigits.lower())
 # Our names only: ``temp_name`` and the tier's/CLI's quarantine renames.
 _TMP_RE = re.compile(r"^\.tmp\.(?:[0-9a-f]{1,16}|probe|clock)\.[0-9]+\.[0-9a-f]{8}\.[0-9]+$")
@@ -163,68 +164,71 @@ class _Walk:
                 self.out.unreadable.append((path, e.strerror or str(e)))
             return None
         try:
-            return fd, self.entries(fd, path)
+            return fd, self.entries(fd)
         except OSError as e:
             os.close(fd)
             self.out.unreadable.append((path, e.strerror or str(e)))
             return None
 
-    def entries(self, fd: int, path: str) -> list[os.DirEntry]:
+    @staticmethod
+    def entries(fd: int) -> list[os.DirEntry]:
         with os.scandir(fd) as it:
             return list(it)
 
-    def found(self, entry: os.DirEntry, path: str, dirs: tuple[str, ...]) -> Found | None:
+    def stat(self, entry: os.DirEntry, parent: str) -> os.stat_result | None:
+        """The entry's own stat if it is a regular file; else None (and noted)."""
         self.n += 1
         if self.pause_every and self.n % self.pause_every == 0:
-            time.sleep(0)  # let a waiting engine thread take the GIL now, not after the switch interval
+            # Not runnable for a moment: a waiting engine thread takes the GIL now. sleep(0)
+            # would race it for the GIL and win, leaving it to wait out the 5 ms switch interval.
+            time.sleep(PAUSE_S)
         try:
             st = entry.stat(follow_symlinks=False)
         except FileNotFoundError:  # deleted under us: another instance's eviction
             return None
         except OSError as e:
-            self.out.unreadable.append((path, e.strerror or str(e)))
+            self.out.unreadable.append((f"{parent}{os.sep}{entry.name}", e.strerror or str(e)))
             return None
         if not stat.S_ISREG(st.st_mode):
-            self.out.foreign.append(path)  # a FIFO, device, symlink or directory: never ours
+            self.out.foreign.append(f"{parent}{os.sep}{entry.name}")  # FIFO, device, symlink, directory
             return None
-        return Found(path, entry.name, st.st_size, st.st_blocks * 512, st.st_mtime, st.st_ino, dirs,
-                     st.st_mtime_ns)
+        return st
+
+    def found(self, entry: os.DirEntry, parent: str, dirs: tuple[str, ...]) -> Found | None:
+        st = self.stat(entry, parent)
+        return None if st is None else _found(entry.name, st, parent, dirs)
 
 
-def scan_namespace(ns_dir: str, pause_every: int = 0) -> NamespaceScan:
-    """Every chunk, temp and quarantined file under one namespace directory.
+def _found(name: str, st: os.stat_result, parent: str, dirs: tuple[str, ...]) -> Found:
+    return Found(f"{parent}{os.sep}{name}", name, st.st_size, st.st_blocks * 512, st.st_mtime, st.st_ino,
+                 dirs, st.st_mtime_ns)
 
-    Raises OSError only if the namespace directory itself cannot be listed;
-    a subdirectory or file that cannot be read is skipped and listed in
-    ``unreadable``. Symlinks are never followed (they count as foreign).
-    ``pause_every`` yields the GIL every that many files (0: never).
+
+def walk_namespace(ns_dir: str, out: NamespaceScan,
+                   pause_every: int = 0) -> Iterator[tuple[str, os.stat_result, tuple[str, str]]]:
+    """Yield (name, stat, fan-out dirs) per chunk file; temps, quarantined,
+    foreign and unreadable entries go to ``out``.
+
+    Streams, so a rescan of 150k files holds no per-file Python containers
+    (the garbage collector would stall every thread on them). Raises OSError
+    only if the namespace directory itself cannot be listed; anything below
+    that cannot be read is skipped and listed in ``out.unreadable``.
+    Symlinks are never followed (they count as foreign). ``pause_every``
+    yields the GIL every that many files (0: never).
     """
-    out = NamespaceScan(os.path.basename(ns_dir.rstrip(os.sep)), ns_dir)
     w = _Walk(out, pause_every)
     try:
         fd = safedir.open_base(ns_dir, listing=True)
     except FileNotFoundError:
-        return out  # not created yet, or removed by an operator: nothing to see
+        return  # not created yet, or removed by an operator: nothing to see
     try:
-        top = w.entries(fd, ns_dir)
-        for e1 in top:
+        for e1 in w.entries(fd):
             p1 = f"{ns_dir}{os.sep}{e1.name}"
             if e1.name == QUARANTINE:
-                sub = w.listing(fd, e1.name, p1)
-                if sub is not None:
-                    qfd, entries = sub
-                    try:
-                        for e in entries:
-                            f = w.found(e, f"{p1}{os.sep}{e.name}", (QUARANTINE,))
-                            if f is not None and is_our_quarantine(e.name):
-                                out.quarantined.append(f)
-                            elif f is not None:
-                                out.foreign.append(f.path)
-                    finally:
-                        os.close(qfd)
+                _quarantine(w, fd, p1)
                 continue
             if e1.name.startswith(TMP_PREFIX):  # the writability probe's temp
-                if (f := w.found(e1, p1, ())) is not None and is_our_temp(e1.name):
+                if (f := w.found(e1, ns_dir, ())) is not None and is_our_temp(e1.name):
                     out.temps.append(f)
                 elif f is not None:
                     out.foreign.append(p1)
@@ -249,21 +253,43 @@ def scan_namespace(ns_dir: str, pause_every: int = 0) -> NamespaceScan:
                     try:
                         dirs = (e1.name, e2.name)
                         for e in entries2:
-                            p = f"{p2}{os.sep}{e.name}"
                             if is_our_temp(e.name):
-                                if (f := w.found(e, p, dirs)) is not None:
+                                if (f := w.found(e, p2, dirs)) is not None:
                                     out.temps.append(f)
                             elif is_chunk_name(e.name) and chunk_relpath(e.name)[:2] == dirs:
-                                if (f := w.found(e, p, dirs)) is not None:
-                                    out.chunks.append(f)
+                                if (st := w.stat(e, p2)) is not None:
+                                    yield e.name, st, dirs
                             else:
-                                out.foreign.append(p)
+                                out.foreign.append(f"{p2}{os.sep}{e.name}")
                     finally:
                         os.close(fd2)
             finally:
                 os.close(fd1)
     finally:
         os.close(fd)
+
+
+def _quarantine(w: _Walk, fd: int, path: str) -> None:
+    sub = w.listing(fd, QUARANTINE, path)
+    if sub is None:
+        return
+    qfd, entries = sub
+    try:
+        for e in entries:
+            f = w.found(e, path, (QUARANTINE,))
+            if f is not None and is_our_quarantine(e.name):
+                w.out.quarantined.append(f)
+            elif f is not None:
+                w.out.foreign.append(f.path)
+    finally:
+        os.close(qfd)
+
+
+def scan_namespace(ns_dir: str) -> NamespaceScan:
+    """Every chunk, temp and quarantined file under one namespace directory (see ``walk_namespace``)."""
+    out = NamespaceScan(os.path.basename(ns_dir.rstrip(os.sep)), ns_dir)
+    for name, st, dirs in walk_namespace(ns_dir, out):
+        out.chunks.append(_found(name, st, os.path.join(ns_dir, *dirs), dirs))
     return out
 
 

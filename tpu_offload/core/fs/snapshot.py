@@ -21,6 +21,7 @@ import logging
 import os
 import secrets
 import shutil
+import stat
 
 import numpy as np
 import xxhash
@@ -46,6 +47,54 @@ def read_json(file: str, what: str) -> dict | None:
         log.warning("%s %s unreadable (%s); starting cold", what, file, e)
         return None
 
+class SnapshotPathError(ValueError):
+    """The snapshot path holds something that is not ours to replace."""
+
+
+def check_replaceable(path: str, is_ours=None) -> None:
+    """Refuse to publish over anything but nothing, an empty directory, or our own snapshot.
+
+    ``is_ours(path) -> bool`` recognises a snapshot (default: this module's
+    ``index.json`` format). Raises ``SnapshotPathError`` naming what is there.
+    """
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    what = None
+    if stat.S_ISLNK(st.st_mode):
+        what = "a symlink"
+    elif not stat.S_ISDIR(st.st_mode):
+        what = "not a directory"
+    else:
+        try:
+            empty = not os.listdir(path)
+        except OSError as e:
+            raise SnapshotPathError(f"snapshot path {path!r} cannot be listed ({e.strerror}); "
+                                    "allowed: a new path, an empty directory or an earlier snapshot") from None
+        if not empty and not (is_ours or _is_host_snapshot)(path):
+            what = "a directory that is not a tpu-offload snapshot"
+    if what:
+        raise SnapshotPathError(
+            f"snapshot path {path!r} is {what}; refusing to replace it. Allowed: a new path, an empty "
+            "directory or an earlier snapshot written here (remove or move it yourself if it is disposable)"
+        )
+
+
+def is_snapshot_json(file: str, fmt: str) -> bool:
+    """Does ``file`` hold a JSON object of format ``fmt``? (quietly: only to recognise our own files)"""
+    try:
+        with open(file) as f:
+            body = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(body, dict) and body.get("format") == fmt
+
+
+def _is_host_snapshot(path: str) -> bool:
+    return is_snapshot_json(os.path.join(path, INDEX), FORMAT)
+
+
 FORMAT = "tpu-offload-host-snapshot"
 VERSION = 1
 INDEX = "index.json"
@@ -55,10 +104,16 @@ DATA = "chunks.npy"
 def snapshot_host_tier(
     manager: LRUChunkManager, pool: HostChunkPool, path: str, fingerprint: LayoutFingerprint
 ) -> int:
-    """Write every ready, valid chunk to ``path``; returns how many were saved."""
+    """Write every ready, valid chunk to ``path``; returns how many were saved.
+
+    ``path`` must be absent, an empty directory, or a snapshot this code
+    wrote: anything else there (a symlink, a file, someone's directory) is
+    refused with ``SnapshotPathError`` and left untouched, never replaced.
+    """
+    path = os.path.abspath(path)
+    check_replaceable(path)
     items = [(k, s) for k, s in manager.items_lru_order() if pool.valid[s]]
     cb = pool.chunk_bytes
-    path = os.path.abspath(path)
     parent = os.path.dirname(path)
     make_dirs(parent)
     tmp = os.path.join(parent, f".{os.path.basename(path)}.tmp.{os.getpid()}.{secrets.token_hex(4)}")
@@ -188,7 +243,8 @@ def _index_digest(index: dict) -> str:
 def _publish_dir(tmp: str, path: str) -> None:
     """Swap ``tmp`` in at ``path``; an old snapshot is removed only after."""
     old = None
-    if os.path.exists(path):
+    check_replaceable(path)  # again: something may have appeared while we wrote
+    if os.path.lexists(path):
         old = f"{tmp}.old"
         os.rename(path, old)
     os.rename(tmp, path)

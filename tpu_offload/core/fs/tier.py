@@ -423,19 +423,22 @@ class FileTier:
             return  # another thread is scanning
         try:
             self._index.begin_rebuild()
+            scan = layout.NamespaceScan(os.path.basename(self.ns_dir), self.ns_dir)
             try:
                 srv = self._server_now()
-                scan = layout.scan_namespace(self.ns_dir, pause_every=1024)
+                now = srv if srv is not None else self._index.now()
+                self._index.adopt(
+                    (bytes.fromhex(name), st.st_size, self._clamp(name, st, dirs, now))
+                    for name, st, dirs in layout.walk_namespace(self.ns_dir, scan, pause_every=256)
+                )
             except BaseException:
                 self._index.abort_rebuild()
                 raise
-            now = srv if srv is not None else self._index.now()
             for t in scan.temps:
                 # Ages on the server's clock: our clock may run ahead of the writer's.
                 # Without it (read-only) we cannot judge an age, and could not delete anyway.
                 if srv is not None and srv - t.mtime > self.stale_tmp_s and self._unlink_found(t):
                     self._count("stale_temps_removed")
-            self._index.adopt((bytes.fromhex(f.name), f.size, self._clamp(f, now)) for f in scan.chunks)
             self._note_unreadable(scan.unreadable)
             self._last_scan = time.monotonic()
         finally:
@@ -458,18 +461,18 @@ class FileTier:
             self._index.offset = srv - local
         return srv
 
-    def _clamp(self, f: layout.Found, now: float) -> float:
+    def _clamp(self, name: str, st: os.stat_result, dirs: tuple[str, ...], now: float) -> float:
         """A file stamped in the future (a host whose clock runs ahead) is aged from now.
 
         Its mtime is set to now on disk, so it ages for every instance and the
         CLI; otherwise it would sort as most recent forever and never be evicted.
         """
-        if f.mtime <= now + _FUTURE_SLACK_S:
-            return f.mtime
+        if st.st_mtime <= now + _FUTURE_SLACK_S:
+            return st.st_mtime
         try:
-            with safedir.dir_at(self.ns_dir, f.dirs) as d:
-                if safedir.lstat_regular(f.name, d) is not None:
-                    os.utime(f.name, (now, now), dir_fd=d, follow_symlinks=False)
+            with safedir.dir_at(self.ns_dir, dirs) as d:
+                if safedir.lstat_regular(name, d) is not None:
+                    os.utime(name, (now, now), dir_fd=d, follow_symlinks=False)
             self._count("future_mtimes_clamped")
         except OSError:
             pass  # read-only, or gone: the index still ages it from now
