@@ -275,8 +275,11 @@ def test_worker_sends_file_tier_metrics_through_vllms_channel(root):
     assert data[metrics.FS_GAUGES["capacity_bytes"]][("fs", "3")] == 1 << 30
     assert data[metrics.FS_STATE][("fs", "3", "rw")] == 1
     assert metrics.HIT_TOKENS not in data  # hits are sent by rank 0 only (vLLM sums over ranks)
-    again = w.take_connector_stats().data["data"]  # counters are deltas
+    assert w.take_connector_stats() is None  # the file tier is read at most once a second
+    w._stats._next_fs = 0.0  # as if a second had passed
+    again = w.take_connector_stats().data["data"]  # counters are deltas, gauges snapshots
     assert metrics.FS_BYTES not in again and metrics.FS_LATENCY not in again
+    assert again[metrics.FS_GAUGES["files"]][("fs", "3")] == 2
     w.rank = w._stats.rank = 0
     assert w.take_connector_stats().data["data"][metrics.HIT_TOKENS] == {("cpu",): 16}
     w.shutdown()
