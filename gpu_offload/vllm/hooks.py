@@ -75,6 +75,9 @@ def _get_transfer_results(orig):
             return results
         if _hybrid(self):
             failed = {load_jobs[j] for j in jobs if j in load_jobs}
+            if len(failed) < len(jobs):  # cannot happen while vLLM pops _load_jobs only in get_finished
+                logger.error("failed load job(s) %s belong to no known request; their KV is not reported",
+                             sorted(j for j in jobs if j not in load_jobs))
             results.failed_recving = set(results.failed_recving or ()) | failed
         else:
             pending = getattr(self, "_tpu_offload_error_blocks", set())

@@ -76,3 +76,20 @@ def test_store_sees_kv_written_on_the_compute_stream_and_expedited_loads_work():
     poll(w, {2})
     assert torch.equal(tensors[0][9], tensors[0][3])
     w.shutdown()
+
+
+def test_many_stores_in_one_step_never_wait_on_index_uploads():
+    """Six store jobs queued behind a busy compute stream: the upload pool grows
+    instead of synchronizing, and every job still lands bit-exact."""
+    dev = torch.device("cuda")
+    tensors = [torch.randint(-128, 128, (NUM_BLOCKS, PAGE), dtype=torch.int8, device=dev)]
+    w = HostTransferEngine(tensors, [PAGE], [(0,)], 64, 1)
+    torch.cuda._sleep(200_000_000)  # keeps the lane stream's copies (and uploads) queued
+    for j in range(6):
+        w.submit_store(j, spec([4 * j, 4 * j + 1]), slots([2 * j, 2 * j + 1]))
+    assert w._store_lane._ring.pool.grown >= 2  # 4 buffers, 6 uploads in flight
+    poll(w, set(range(6)))
+    for j in range(6):
+        for i in range(2):
+            assert np.array_equal(w.pool.slab[2 * j + i, :PAGE], tensors[0][4 * j + i].cpu().numpy().view(np.uint8))
+    w.shutdown()

@@ -2,7 +2,7 @@
 
 Every vLLM engine here runs in its own process (``engine_run.py``): that is
 what proves the file tier is shared across processes and survives restarts,
-and vLLM cannot run two offloading engines in one process (see there).
+and only one offloading engine may be alive in a process at a time.
 """
 
 from __future__ import annotations

@@ -15,9 +15,9 @@ The last line of stdout is the result; the process then exits normally, so
 vLLM's own shutdown closes the file tier (write-back chunks still in host
 RAM are written then: ``dirty_at_exit`` says how many).
 
-Every engine of the file-tier tests runs in its own process: besides proving
-cross-process sharing, two vLLM engines in one process do not work with KV
-offloading (the second engine's restored KV is not what its attention reads).
+Every engine of the file-tier tests runs in its own process: that is what
+proves cross-process sharing, and only one offloading engine may be alive in
+a process at a time (a second one fails at start; see gpu_offload.vllm.hooks).
 """
 
 from __future__ import annotations
