@@ -56,7 +56,7 @@ def main():
     slab = worker.engine.slabs[0][0]
     reply({"ready": True, "process_count": jax.process_count(),
            "local_shards": len(slab.addressable_shards), "global_devices": len(slab.sharding.device_set),
-           "local_heads": sorted({s.data.shape[4] for s in slab.addressable_shards})})
+           "local_block_elems": sorted({s.data.shape[3] for s in slab.addressable_shards})})
     for line in sys.stdin:
         cmd = json.loads(line)
         meta = OffloadMetadata(loads=[LoadOp(**x) for x in cmd.get("loads", [])],

@@ -189,3 +189,18 @@ def test_model_free_speculation_is_allowed():
     vc.speculative_config = SimpleNamespace(method="ngram")
     vc.additional_config = {"enable_continue_decode": False}
     assert resolve(vc, page(), env={}).num_slots == 4
+
+
+def test_replicated_heads_size_the_tier_by_the_real_kv():
+    """Llama-3-8B (8 KV heads) at TP 16: tpu-inference's spec counts 16 padded heads; a chunk
+    costs the real 8 heads' bytes, so cpu_bytes buys twice the chunks."""
+    spec = SimpleNamespace(page_size_bytes=2 * 128 * 16 * 128 * 2, num_kv_heads=16)
+    kcc = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, layer_names=[f"l{i}" for i in range(32)])])
+    vc = vllm_config({"cpu_bytes": "64GiB"})
+    vc.model_config = SimpleNamespace(get_total_num_kv_heads=lambda: 8, use_mla=False)
+    s = resolve(vc, kcc, env={})
+    assert s.kv_replicas == 2
+    assert s.chunk_bytes == 32 * 2 * 128 * 8 * 128 * 2  # 16 MiB: K and V of 8 heads, 128 tokens, 32 layers
+    assert s.num_slots == 64 * 1024 // 16
+    vc.model_config = SimpleNamespace(get_total_num_kv_heads=lambda: 16, use_mla=False)
+    assert resolve(vc, kcc, env={}).kv_replicas == 1

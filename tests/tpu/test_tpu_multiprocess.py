@@ -135,7 +135,7 @@ def test_chunk_loadable_only_after_every_process_reported(tiny_model_dir):
         hello = [c.recv() for c in children]
         for h in hello:  # each process holds 4 of the 8 head shards, one head each
             assert h["process_count"] == 2 and h["local_shards"] == 4 and h["global_devices"] == 8
-            assert h["local_heads"] == [1]
+            assert h["local_block_elems"] == [BS * 1 * 16]  # block_size x its one head x head_dim
 
         a = fake_request("a", 3)
         sched.update_state_after_alloc(a, None, 0)

@@ -99,15 +99,23 @@ def test_ragged_tail_and_partial_chunk_load(mesh):
 
 
 def test_host_tier_sharded_like_the_cache(mesh):
+    """Each device's slab shard holds exactly its own head of each stored block."""
     caches = make_caches(mesh, jnp.bfloat16)
     eng = TransferEngine(KVLayout.from_caches(caches), num_slots=8, blocks_per_chunk=2, staging_blocks=4)
     slab = eng.slabs[0][0]
     assert slab.sharding.memory_kind == "pinned_host"
     assert len(slab.addressable_shards) == 8
-    # slab is [slots, bpc, layers, block_size, heads, dim]: each device holds 1 of 8 heads
-    assert {s.data.shape for s in slab.addressable_shards} == {(8, 2, LAYERS, BS, 1, DIM)}
-    assert eng.staging[0].shape == (4, LAYERS, BS, HEADS, DIM)
-    assert {s.data.shape for s in eng.staging[0].addressable_shards} == {(4, LAYERS, BS, 1, DIM)}
+    # slab is [slots, bpc, layers, per-device block bytes]: each device holds 1 of 8 heads
+    assert {s.data.shape for s in slab.addressable_shards} == {(8, 2, LAYERS, BS * 1 * DIM)}
+    assert {s.data.shape for s in eng.staging[0].addressable_shards} == {(4, LAYERS, BS * 1 * DIM)}
+    eng.store(caches, [StoreChunk(5, [7, 3])]).block_until_ready()
+    ref = [bits(c) for c in caches]  # [layer][block, bs, head, dim]
+    for shard in eng.slabs[0][0].addressable_shards:  # the store donated the old slab
+        head = shard.device.id  # mesh devices in order: device d holds head d
+        row = np.asarray(shard.data)[5].view(np.uint8).reshape(2, LAYERS, BS, 1, DIM * 2)
+        for b, block in enumerate((7, 3)):
+            for layer in range(LAYERS):
+                assert np.array_equal(row[b, layer, :, 0], ref[layer][block, :, head]), (head, b, layer)
 
 
 def test_unpinned_host_and_multiple_slabs(mesh):
@@ -209,3 +217,73 @@ def test_programs_stay_on_each_device(any_mesh):
         hlo = prog.as_text()
         found = [c for c in COLLECTIVES if c in hlo]
         assert not found, f"{name} contains {found}"
+
+
+def replicated_caches(mesh, dtype, kv_heads, seed=7, layers=LAYERS):
+    """tpu-inference's cache when TP (8) exceeds the model's KV heads: heads padded to TP by
+    repeating each one 8 // kv_heads times, K/V merged and packed: (blocks, bs, 8 * per_dev, packing, dim)."""
+    tp = mesh.shape["model"]
+    packing = 4 // jnp.dtype(dtype).itemsize  # 2 for bf16, 1 for fp32
+    per_dev = max(1, 2 // packing)  # merged K/V rows per device for one head
+    sh = NamedSharding(mesh, P(None, None, "model"))
+    out = []
+    for layer in range(layers):
+        distinct = jax.random.normal(jax.random.key(seed + layer), (NB, BS, kv_heads, per_dev, packing, DIM))
+        padded = jnp.repeat(distinct, tp // kv_heads, axis=2)  # what tpu-inference's weight padding produces
+        out.append(jax.device_put(padded.reshape(NB, BS, tp * per_dev, packing, DIM).astype(dtype), sh))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("kv_heads", [1, 2, 4])
+def test_replicated_heads_stored_once(any_mesh, dtype, kv_heads):
+    """TP 8 over 1, 2 or 4 KV heads (as Llama-3-8B at TP 16, or llm-d's multi-host TP 16):
+    the host tier and every transfer hold each distinct head once, and loads
+    rebuild every replica bit-exactly."""
+    caches = replicated_caches(any_mesh, dtype, kv_heads)
+    shardings = [c.sharding for c in caches]
+    ref = [bits(c) for c in caches]
+    r = 8 // kv_heads
+    layout = KVLayout.from_caches(caches, head_replicas=r)
+    real_block = LAYERS * BS * kv_heads * 2 * DIM * jnp.dtype(dtype).itemsize  # K and V of the model's heads
+    assert layout.block_bytes == real_block
+    assert layout.replicated_block_bytes == r * real_block
+    eng = TransferEngine(layout, num_slots=6, blocks_per_chunk=2, staging_blocks=4)
+    assert eng.chunk_bytes == 2 * real_block
+    host = sum(s.data.nbytes for per_group in eng.slabs for slab in per_group for s in slab.addressable_shards)
+    assert host == 6 * eng.chunk_bytes  # the host tier: real KV size, nothing repeated
+    staging = sum(s.data.nbytes for st in eng.staging for s in st.addressable_shards)
+    assert staging == 4 * real_block
+    src = [[1, 2], [9, 4], [30, 31]]  # 3 chunks: more than the 2-chunk staging buffer
+    eng.store(caches, [StoreChunk(s, b) for s, b in zip([5, 0, 3], src)]).block_until_ready()
+    eng.complete_store([5, 0, 3], True)
+    dst = [[20, 21], [11, 12], [13, 14]]
+    caches, done = eng.load(caches, [LoadChunk(s, b) for s, b in zip([3, 5, 0], [dst[2], dst[0], dst[1]])])
+    done.block_until_ready()
+    assert [c.sharding for c in caches] == shardings
+    got = [bits(c) for c in caches]
+    for layer in range(LAYERS):
+        for sb, db in zip(src, dst):
+            for s_, d_ in zip(sb, db):
+                assert np.array_equal(got[layer][d_], ref[layer][s_]), (layer, s_, d_)
+        untouched = np.setdiff1d(np.arange(NB), np.ravel(dst))
+        assert np.array_equal(got[layer][untouched], ref[layer][untouched])
+
+
+def test_replicated_heads_move_only_missing_slices(mesh):
+    """Only the load's scatter talks between devices (replicas exchange their slices);
+    gather, store and load stay on each device."""
+    caches = replicated_caches(mesh, jnp.bfloat16, kv_heads=2)
+    eng = TransferEngine(KVLayout.from_caches(caches, head_replicas=4), num_slots=4, blocks_per_chunk=1,
+                         staging_blocks=4)
+    p = eng.programs
+    for name, prog in [("gather", p.gather(4)), ("store", p.store()), ("load", p.load())]:
+        assert not [c for c in COLLECTIVES if c in prog.as_text()], name
+    hlo = p.scatter(4).as_text()
+    assert "collective-permute" in hlo and "all-gather" not in hlo and "all-reduce" not in hlo
+
+
+def test_replicas_must_fit_the_layout(mesh):
+    caches = replicated_caches(mesh, jnp.bfloat16, kv_heads=2)
+    with pytest.raises(ValueError, match="repeated 3 times"):
+        KVLayout.from_caches(caches, head_replicas=3)

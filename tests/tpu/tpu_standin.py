@@ -35,7 +35,7 @@ _M = (1 << 61) - 1
 def write_tiny_model(path: Path) -> str:
     cfg = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
-        "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+        "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 64,
         "num_hidden_layers": 2, "vocab_size": VOCAB, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
         "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2,
     }
@@ -348,6 +348,10 @@ class Harness:
             got = slabs[0][k][row]
             want = expected_chunk(self.tokens[key], self._chunk_index(key), self.sch.chunk_tokens, r.layers,
                                   r.heads, r.dim, r.dtype, self.block_size)
+            # Host layout: each device's own heads of a block, flattened, devices in mesh order.
+            bpc, layers, bs, heads, dim = want.shape
+            shards = r.mesh.shape["model"]
+            want = want.reshape(bpc, layers, bs, shards, heads // shards, dim).transpose(0, 1, 3, 2, 4, 5)
             assert np.array_equal(got.view(np.uint8).ravel(), want.view(np.uint8).ravel()), \
                 f"host slot {slot} holds the wrong KV for its key"
             n += 1

@@ -181,3 +181,28 @@ def unsupported_runner_mode(vllm_config) -> str | None:
                 "has stored the step's chunks, so stored draft layers would be stale. Allowed with offloading: "
                 f"no speculative decoding, or a method without a draft model ({', '.join(MODEL_FREE_SPEC_METHODS)})")
     return None
+
+
+def kv_head_replicas(vllm_config, kv_cache_config) -> int:
+    """How many times tpu-inference repeats each KV head in the cache (1: not at all).
+
+    With fewer KV heads than the head-sharding degree, tpu-inference pads the
+    heads to that degree by repeating each one (``get_padded_num_heads``,
+    weight loading with ``jnp.repeat``), and the KV-cache spec it hands vLLM
+    counts the padded heads. Padded / real is the repeat count.
+    """
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    model = getattr(vllm_config, "model_config", None)
+    if not groups or model is None or getattr(model, "use_mla", False):
+        return 1
+    total = int(model.get_total_num_kv_heads())
+    found = set()
+    for g in groups:
+        heads = getattr(g.kv_cache_spec, "num_kv_heads", None)
+        if heads and total and heads > total and heads % total == 0:
+            found.add(heads // total)
+        else:
+            found.add(1)
+    if len(found) > 1:
+        raise ValueError(f"KV-cache groups repeat their heads differently ({sorted(found)}); not supported")
+    return found.pop()

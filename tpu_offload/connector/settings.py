@@ -27,8 +27,9 @@ class Settings:
     block_size: int  # tokens per engine block
     blocks_per_chunk: int
     num_slots: int  # host-tier capacity in chunks
-    chunk_bytes: int  # bytes of one chunk across all layers and shards (0 if unknown)
+    chunk_bytes: int  # distinct bytes of one chunk across all layers and shards (0 if unknown)
     staging_blocks: int  # whole chunks' worth of blocks
+    kv_replicas: int = 1  # times tpu-inference repeats each KV head (TP > KV heads); stored once
 
     @property
     def chunk_tokens(self) -> int:
@@ -73,7 +74,8 @@ def resolve(vllm_config, kv_cache_config, env: Mapping[str, str] | None = None) 
         )
     block_size = vllm_config.cache_config.block_size
     bpc = cfg.resolve_blocks_per_chunk(block_size)
-    chunk_bytes = kv_bytes_per_block(kv_cache_config) * bpc
+    kv_replicas = compat.kv_head_replicas(vllm_config, kv_cache_config)
+    chunk_bytes = kv_bytes_per_block(kv_cache_config) * bpc // kv_replicas  # each distinct head once
     if cfg.num_cpu_chunks is None and chunk_bytes == 0:
         raise ConfigError("cannot size the host tier in bytes without the KV-cache spec; set num_cpu_chunks "
                           "(TPU_OFFLOAD_NUM_CPU_CHUNKS)")
@@ -85,5 +87,5 @@ def resolve(vllm_config, kv_cache_config, env: Mapping[str, str] | None = None) 
         )
     return Settings(
         config=cfg, block_size=block_size, blocks_per_chunk=bpc, num_slots=num_slots,
-        chunk_bytes=chunk_bytes, staging_blocks=cfg.staging_blocks // bpc * bpc,
+        chunk_bytes=chunk_bytes, staging_blocks=cfg.staging_blocks // bpc * bpc, kv_replicas=kv_replicas,
     )

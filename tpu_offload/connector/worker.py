@@ -57,6 +57,7 @@ class OffloadWorker:
         self.totals: dict[str, float] = {}  # the same counters since start (tests, debugging)
         self.runner = None
         self.engine: TransferEngine | None = None
+        self.chunk_bytes = 0  # distinct KV bytes of one chunk, all layers and devices (set at registration)
         self._free_hbm = free_hbm_bytes  # overrides the allocator's figure (tests, CPU)
         self._free_host = free_host_bytes
         self._max_slab_bytes = max_slab_bytes
@@ -82,7 +83,8 @@ class OffloadWorker:
         self.runner = runner
         self._pidx = jax.process_index()
         self._report = OffloadReport(process_count=jax.process_count())
-        layout = KVLayout.from_caches(runner.kv_caches, getattr(runner, "mesh", None))
+        layout = KVLayout.from_caches(runner.kv_caches, getattr(runner, "mesh", None),
+                                      head_replicas=self.s.kv_replicas)
         layout_name = runner.get_kv_cache_layout() if hasattr(runner, "get_kv_cache_layout") else "NHD"
         if layout_name not in (None, "NHD"):
             raise ValueError(f"KV cache layout {layout_name!r}: the offload connector needs NHD")
@@ -97,6 +99,10 @@ class OffloadWorker:
             staging_blocks=self.s.staging_blocks, memory_kind=cfg.host_memory_kind,
             extra_buckets=cfg.block_buckets, checksums=cfg.verify_checksums, **kw,
         )
+        self.chunk_bytes = self.engine.chunk_bytes  # what one chunk costs on the host and on the wire
+        if self.s.chunk_bytes and self.s.chunk_bytes != self.chunk_bytes:
+            log.warning("tpu_offload: the KV-cache spec gives %d bytes per chunk, the caches hold %d; the host "
+                        "tier is sized from the caches", self.s.chunk_bytes, self.chunk_bytes)
         if cfg.shared_storage_path:
             if jax.process_count() > 1:
                 raise ConfigError("shared_storage_path with several JAX processes is not supported yet: "

@@ -3,9 +3,15 @@
 tpu-inference keeps one ``jax.Array`` per attention layer, shaped
 ``(num_blocks, *block_shape)`` (NHD: block_size, packed K/V heads, head_dim)
 and sharded with KV heads over the model axis. Layers of one shape form a
-group (hybrid models have several); every buffer we allocate is per group and
-keeps the cache's sharding of the block dimensions, so each device (and each
-host process) only ever touches its own head shards.
+group (hybrid models have several).
+
+Our buffers (staging, host slabs) hold, per device, its own bytes of each
+block flattened to one vector (a "piece"), so every device, and every host
+process, only ever touches its own head shards and no transfer program needs
+a collective. When TP exceeds the model's KV heads, tpu-inference repeats
+each head over ``replicas`` consecutive shards of the head axes; those
+devices then hold identical bytes, so each keeps only a ``1/replicas`` slice
+and the host tier holds every distinct head once (the model's real KV size).
 
 Every program is compiled against ``program_mesh``: the cache mesh's devices
 and axis names with ``AxisType.Auto`` axes. tpu-inference builds Auto meshes,
@@ -30,6 +36,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 _BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+HEAD_DIM = 1  # index of the KV-head dimension in block_shape (cache dim 2), in every layout we accept
 
 
 def bits_dtype(dtype) -> np.dtype:
@@ -46,23 +53,62 @@ class LayerGroup:
     layers: tuple[int, ...]  # indices into runner.kv_caches
     block_shape: tuple[int, ...]  # cache.shape[1:]
     dtype: np.dtype
-    block_spec: tuple  # PartitionSpec entries of the block dims
+    cache_spec: tuple  # the cache's PartitionSpec entries, block dim first
     cache_sharding: NamedSharding
+    local_block_shape: tuple[int, ...]  # one device's shard of a block
+    shard_axes: tuple[str, ...]  # mesh axes the cache is split over, in spec order
+    shards: int  # devices holding distinct-or-replicated pieces: product of shard_axes sizes
+    head_axes: tuple[str, ...]  # mesh axes of the KV-head dimension
+    head_shards: int  # product of their sizes
+    replicas: int = 1  # consecutive head shards holding identical bytes
+
+    @property
+    def block_spec(self) -> tuple:
+        return self.cache_spec[1:]
 
     @property
     def bits(self) -> np.dtype:
         return bits_dtype(self.dtype)
 
     @property
+    def local_elems(self) -> int:
+        return math.prod(self.local_block_shape)
+
+    @property
+    def piece(self) -> int:
+        """Elements of one block and layer each device keeps."""
+        return self.local_elems // self.replicas
+
+    @property
+    def width(self) -> int:
+        """Global length of the flattened per-block dimension of our buffers."""
+        return self.shards * self.piece
+
+    @property
     def block_bytes(self) -> int:
-        """Bytes of one block across this group's layers, all shards."""
+        """Distinct bytes of one block across this group's layers and all devices."""
+        return self.width * np.dtype(self.dtype).itemsize * len(self.layers)
+
+    @property
+    def replicated_block_bytes(self) -> int:
+        """What the cache itself holds per block (heads repeated ``replicas`` times)."""
         return math.prod(self.block_shape) * np.dtype(self.dtype).itemsize * len(self.layers)
 
+    @property
+    def device_block_bytes(self) -> int:
+        """One device's share of a block in our buffers."""
+        return self.piece * np.dtype(self.dtype).itemsize * len(self.layers)
+
+    @property
+    def device_cache_block_bytes(self) -> int:
+        """One device's share of a block in the cache (what a scatter rebuilds)."""
+        return self.local_elems * np.dtype(self.dtype).itemsize * len(self.layers)
+
     def staging_shape(self, blocks: int) -> tuple[int, ...]:
-        return (blocks, len(self.layers), *self.block_shape)
+        return (blocks, len(self.layers), self.width)
 
     def slab_shape(self, rows: int, blocks_per_chunk: int) -> tuple[int, ...]:
-        return (rows, blocks_per_chunk, len(self.layers), *self.block_shape)
+        return (rows, blocks_per_chunk, len(self.layers), self.width)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,15 +119,17 @@ class KVLayout:
     groups: tuple[LayerGroup, ...]
 
     @classmethod
-    def from_caches(cls, kv_caches: Sequence[jax.Array], mesh: Mesh | None = None) -> "KVLayout":
+    def from_caches(cls, kv_caches: Sequence[jax.Array], mesh: Mesh | None = None,
+                    head_replicas: int = 1) -> "KVLayout":
+        """``head_replicas``: how many times tpu-inference repeated each KV head
+        (padded heads / the model's heads; 1 when TP does not exceed the heads)."""
         if not kv_caches:
             raise ValueError("the runner has no KV caches to offload")
         first = kv_caches[0]
-        sharding = first.sharding
         if mesh is None:
-            if not isinstance(sharding, NamedSharding):
-                raise ValueError(f"KV cache sharding {sharding!r} is not a NamedSharding; pass the mesh")
-            mesh = sharding.mesh
+            if not isinstance(first.sharding, NamedSharding):
+                raise ValueError(f"KV cache sharding {first.sharding!r} is not a NamedSharding; pass the mesh")
+            mesh = first.sharding.mesh
         num_blocks = first.shape[0]
         by_key: dict[tuple, list[int]] = {}
         shardings: dict[tuple, NamedSharding] = {}
@@ -92,18 +140,12 @@ class KVLayout:
                     "all layers must share one block table"
                 )
             s = cache.sharding
-            spec = _block_spec(s, cache.ndim)
+            spec = _spec(s, cache.ndim)
             key = (tuple(cache.shape[1:]), np.dtype(cache.dtype), spec)
             by_key.setdefault(key, []).append(i)
             shardings.setdefault(key, s if isinstance(s, NamedSharding) else NamedSharding(mesh, PartitionSpec()))
         groups = tuple(
-            LayerGroup(
-                layers=tuple(layers),
-                block_shape=key[0],
-                dtype=key[1],
-                block_spec=key[2],
-                cache_sharding=shardings[key],
-            )
+            _group(mesh, key, tuple(layers), shardings[key], num_blocks, head_replicas)
             for key, layers in sorted(by_key.items(), key=lambda kv: kv[1][0])
         )
         return cls(mesh=mesh, num_blocks=num_blocks, num_layers=len(kv_caches), groups=groups)
@@ -117,10 +159,14 @@ class KVLayout:
         return NamedSharding(self.program_mesh, PartitionSpec(*spec), memory_kind=memory_kind)
 
     def staging_sharding(self, g: LayerGroup) -> NamedSharding:
-        return self.sharding(None, None, *g.block_spec)
+        return self.sharding(*self.staging_spec(g))
 
     def slab_sharding(self, g: LayerGroup, memory_kind: str) -> NamedSharding:
-        return self.sharding(None, None, None, *g.block_spec, memory_kind=memory_kind)
+        return self.sharding(None, *self.staging_spec(g), memory_kind=memory_kind)
+
+    @staticmethod
+    def staging_spec(g: LayerGroup) -> tuple:
+        return (None, None, g.shard_axes or None)
 
     def replicated(self) -> NamedSharding:
         return self.sharding()
@@ -128,12 +174,19 @@ class KVLayout:
     # ---- sizes ----------------------------------------------------------
     @property
     def block_bytes(self) -> int:
-        """One block across all layers and shards (what a chunk stores per block)."""
+        """Distinct bytes of one block across all layers and devices (what a chunk stores per block)."""
         return sum(g.block_bytes for g in self.groups)
 
+    @property
+    def replicated_block_bytes(self) -> int:
+        return sum(g.replicated_block_bytes for g in self.groups)
+
     def device_block_bytes(self) -> int:
-        """The largest per-device share of one block (sizes staging per device)."""
-        return sum(_per_device_bytes(g.block_bytes, g.block_spec, self.mesh) for g in self.groups)
+        """One device's share of a block in our buffers (sizes staging per device)."""
+        return sum(g.device_block_bytes for g in self.groups)
+
+    def device_cache_block_bytes(self) -> int:
+        return sum(g.device_cache_block_bytes for g in self.groups)
 
 
 _AUTO_MESHES: dict = {}
@@ -151,21 +204,51 @@ def auto_mesh(mesh: Mesh) -> Mesh:
     return out
 
 
-def _block_spec(sharding, ndim: int) -> tuple:
+def _group(mesh: Mesh, key: tuple, layers: tuple, sharding: NamedSharding, num_blocks: int,
+           head_replicas: int) -> LayerGroup:
+    block_shape, dtype, spec = key
+    block_axes = _axes(spec[0])
+    split = math.prod(mesh.shape[a] for a in block_axes)
+    if split > 1:
+        raise ValueError(
+            f"the KV cache's block dimension is split over mesh axes {block_axes} ({split} ways): that is "
+            "data-parallel attention, which the offload connector does not support (DP=1 only)")
+    local = list(block_shape)
+    shard_axes: list[str] = []
+    for dim, entry in enumerate(spec[1:]):
+        axes = _axes(entry)
+        ways = math.prod(mesh.shape[a] for a in axes)
+        if local[dim] % ways:
+            raise ValueError(f"KV cache dim {dim + 1} of size {local[dim]} is not divisible by its {ways} shards")
+        local[dim] //= ways
+        shard_axes += axes
+    head_axes = _axes(spec[1 + HEAD_DIM]) if len(spec) > 1 + HEAD_DIM else ()
+    head_shards = math.prod(mesh.shape[a] for a in head_axes)
+    local_elems = math.prod(local)
+    if head_replicas > 1 and (head_shards % head_replicas or local_elems % head_replicas):
+        raise ValueError(
+            f"KV heads repeated {head_replicas} times do not fit the cache layout: {head_shards} head shards over "
+            f"mesh axes {head_axes}, {local_elems} elements per device and block")
+    return LayerGroup(
+        layers=layers, block_shape=block_shape, dtype=dtype, cache_spec=spec, cache_sharding=sharding,
+        local_block_shape=tuple(local), shard_axes=tuple(shard_axes),
+        shards=math.prod(mesh.shape[a] for a in shard_axes), head_axes=head_axes, head_shards=head_shards,
+        replicas=max(1, head_replicas),
+    )
+
+
+def _spec(sharding, ndim: int) -> tuple:
     if isinstance(sharding, NamedSharding):
         spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
-        return tuple(_freeze(s) for s in spec[1:ndim])
-    return (None,) * (ndim - 1)
+        return tuple(_freeze(s) for s in spec[:ndim])
+    return (None,) * ndim
 
 
 def _freeze(entry):
     return tuple(entry) if isinstance(entry, list) else entry
 
 
-def _per_device_bytes(total: int, spec: tuple, mesh: Mesh) -> int:
-    split = 1
-    for entry in spec:
-        for axis in (entry if isinstance(entry, tuple) else (entry,)):
-            if axis is not None:
-                split *= mesh.shape[axis]
-    return -(-total // split)
+def _axes(entry) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, tuple) else (entry,)

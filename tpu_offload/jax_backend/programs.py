@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from tpu_offload.jax_backend.layout import KVLayout
 
@@ -63,7 +64,7 @@ class Programs:
         self._slab_sh = tuple(layout.slab_sharding(g, memory_kind) for g in g0)
         self._slab_dev_sh = tuple(layout.slab_sharding(g, "device") for g in g0)
         self._cache_sh = tuple(tuple(g.cache_sharding for _ in g.layers) for g in g0)  # the runner's own
-        self._cache_in_sh = tuple(layout.sharding(*_cache_spec(g)) for g in g0)  # the same on program_mesh
+        self._cache_in_sh = tuple(layout.sharding(*g.cache_spec) for g in g0)  # the same on program_mesh
         self._rep = layout.replicated()
 
     # ---- abstract values ----------------------------------------------
@@ -121,38 +122,54 @@ class Programs:
         return fn
 
     # ---- builders -------------------------------------------------------
+    def _local(self, body, in_specs, out_specs):
+        """``body`` on each device's own shards (no implicit resharding, ever)."""
+        return jax.shard_map(body, mesh=self.layout.program_mesh, in_specs=in_specs, out_specs=out_specs,
+                             check_vma=False)
+
     def _build_gather(self, n: int):
         groups = self.layout.groups
-        rows_sh = tuple(self.layout.sharding(None, None, *g.block_spec) for g in groups)
 
-        def gather(caches, staging, ids):
+        def gather_local(caches, staging, ids):
             out = []
-            for g, layers, st, rsh in zip(groups, caches, staging, rows_sh):
-                # Auto axes: shardings are constraints, never ``out_sharding`` (Explicit axes only).
-                rows = jnp.stack([lax.bitcast_convert_type(c, g.bits)[ids] for c in layers], axis=1)
-                rows = lax.with_sharding_constraint(rows, rsh)
+            for g, layers, st in zip(groups, caches, staging):
+                rows = jnp.stack([lax.bitcast_convert_type(c, g.bits)[ids].reshape(n, g.local_elems)
+                                  for c in layers], axis=1)  # (n, layers, local_elems)
+                if g.replicas > 1:  # keep only this device's slice of a head its replicas also hold
+                    j = lax.axis_index(g.head_axes) % g.replicas
+                    rows = lax.dynamic_slice_in_dim(rows, j * g.piece, g.piece, axis=2)
                 out.append(lax.dynamic_update_slice_in_dim(st, rows, 0, axis=0))
             return tuple(out)
 
-        jitted = jax.jit(gather, donate_argnums=(1,), out_shardings=self._staging_sh)
+        body = self._local(gather_local, (self._cache_specs(), self._staging_specs(), P()), self._staging_specs())
+        jitted = jax.jit(body, donate_argnums=(1,), out_shardings=self._staging_sh)
         return jitted.lower(self._caches_aval(), self._staging_aval(), self._ints(n)).compile()
 
     def _build_scatter(self, n: int):
         groups = self.layout.groups
 
-        def scatter(caches, staging, ids):
+        def scatter_local(caches, staging, ids):
             out = []
             for g, layers, st in zip(groups, caches, staging):
-                rows = lax.bitcast_convert_type(st[:n], g.dtype)
+                rows = st[:n]  # (n, layers, piece)
+                if g.replicas > 1:
+                    rows = _gather_replicas(rows, g)  # (n, layers, local_elems)
+                rows = lax.bitcast_convert_type(rows, g.dtype)
                 out.append(tuple(
-                    c.at[ids].set(rows[:, i], mode="drop", unique_indices=True)
+                    c.at[ids].set(rows[:, i].reshape(n, *g.local_block_shape), mode="drop", unique_indices=True)
                     for i, c in enumerate(layers)
                 ))
-            done = jnp.sum(ids >= 0, dtype=jnp.int32)
-            return tuple(out), done
+            return tuple(out), jnp.sum(ids >= 0, dtype=jnp.int32)
 
-        jitted = jax.jit(scatter, donate_argnums=(0,), out_shardings=(self._cache_sh, self._rep))
+        body = self._local(scatter_local, (self._cache_specs(), self._staging_specs(), P()), (self._cache_specs(), P()))
+        jitted = jax.jit(body, donate_argnums=(0,), out_shardings=(self._cache_sh, self._rep))
         return jitted.lower(self._caches_aval(), self._staging_aval(), self._ints(n)).compile()
+
+    def _cache_specs(self):
+        return tuple(tuple(P(*g.cache_spec) for _ in g.layers) for g in self.layout.groups)
+
+    def _staging_specs(self):
+        return tuple(P(*self.layout.staging_spec(g)) for g in self.layout.groups)
 
     def _build_store(self):
         bpc, groups = self.bpc, self.layout.groups
@@ -222,10 +239,23 @@ class Programs:
         return make()
 
 
-def _cache_spec(g) -> tuple:
-    """The cache's PartitionSpec, block dim included (its first entry)."""
-    spec = tuple(g.cache_sharding.spec)
-    return (spec[0] if spec else None, *g.block_spec)
+def _gather_replicas(piece, g):
+    """Rebuild a device's whole head shard from the ``replicas`` devices that each kept a slice.
+
+    Replicas are consecutive shards of the head axes; ``replicas - 1`` ring
+    shifts inside each group move only the missing slices (a full all-gather
+    over the head axes would move every group's bytes to every device).
+    """
+    r, h = g.replicas, g.head_shards
+    j = lax.axis_index(g.head_axes) % r
+    received = [piece]  # received[k] is the slice of replica (j - k) mod r
+    for k in range(1, r):
+        perm = [(i, i // r * r + (i % r + k) % r) for i in range(h)]
+        received.append(lax.ppermute(piece, g.head_axes, perm))
+    stacked = jnp.stack(received)  # (r, n, layers, piece)
+    ordered = jnp.take(stacked, (j - jnp.arange(r)) % r, axis=0)  # by replica index
+    n, layers, size = piece.shape
+    return jnp.moveaxis(ordered, 0, 2).reshape(n, layers, r * size)
 
 
 def slab_sh_tree(slab_sh, k: int):
