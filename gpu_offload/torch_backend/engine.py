@@ -2,9 +2,9 @@
 
 One instance per worker rank; ``gpu_offload.vllm.worker`` makes it vLLM's
 ``OffloadingWorker`` (this module imports no vLLM, so a benchmark on a bare
-CUDA box needs only torch). On CUDA, transfers are asynchronous on per-direction streams
-(``cuda_lane``); on vLLM's CPU platform they are plain synchronous copies, so
-the whole path runs in CI.
+CUDA box needs only torch). On CUDA, transfers are asynchronous on
+per-direction streams (``cuda_lane``); on CPU tensors (vLLM's CPU platform)
+they are plain synchronous copies, so the whole path runs in CI.
 
 Failure contract. A failed transfer must become a recompute, never wrong KV
 and never a crash. Every job is reported finished (``JobResult.ok`` says
@@ -14,8 +14,7 @@ adapter in the same step the job is reported. A failed store leaves its
 slots marked invalid in ``pool.valid``, so any later load from them is a
 load error too.
 
-With a file tier attached (``attach_files``), ``gpu_offload.fs_link`` does
-the file I/O: a load whose spec promotes chunks waits (off the engine
+With a file tier attached (``attach_files``), ``fs_link`` does the file I/O: a load whose spec promotes chunks waits (off the engine
 thread) for their file reads, then runs as a normal load; loads touching
 those slots wait behind it, in order.
 """
