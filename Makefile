@@ -16,6 +16,9 @@ STAMP_BENCH := $(VENV_BENCH)/.installed-v1
 
 export VLLM_ENABLE_V1_MULTIPROCESSING ?= 0
 export VLLM_CPU_KVCACHE_SPACE ?= 1
+# vLLM's CPU platform reserves one more core whenever a kv-transfer-config is set; pin it so
+# runs with and without a connector get the same cores.
+export VLLM_CPU_NUM_OF_RESERVED_CPU ?= 1
 export TOKENIZERS_PARALLELISM := false
 # No vLLM entry-point plugins: tpu-inference (installed --no-deps for contract
 # tests) registers one that cannot load off-TPU and polls TPU metadata.

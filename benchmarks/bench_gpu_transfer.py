@@ -34,7 +34,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from _common import print_table, pyplot, save_figure, write_json  # noqa: E402
-from gpu_offload.transfer import HostTransferEngine  # noqa: E402
+from gpu_offload.torch_backend.engine import HostTransferEngine  # noqa: E402
 
 KIB = 1 << 10
 
@@ -94,7 +94,7 @@ def bench_page(page: int, args, device: torch.device, rng) -> dict:
         j = next(job)
         engine.submit_store(j, gpu_spec(blocks), host_spec(slots))
         engine.wait({j})
-        assert all(r.transfer_size for r in engine.get_finished()), "store failed"
+        assert all(r.nbytes for r in engine.get_finished()), "store failed"
 
     def load():
         j = next(job)
