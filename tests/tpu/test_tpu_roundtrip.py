@@ -169,15 +169,45 @@ def test_checksum_catches_corrupted_host_bytes(mesh):
     assert not eng.valid[1]
 
 
-def test_staging_must_fit_in_hbm(mesh):
-    caches = make_caches(mesh, jnp.bfloat16)
-    layout = KVLayout.from_caches(caches)
-    per_device = 100 * layout.device_block_bytes()
-    check_staging_fits(per_device, 100, devices=jax.devices()[:1], free_bytes=per_device)  # fits exactly
+def test_staging_must_fit_in_hbm(caplog):
+    """Staging plus transfer scratch must fit in what the KV cache left free, or start fails
+    with the figures and both ways out; fitting into the model's headroom is logged."""
+    gib = 1 << 30
+    dev = jax.devices()[:1]
+    # 16 GiB device, utilization 0.9: say 1.5 GiB is left after the KV cache.
     with pytest.raises(ConfigError) as e:
-        check_staging_fits(per_device, 100, devices=jax.devices()[:1], free_bytes=per_device // 4)
+        check_staging_fits(gib, gib, 100, dev, utilization=0.9, free_bytes=3 * gib // 2, limit_bytes=16 * gib)
     msg = str(e.value)
-    assert "missing" in msg and "TPU_OFFLOAD_NUM_STAGING_BLOCKS" in msg and "at most 25" in msg
+    assert "needs 2.000 GiB" in msg and "100 blocks (1.000 GiB)" in msg and "1.000 GiB of transfer-program" in msg
+    assert "only 1.500 GiB is free" in msg and "missing 0.500 GiB" in msg
+    assert "TPU_OFFLOAD_NUM_STAGING_BLOCKS) from 100 to at most 75" in msg  # 1.5 GiB / 20.48 MiB per block
+    assert "--gpu-memory-utilization from 0.9 to at most 0.868" in msg  # 0.9 - 0.5/16, rounded down
+    assert "0.775 also keeps the model's own headroom whole" in msg  # 0.9 - 2/16
+    # That advice: a KV cache 0.5 GiB smaller leaves 2.0 GiB free, which fits (and is logged).
+    with caplog.at_level("WARNING", logger="tpu_offload.jax_backend.memory"):
+        check_staging_fits(gib, gib, 100, dev, utilization=0.868, free_bytes=2 * gib, limit_bytes=16 * gib)
+    assert "lower --gpu-memory-utilization from 0.868 to 0.743" in caplog.text
+    check_staging_fits(gib, gib, 100, dev, free_bytes=2 * gib)  # no utilization known: fits, nothing to advise
+
+
+def test_transfer_scratch_is_counted(mesh):
+    """The check sees the compiled programs' own temporary HBM, not just the staging buffer."""
+    caches = make_caches(mesh, jnp.bfloat16)
+    seen = {}
+    eng = TransferEngine(KVLayout.from_caches(caches), num_slots=4, blocks_per_chunk=2, staging_blocks=8,
+                         hbm_check=lambda staging, scratch: seen.update(staging=staging, scratch=scratch))
+    assert seen["staging"] == eng.staging_device_bytes == 8 * LAYERS * BS * DIM * 2
+    p = eng.programs
+    top = p.buckets[-1]
+    assert seen["scratch"] == max(x.memory_analysis().temp_size_in_bytes
+                                  for x in (p.gather(top), p.scatter(top), p.store(), p.load()))
+
+    def refuse(staging, scratch):
+        raise ConfigError("no room")
+
+    with pytest.raises(ConfigError, match="no room"):
+        TransferEngine(KVLayout.from_caches(caches), num_slots=4, blocks_per_chunk=2, staging_blocks=8,
+                       hbm_check=refuse)
 
 
 @pytest.mark.parametrize("kind", MESH_KINDS)

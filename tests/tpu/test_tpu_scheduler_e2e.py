@@ -264,10 +264,22 @@ def test_registration_fails_when_staging_does_not_fit(mesh, tiny_model_dir):
                           extra={"num_cpu_chunks": 4, "staging_blocks": 64})
     settings = resolve(vc, None)
     runner = StandInRunner(mesh, num_blocks=32, block_size=BS)
+    seen = {}
+    probe = OffloadWorker(settings, free_hbm_bytes=1 << 40)
+    import tpu_offload.jax_backend.memory as memory
+
+    real = memory.check_staging_fits
+    memory.check_staging_fits = lambda staging, scratch, *a, **k: seen.update(need=staging + scratch)
+    try:
+        probe.register_runner(runner)
+    finally:
+        memory.check_staging_fits = real
+    probe.shutdown()
     per_block = 2 * BS * 8 * 64 * 4 // 8  # one block, both layers, one device's head shard
-    worker = OffloadWorker(settings, free_hbm_bytes=10 * per_block)
-    with pytest.raises(ConfigError, match=r"missing .* GiB.*staging_blocks \(TPU_OFFLOAD_NUM_STAGING_BLOCKS\) from 64 to at most 10"):
+    assert seen["need"] >= 64 * per_block
+    worker = OffloadWorker(settings, free_hbm_bytes=seen["need"] - 1)
+    with pytest.raises(ConfigError, match=r"missing .* GiB.*staging_blocks \(TPU_OFFLOAD_NUM_STAGING_BLOCKS\) from 64"):
         worker.register_runner(runner)
-    ok = OffloadWorker(settings, free_hbm_bytes=64 * per_block)
+    ok = OffloadWorker(settings, free_hbm_bytes=seen["need"])
     ok.register_runner(runner)  # exactly fits
     ok.shutdown()

@@ -30,6 +30,7 @@ class Settings:
     chunk_bytes: int  # distinct bytes of one chunk across all layers and shards (0 if unknown)
     staging_blocks: int  # whole chunks' worth of blocks
     kv_replicas: int = 1  # times tpu-inference repeats each KV head (TP > KV heads); stored once
+    hbm_utilization: float | None = None  # vLLM's gpu_memory_utilization: 1 - it stays the model's
 
     @property
     def chunk_tokens(self) -> int:
@@ -88,4 +89,5 @@ def resolve(vllm_config, kv_cache_config, env: Mapping[str, str] | None = None) 
     return Settings(
         config=cfg, block_size=block_size, blocks_per_chunk=bpc, num_slots=num_slots,
         chunk_bytes=chunk_bytes, staging_blocks=cfg.staging_blocks // bpc * bpc, kv_replicas=kv_replicas,
+        hbm_utilization=getattr(vllm_config.cache_config, "gpu_memory_utilization", None),
     )

@@ -47,7 +47,8 @@ class _Flight:
 
 class OffloadWorker:
     def __init__(self, settings: Settings, metrics: ConnectorMetrics | None = None, *,
-                 free_hbm_bytes: int | None = None, free_host_bytes: int | None = None,
+                 free_hbm_bytes: int | None = None, hbm_limit_bytes: int | None = None,
+                 free_host_bytes: int | None = None,
                  max_slab_bytes: int | None = None, fs_fingerprint=None):
         self.s = settings
         self._fs_fp = fs_fingerprint
@@ -58,7 +59,8 @@ class OffloadWorker:
         self.runner = None
         self.engine: TransferEngine | None = None
         self.chunk_bytes = 0  # distinct KV bytes of one chunk, all layers and devices (set at registration)
-        self._free_hbm = free_hbm_bytes  # overrides the allocator's figure (tests, CPU)
+        self._free_hbm = free_hbm_bytes  # override the allocator's figures (tests, CPU)
+        self._hbm_limit = hbm_limit_bytes
         self._free_host = free_host_bytes
         self._max_slab_bytes = max_slab_bytes
         self._flights: list[_Flight] = []
@@ -88,8 +90,14 @@ class OffloadWorker:
         layout_name = runner.get_kv_cache_layout() if hasattr(runner, "get_kv_cache_layout") else "NHD"
         if layout_name not in (None, "NHD"):
             raise ValueError(f"KV cache layout {layout_name!r}: the offload connector needs NHD")
-        staging_per_device = self.s.staging_blocks * layout.device_block_bytes()
-        memory.check_staging_fits(staging_per_device, self.s.staging_blocks, free_bytes=self._free_hbm)
+        local = [d for d in layout.mesh.devices.flat if d.process_index == self._pidx]
+
+        def hbm_check(staging: int, scratch: int) -> None:
+            memory.check_staging_fits(staging, scratch, self.s.staging_blocks, local,
+                                      utilization=self.s.hbm_utilization, free_bytes=self._free_hbm,
+                                      limit_bytes=self._hbm_limit)
+
+        known = self._free_hbm is not None or any(memory.device_hbm(d) for d in local)  # CPU reports none
         kw = {} if self._max_slab_bytes is None else {"max_slab_bytes": self._max_slab_bytes}
         local_share = sum(d.process_index == self._pidx for d in layout.mesh.devices.flat) / layout.mesh.devices.size
         memory.check_host_fits(int(self.s.num_slots * layout.block_bytes * self.s.blocks_per_chunk * local_share),
@@ -97,8 +105,9 @@ class OffloadWorker:
         self.engine = TransferEngine(
             layout, num_slots=self.s.num_slots, blocks_per_chunk=self.s.blocks_per_chunk,
             staging_blocks=self.s.staging_blocks, memory_kind=cfg.host_memory_kind,
-            extra_buckets=cfg.block_buckets, checksums=cfg.verify_checksums, **kw,
+            extra_buckets=cfg.block_buckets, checksums=cfg.verify_checksums, hbm_check=hbm_check if known else None, **kw,
         )
+        staging_per_device = self.engine.staging_device_bytes
         self.chunk_bytes = self.engine.chunk_bytes  # what one chunk costs on the host and on the wire
         if self.s.chunk_bytes and self.s.chunk_bytes != self.chunk_bytes:
             log.warning("tpu_offload: the KV-cache spec gives %d bytes per chunk, the caches hold %d; the host "

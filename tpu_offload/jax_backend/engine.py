@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import numpy as np
@@ -58,7 +58,9 @@ class TransferEngine:
         extra_buckets: tuple[int, ...] = (),
         checksums: bool = False,
         max_slab_bytes: int = DEFAULT_MAX_SLAB_BYTES,
+        hbm_check: Callable[[int, int], None] | None = None,
     ):
+        """``hbm_check(staging_bytes, scratch_bytes)``, per device, runs before anything is allocated."""
         if staging_blocks < blocks_per_chunk:
             raise ValueError(
                 f"staging_blocks={staging_blocks} cannot hold one chunk of {blocks_per_chunk} blocks; "
@@ -80,6 +82,8 @@ class TransferEngine:
             layout, staging_blocks=self.staging_blocks, blocks_per_chunk=blocks_per_chunk,
             slab_rows=rows, memory_kind=memory_kind, buckets=make_buckets(self.staging_blocks, extra_buckets),
         )
+        if hbm_check is not None:
+            hbm_check(self.staging_device_bytes, self.programs.scratch_bytes())
         self.staging = self.programs.alloc_staging()
         self.slabs = self.programs.alloc_slabs()
         self.valid = np.zeros(num_slots, dtype=bool)
@@ -90,6 +94,10 @@ class TransferEngine:
     @property
     def staging_bytes(self) -> int:
         return self.staging_blocks * self.layout.block_bytes
+
+    @property
+    def staging_device_bytes(self) -> int:
+        return self.staging_blocks * self.layout.device_block_bytes()
 
     @property
     def slab_bytes(self) -> int:

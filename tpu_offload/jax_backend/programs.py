@@ -110,6 +110,12 @@ class Programs:
         self.store()
         self.load()
 
+    def scratch_bytes(self) -> int:
+        """Per-device temporary HBM of the largest transfer program (compiles those programs)."""
+        top = self.buckets[-1]
+        progs = (self.gather(top), self.scatter(top), self.store(), self.load())
+        return max(int(p.memory_analysis().temp_size_in_bytes) for p in progs)
+
     def _get(self, key, build, *args):
         fn = self._cache.get(key)
         if fn is None:
