@@ -14,18 +14,14 @@ from __future__ import annotations
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
-os.environ["JAX_PLATFORMS"] = "cpu"
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-os.environ["SKIP_JAX_PRECOMPILE"] = "1"
-os.environ["VLLM_PLUGINS"] = ""
-os.environ["TOKENIZERS_PARALLELISM"] = "false"
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import cpu_support  # noqa: E402
 import engine_run  # noqa: E402
 
-engine_run.env_without_offload_vars()
+engine_run.prepare_process()
+
+import cpu_support  # noqa: E402
+
 cpu_support.apply()
 
 import pytest  # noqa: E402
@@ -71,13 +67,17 @@ class Engines:
             self.run.close()
         self.run, self.key = None, None
 
-    def baseline(self, shape: engine_run.Shape, workload: Workload) -> list[list[int]]:
-        """Tokens without any connector; every registered workload runs in one
-        engine session, each on a cold prefix cache, as the tests run them."""
+    def baseline(self, shape: engine_run.Shape, workload: Workload, *, only: bool = False) -> list[list[int]]:
+        """Tokens without any connector, each workload on a cold prefix cache.
+        Every registered workload for the shape's block size runs in the same
+        engine session (``only``: just this one), so each shape starts one
+        baseline engine per session."""
         k = (shape, workload.name)
         if k not in self.baselines:
             eng = self.get(("baseline", shape), shape)
-            for w in Workload.registry.values():
+            todo = [workload] if only else [w for w in Workload.registry.values()
+                                            if w.block_size in (None, shape.block_size)]
+            for w in todo:
                 eng.reset_prefix_cache()
                 self.baselines[shape, w.name] = w.run(eng)
         return self.baselines[k]

@@ -13,10 +13,25 @@ import json
 import os
 from pathlib import Path
 
-import cpu_support
+import cpu_support  # imports neither JAX nor vLLM until apply()
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "configs" / "tpu-inference"
+DEVICES = 4  # emulated CPU devices: TP 1, 2 and 4 in one process
+
+ENV = {
+    "JAX_PLATFORMS": "cpu", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "SKIP_JAX_PRECOMPILE": "1",
+    "VLLM_PLUGINS": "", "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def prepare_process() -> None:
+    """Environment for an engine process; call before JAX or vLLM is imported."""
+    flag = f"--xla_force_host_platform_device_count={DEVICES}"
+    if flag not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
+    os.environ.update(ENV)
+    env_without_offload_vars()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,21 +109,20 @@ class EngineRun:
         return self.core.model_executor.driver_worker.worker.model_runner
 
     # ---- teardown ----------------------------------------------------------------
-    def close(self, *, worker_shutdown: bool = True) -> None:
-        """Shut the engine down as a server's exit does; ``worker_shutdown`` also
-        shuts the worker's connector down (tpu-inference's worker never does,
-        see test_tpu_engine_restart.py) so the next engine gets a fresh one."""
+    def stop(self) -> None:
+        """Shut the engine down exactly as a tpu-inference server's exit does."""
+        if self.llm is not None:
+            self.llm.llm_engine.engine_core.shutdown()
+            self.llm = None
+
+    def close(self) -> None:
+        """``stop()``, then shut the worker's connector down as vLLM's GPU worker
+        does (tpu-inference's never does: see test_tpu_engine_files.py), so the
+        next engine in this process gets a fresh one."""
         from vllm.distributed.kv_transfer import kv_transfer_state
 
-        if self.llm is None:
-            return
-        core = self.llm.llm_engine.engine_core
-        core.shutdown()
-        if worker_shutdown:
-            kv_transfer_state.ensure_kv_transfer_shutdown()
-        else:
-            kv_transfer_state._KV_CONNECTOR_AGENT = None
-        self.llm = None
+        self.stop()
+        kv_transfer_state.ensure_kv_transfer_shutdown()
         gc.collect()
 
 

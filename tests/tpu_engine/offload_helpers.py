@@ -19,6 +19,11 @@ SETUPS = {
 OURS = {"cpu_bytes": "64MiB", "staging_blocks": 32, "verify_checksums": True}
 
 
+def hit_tokens(prompt_len: int, block_size: int) -> int:
+    """Tokens a whole-prompt hit reports: every full block, but the last token is always computed."""
+    return min(prompt_len // block_size * block_size, prompt_len - 1)
+
+
 def sch(eng):
     return eng.scheduler_connector.scheduler
 
@@ -80,3 +85,23 @@ class LookupSpy:
 
     def __exit__(self, *exc):
         del self.conn.get_num_new_matched_tokens  # back to the class method
+
+
+class ExternalHits:
+    """Sums the tokens vLLM takes from a connector (either connector: the same measure)."""
+
+    def __init__(self, eng):
+        self.conn = eng.scheduler_connector
+        self.real = self.conn.update_state_after_alloc
+        self.tokens = 0
+
+    def __enter__(self):
+        def spy(request, blocks, num_external_tokens):
+            self.tokens += num_external_tokens
+            return self.real(request, blocks, num_external_tokens)
+
+        self.conn.update_state_after_alloc = spy
+        return self
+
+    def __exit__(self, *exc):
+        del self.conn.update_state_after_alloc

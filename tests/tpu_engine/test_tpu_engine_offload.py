@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 
 from engine_run import kv_transfer_config
-from offload_helpers import OURS, SETUPS, LookupSpy, delta, sch, settle, totals, valid_slots, wrk, zero_slots
+from offload_helpers import (OURS, SETUPS, ExternalHits, LookupSpy, delta, hit_tokens, sch, settle, totals,
+                             valid_slots, wrk, zero_slots)
 from workloads import FAULTS, NEGATIVE, PRESSURE, ROUNDTRIP
 
 pytestmark = pytest.mark.engine
@@ -40,11 +41,12 @@ def test_store_reset_load_hits_our_tier_with_identical_tokens(setup, engines, ou
     assert stored == sum(len(p) // setup.block_size for p in w.prompts)  # every full block of every prompt
 
     ours.reset_prefix_cache()
-    with LookupSpy(ours) as spy:
+    with LookupSpy(ours) as spy, ExternalHits(ours) as vllm_took:
         assert w.run(ours) == base
     t2 = totals(ours)
     hits = delta(t2, t1, "hit_tokens")
     assert hits == sum(hit_tokens(len(p), setup.block_size) for p in w.prompts)
+    assert vllm_took.tokens == hits, "what vLLM took from us is what we counted"
     assert delta(t2, t1, "loaded_chunks") == sum(len(p) // setup.block_size for p in w.prompts)
     assert delta(t2, t1, "load_errors") == 0
     assert all(is_async for n, is_async in spy.answers if n), "the default config loads asynchronously"
@@ -163,11 +165,6 @@ def test_sync_load(setup, engines):
     assert delta(totals(eng), t0, "hit_tokens") > 0
     hits = [(n, a) for n, a in spy.answers if n]
     assert hits and not any(a for _, a in hits)
-
-
-def hit_tokens(prompt_len: int, block_size: int) -> int:
-    """Tokens a whole-prompt hit reports: every full block, but the last token is always computed."""
-    return min(prompt_len // block_size * block_size, prompt_len - 1)
 
 
 class _FailingDone:

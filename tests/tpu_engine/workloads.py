@@ -24,6 +24,7 @@ class Workload:
     name: str
     rounds: tuple[tuple[tuple[int, ...], ...], ...]
     max_tokens: int = 8
+    block_size: int | None = None  # the engine block size it is sized for (None: any)
 
     registry: ClassVar[dict[str, "Workload"]] = {}
 
@@ -31,8 +32,8 @@ class Workload:
         Workload.registry[self.name] = self
 
     @classmethod
-    def of(cls, name: str, rounds: list[list[list[int]]], max_tokens: int = 8) -> "Workload":
-        return cls(name, tuple(tuple(tuple(p) for p in r) for r in rounds), max_tokens)
+    def of(cls, name: str, rounds: list[list[list[int]]], max_tokens: int = 8, block_size: int | None = None):
+        return cls(name, tuple(tuple(tuple(p) for p in r) for r in rounds), max_tokens, block_size)
 
     @property
     def prompts(self) -> list[list[int]]:
@@ -55,14 +56,16 @@ def shared_prefix(seed: int, prefix: int, suffixes: int, suffix_len: int) -> lis
 
 # ---- the workloads the tests run -------------------------------------------------
 # block_size 16: prompts of 5-10 blocks; block_size 128: 2-3 blocks.
-ROUNDTRIP = {16: Workload.of("roundtrip16", [[prompt(1, 100), prompt(2, 165), prompt(3, 70)]]),
-             128: Workload.of("roundtrip128", [[prompt(1, 300), prompt(2, 400)]])}
-NEGATIVE = {16: Workload.of("negative16", [[prompt(11, 130)]], max_tokens=8),
-            128: Workload.of("negative128", [[prompt(11, 300)]], max_tokens=8)}
-FAULTS = {16: Workload.of("faults16", [[prompt(21, 120), prompt(22, 90)]]),
-          128: Workload.of("faults128", [[prompt(21, 300), prompt(22, 280)]])}
+ROUNDTRIP = {16: Workload.of("roundtrip16", [[prompt(1, 100), prompt(2, 165), prompt(3, 70)]], block_size=16),
+             128: Workload.of("roundtrip128", [[prompt(1, 300), prompt(2, 400)]], block_size=128)}
+NEGATIVE = {16: Workload.of("negative16", [[prompt(11, 130)]], block_size=16),
+            128: Workload.of("negative128", [[prompt(11, 300)]], block_size=128)}
+FAULTS = {16: Workload.of("faults16", [[prompt(21, 120), prompt(22, 90)]], block_size=16),
+          128: Workload.of("faults128", [[prompt(21, 300), prompt(22, 280)]], block_size=128)}
 # Device pressure: more prefixes than the KV cache holds, then the first ones again.
-PRESSURE = {16: Workload.of("pressure16", [[prompt(31 + i, 112)] for i in range(8)] + [[prompt(31, 112)], [prompt(32, 112)]]),
-            128: Workload.of("pressure128", [[prompt(31 + i, 260)] for i in range(5)] + [[prompt(31, 260)], [prompt(32, 260)]])}
+PRESSURE = {16: Workload.of("pressure16", [[prompt(31 + i, 112)] for i in range(8)]
+                            + [[prompt(31, 112)], [prompt(32, 112)]], block_size=16),
+            128: Workload.of("pressure128", [[prompt(31 + i, 260)] for i in range(5)]
+                             + [[prompt(31, 260)], [prompt(32, 260)]], block_size=128)}
 DETERMINISM = Workload.of("determinism", [[prompt(41, 40), prompt(42, 100), prompt(43, 170), prompt(44, 70)]],
                           max_tokens=24)

@@ -1,0 +1,36 @@
+"""tpu-inference's OpenAI server on JAX CPU: ``python tests/tpu_engine/serve.py <server args>``.
+
+The same arguments as ``python -m vllm.entrypoints.openai.api_server``
+(``--model``, ``--kv-transfer-config``, ``--port`` ...). ``cpu_support`` is
+applied at import, so it is applied again in the engine-core process: that
+process is spawned (forking after JAX has started its threads can deadlock)
+and a spawned child re-imports this file as its main module. TP up to
+``engine_run.DEVICES`` emulated devices.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import engine_run  # noqa: E402
+
+engine_run.prepare_process()
+os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+
+import cpu_support  # noqa: E402
+
+cpu_support.apply()
+
+
+def main() -> None:
+    from vllm.entrypoints.launchers.api_server.entry import main as serve
+
+    sys.argv[0] = "vllm.entrypoints.openai.api_server"
+    serve()
+
+
+if __name__ == "__main__":
+    main()
