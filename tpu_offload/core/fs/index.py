@@ -13,7 +13,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from typing import Iterable
+from typing import Callable, Iterable
 
 import numpy as np
 
@@ -116,19 +116,21 @@ class FileIndex:
         with self._lock:
             self._journal = None
 
-    def adopt(self, on_disk: Iterable[tuple[bytes, int, float]], pause_every: int = 2048) -> None:
+    def adopt(self, on_disk: Iterable[tuple[bytes, int, float]], pace: Callable[[], None] | None = None) -> None:
         """Adopt a directory scan begun after ``begin_rebuild``: (key, size, mtime) per file.
 
         Files gone from disk leave the index, except ones added or touched
         since the scan began. Each file's recency is the later of its mtime
-        and what this process saw (mtime restamps are throttled).
+        and what this process saw (mtime restamps are throttled). ``pace``
+        is called once per entry in the loops that run off the lock.
         """
+        pace = pace or (lambda: None)
         live = self._od
         keys: list[bytes] = []
         lasts: list[float] = []
         sizes: list[int] = []
         disks: list[float] = []
-        for n, (key, size, mtime) in enumerate(on_disk, 1):
+        for key, size, mtime in on_disk:
             seen = live.get(key)
             keys.append(key)
             lasts.append(mtime if seen is None or seen < mtime else seen)
@@ -139,14 +141,13 @@ class FileIndex:
         disk: dict[bytes, float] = {}
         size_of: dict[bytes, int] = {}
         used = 0
-        for n, i in enumerate(order.tolist(), 1):
+        for i in order.tolist():
             k = keys[i]
             od[k] = lasts[i]
             disk[k] = disks[i]
             size_of[k] = sizes[i]
             used += sizes[i]
-            if n % pause_every == 0:
-                time.sleep(1e-4)  # step aside: a waiting engine thread takes the GIL
+            pace()
         del keys, lasts, sizes, disks
         with self._lock:
             journal, self._journal = self._journal or {}, None
@@ -163,7 +164,10 @@ class FileIndex:
             old = self._od, self._disk, self._size
             self._od, self._disk, self._size = od, disk, size_of
             self.used_bytes = used
-        del old  # freed here, outside the lock
+        for d in old:  # emptied piecewise, outside the lock: freeing 150k keys at once holds the GIL
+            while d:
+                d.popitem()
+                pace()
 
     def keys_lru_order(self) -> list[bytes]:
         with self._lock:

@@ -21,7 +21,7 @@ import secrets
 import stat
 import string
 import time
-from typing import Iterator
+from typing import Callable, Iterator
 
 from tpu_offload.core.fs import safedir
 from tpu_offload.core.fs.format import MAX_KEY_BYTES
@@ -30,7 +30,6 @@ DIR_MODE = 0o750
 FILE_MODE = 0o640
 TMP_PREFIX = ".tmp."
 QUARANTINE = "quarantine"
-PAUSE_S = 1e-4  # how long a long walk steps aside for other threads (see ``_Walk.stat``)
 _HEX = frozenset(string.hexdigits.lower())
 # Our names only: ``temp_name`` and the tier's/CLI's quarantine renames.
 _TMP_RE = re.compile(r"^\.tmp\.(?:[0-9a-f]{1,16}|probe|clock)\.[0-9]+\.[0-9a-f]{8}\.[0-9]+$")
@@ -143,13 +142,33 @@ def is_our_quarantine(name: str) -> bool:
     return _QUAR_RE.match(name) is not None
 
 
+class Pacer:
+    """Makes a long background loop step aside: sleep ``pause_s`` after each ``run_s`` of work.
+
+    Why sleep and not just release the GIL: a thread doing many short
+    syscalls releases and retakes the GIL thousands of times a second, and
+    CPython's switch logic counts each retake as progress, so a waiting
+    engine thread may never be handed the GIL until the loop ends (measured:
+    1 s stalls during a 150k-file walk). A real sleep leaves the GIL free
+    long enough for the waiting thread to be scheduled and take it.
+    """
+
+    def __init__(self, run_s: float = 0.002, pause_s: float = 0.0005):
+        self.run_s, self.pause_s = run_s, pause_s
+        self._since = time.perf_counter()
+
+    def __call__(self) -> None:
+        if time.perf_counter() - self._since >= self.run_s:
+            time.sleep(self.pause_s)
+            self._since = time.perf_counter()
+
+
 class _Walk:
     """One directory walk: records what cannot be read instead of raising."""
 
-    def __init__(self, out: NamespaceScan, pause_every: int):
+    def __init__(self, out: NamespaceScan, pace: Callable[[], None] | None):
         self.out = out
-        self.pause_every = pause_every
-        self.n = 0
+        self.pace = pace
 
     def listing(self, parent_fd: int, name: str, path: str) -> tuple[int, list[os.DirEntry]] | None:
         """(fd, entries) of a subdirectory, or None (gone, not a directory, unreadable)."""
@@ -177,11 +196,8 @@ class _Walk:
 
     def stat(self, entry: os.DirEntry, parent: str) -> os.stat_result | None:
         """The entry's own stat if it is a regular file; else None (and noted)."""
-        self.n += 1
-        if self.pause_every and self.n % self.pause_every == 0:
-            # Not runnable for a moment: a waiting engine thread takes the GIL now. sleep(0)
-            # would race it for the GIL and win, leaving it to wait out the 5 ms switch interval.
-            time.sleep(PAUSE_S)
+        if self.pace is not None:
+            self.pace()
         try:
             st = entry.stat(follow_symlinks=False)
         except FileNotFoundError:  # deleted under us: another instance's eviction
@@ -205,7 +221,7 @@ def _found(name: str, st: os.stat_result, parent: str, dirs: tuple[str, ...]) ->
 
 
 def walk_namespace(ns_dir: str, out: NamespaceScan,
-                   pause_every: int = 0) -> Iterator[tuple[str, os.stat_result, tuple[str, str]]]:
+                   pace: Callable[[], None] | None = None) -> Iterator[tuple[str, os.stat_result, tuple[str, str]]]:
     """Yield (name, stat, fan-out dirs) per chunk file; temps, quarantined,
     foreign and unreadable entries go to ``out``.
 
@@ -213,10 +229,10 @@ def walk_namespace(ns_dir: str, out: NamespaceScan,
     (the garbage collector would stall every thread on them). Raises OSError
     only if the namespace directory itself cannot be listed; anything below
     that cannot be read is skipped and listed in ``out.unreadable``.
-    Symlinks are never followed (they count as foreign). ``pause_every``
-    yields the GIL every that many files (0: never).
+    Symlinks are never followed (they count as foreign). ``pace`` (e.g. a
+    ``Pacer``) is called once per file.
     """
-    w = _Walk(out, pause_every)
+    w = _Walk(out, pace)
     try:
         fd = safedir.open_base(ns_dir, listing=True)
     except FileNotFoundError:

@@ -427,9 +427,11 @@ class FileTier:
             try:
                 srv = self._server_now()
                 now = srv if srv is not None else self._index.now()
+                pace = layout.Pacer()  # the engine thread must get the GIL while we walk
                 self._index.adopt(
-                    (bytes.fromhex(name), st.st_size, self._clamp(name, st, dirs, now))
-                    for name, st, dirs in layout.walk_namespace(self.ns_dir, scan, pause_every=256)
+                    ((bytes.fromhex(name), st.st_size, self._clamp(name, st, dirs, now))
+                     for name, st, dirs in layout.walk_namespace(self.ns_dir, scan, pace)),
+                    pace,
                 )
             except BaseException:
                 self._index.abort_rebuild()
