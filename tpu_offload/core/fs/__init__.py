@@ -6,11 +6,11 @@ of ``tpu_offload.core``. See docs/fs-tier.md.
 
 from tpu_offload.core.fs.format import HEADER_SIZE, MAGIC, VERSION, HeaderError
 from tpu_offload.core.fs.metrics import FsMetrics
-from tpu_offload.core.fs.snapshot import restore_host_tier, snapshot_host_tier
+from tpu_offload.core.fs.snapshot import SnapshotPathError, restore_host_tier, snapshot_host_tier
 from tpu_offload.core.fs.ticket import TierState, WriteTicket
 from tpu_offload.core.fs.tier import FileTier
 
 __all__ = [
-    "FileTier", "FsMetrics", "HEADER_SIZE", "HeaderError", "MAGIC", "TierState", "VERSION",
+    "FileTier", "FsMetrics", "HEADER_SIZE", "HeaderError", "MAGIC", "SnapshotPathError", "TierState", "VERSION",
     "WriteTicket", "restore_host_tier", "snapshot_host_tier",
 ]
