@@ -151,11 +151,7 @@ class ChunkFiles:
     # ---- metadata ------------------------------------------------------
     def stat(self, khex: str) -> os.stat_result | None:
         """The published file's stat, or None: absent, or not a regular file reached without symlinks."""
-        try:
-            with self._dir(khex) as d:
-                return safedir.lstat_regular(khex, d)
-        except OSError:
-            return None
+        return layout.published_stat(self.ns_dir, khex)
 
     def restamp(self, khex: str) -> None:
         """Set the file's mtime to now (the shared recency clock); never through a symlink."""

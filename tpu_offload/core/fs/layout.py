@@ -66,6 +66,20 @@ def chunk_dir_and_path(ns_dir: str, khex: str) -> tuple[str, str]:
     return d, f"{d}{os.sep}{khex}"
 
 
+def published_stat(ns_dir: str, khex: str) -> os.stat_result | None:
+    """A published chunk's stat: a regular file reached without following a symlink, or None.
+
+    The presence check for anyone who only looks (``os.stat`` would follow
+    a symlink planted at the key or on the way, and count a FIFO).
+    """
+    a, b, _ = chunk_relpath(khex)
+    try:
+        with safedir.dir_at(ns_dir, (a, b)) as d:
+            return safedir.lstat_regular(khex, d)
+    except OSError:
+        return None
+
+
 def is_chunk_name(name: str) -> bool:
     return 2 <= len(name) <= 2 * MAX_KEY_BYTES and len(name) % 2 == 0 and set(name) <= _HEX
 
