@@ -5,7 +5,7 @@
 
 The same harness, workload, checks and report as ``bench_serving_vllm.py`` (see there),
 against the real tpu-inference 0.32 engine on JAX's CPU backend: vLLM's OpenAI server in
-``.venv-tpu`` (Python 3.12), started through ``python -m tests.tpu_engine.serve``, which
+``.venv-tpu`` (Python 3.12), started through ``tests/tpu_engine/serve.py``, which
 applies the CPU support (``tests/tpu_engine/cpu_support.py``) in the server process.
 Configurations: no connector; tpu-inference's own ``TPUOffloadConnector`` (sized with its
 ``TPU_OFFLOAD_*`` environment); ours (``configs/tpu-inference/offload.json``, sizes
@@ -52,9 +52,8 @@ def start(name: str, model: str, blocks: int, host_bytes: int, w, work: Path, ar
     code = str(Path(args.code).resolve()) if args.code else str(ROOT)
     env = {
         "PATH": "/usr/bin:/bin", "HOME": str(Path.home()), "PYTHONPATH": code,
-        "JAX_PLATFORMS": "cpu", "SKIP_JAX_PRECOMPILE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "JAX_PLATFORMS": "cpu", "SKIP_JAX_PRECOMPILE": "1",
         "VLLM_PLUGINS": "", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
     }
     kvpt = tpu_model().kv_bytes_per_token(4 if args.dtype == "float32" else 2)
     chunk_tokens = 0
@@ -69,7 +68,7 @@ def start(name: str, model: str, blocks: int, host_bytes: int, w, work: Path, ar
         ktc["kv_connector_extra_config"].update(cpu_bytes=host_bytes, staging_blocks=128)
         chunk_tokens = int(ktc["kv_connector_extra_config"].get("blocks_per_chunk", 1)) * BLOCK
     cmd = [
-        str(TPU_PY), "-m", "tests.tpu_engine.serve", "--model", model, "--dtype", args.dtype, "--seed", "0",
+        str(TPU_PY), str(SERVE), "--model", model, "--dtype", args.dtype, "--seed", "0",
         "--block-size", str(BLOCK), "--num-gpu-blocks-override", str(blocks),
         "--max-model-len", str(w.system_prompt_len + w.question_len + w.output_len + 256),
         "--max-num-seqs", str(max(w.concurrency, 4)), "--max-num-batched-tokens", str(args.max_batched_tokens),
@@ -78,7 +77,6 @@ def start(name: str, model: str, blocks: int, host_bytes: int, w, work: Path, ar
     ]
     if ktc is not None:
         cmd += ["--kv-transfer-config", json.dumps(ktc)]
-    # PYTHONPATH must also reach tests.tpu_engine (the wrapper) from the server's directory
     return Server(cmd, env, work / "server.log", port, startup_s=900), endpoint, chunk_tokens
 
 

@@ -219,9 +219,9 @@ def compare(records: list[dict]) -> list[dict]:
                "TTFT mean ms": m["ttft_mean"] * 1e3, "TTFT p90 ms": m["ttft_p90"] * 1e3,
                "E2E mean s": m["e2e_mean"], "E2E p90 s": m["e2e_p90"],
                "in tok/s": m["input_tps"], "out tok/s": m["output_tps"], "total tok/s": m["total_tps"]}
-        if base and config != "none":
-            row["TTFT mean vs none %"] = 100 * (m["ttft_mean"] / base["ttft_mean"] - 1)
-            row["total tok/s vs none %"] = 100 * (m["total_tps"] / base["total_tps"] - 1)
+        has_base = base is not None and config != "none"
+        row["TTFT mean vs none %"] = 100 * (m["ttft_mean"] / base["ttft_mean"] - 1) if has_base else None
+        row["total tok/s vs none %"] = 100 * (m["total_tps"] / base["total_tps"] - 1) if has_base else None
         tps = [f["total_tps"] for f in fs if f["total_tps"]]
         row["tok/s spread %"] = 100 * (max(tps) - min(tps)) / statistics.median(tps) if len(tps) > 1 else None
         rows.append(row)

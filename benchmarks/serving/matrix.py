@@ -50,6 +50,7 @@ def add_args(ap: argparse.ArgumentParser, configs: tuple[str, ...], out: str) ->
     ap.add_argument("--code", default=None, help="import gpu_offload/tpu_offload from this directory")
     ap.add_argument("--label", default="", help="stored with the results (machine, conditions)")
     ap.add_argument("--out", default=out)
+    ap.add_argument("--report", metavar="JSON", help="only print/redraw a stored result")
 
 
 def sizes(w: perf.Workload, ratio: float, block: int) -> dict:
@@ -68,8 +69,10 @@ def sizes(w: perf.Workload, ratio: float, block: int) -> dict:
 
 
 def run(eng: Engine, args) -> int:
-    from _common import print_table, write_json
+    from _common import write_json
 
+    if args.report:
+        return rereport(args.report, eng.title)
     if args.soak:
         args.configs, args.scenarios, args.repeats = [c for c in eng.configs if c != "none"][:1], ["high"], 1
         args.out = f"{args.out}_soak"
@@ -119,12 +122,7 @@ def run(eng: Engine, args) -> int:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
-    verdict = check(records)
-    rows = harness.compare(records)
-    print_table(rows, title=f"{eng.title}: {w.groups} groups x {w.system_prompt_len}-token system prompt, "
-                            f"{w.question_len}-token questions, {w.output_len} output tokens, concurrency {w.concurrency}")
-    for line in verdict["lines"]:
-        print(line)
+    verdict, rows = report(records, eng.title, w)
     path = write_json(args.out, {"label": args.label, "engine": eng.name, "workload": dataclasses.asdict(w),
                                  "sizes": sz, "block_tokens": block, "host_bytes": host_bytes, "model": repr(m),
                                  "dtype": eng.dtype, "table": rows, "verdict": verdict, "records": records,
@@ -135,6 +133,28 @@ def run(eng: Engine, args) -> int:
         (path.parent / f"{args.out}_router.values.yaml").write_text(
             render(int(fig["capacity_chunks_gauge"]), fig["chunk_tokens"], "cpu"))
     print(f"wrote {path}")
+    return 0 if verdict["ok"] else 1
+
+
+def report(records: list[dict], title: str, w: perf.Workload) -> tuple[dict, list[dict]]:
+    from _common import print_table
+
+    verdict = check(records)
+    rows = harness.compare(records)
+    print_table(rows, title=f"{title}: {w.groups} groups x {w.system_prompt_len}-token system prompt, "
+                            f"{w.question_len}-token questions, {w.output_len} output tokens, concurrency {w.concurrency}")
+    for line in verdict["lines"]:
+        print(line)
+    return verdict, rows
+
+
+def rereport(path: str, title: str) -> int:
+    """Print the table and checks of a stored result again and redraw its plot."""
+    import json
+
+    data = json.loads(Path(path).read_text())
+    verdict, rows = report(data["records"], title, perf.Workload(**data["workload"]))
+    plot.draw(rows, data["records"], Path(path).stem, f"{title}: inference-perf shared-prefix")
     return 0 if verdict["ok"] else 1
 
 

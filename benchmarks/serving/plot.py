@@ -21,7 +21,7 @@ def draw(rows: list[dict], records: list[dict], name: str, title: str):
                     and rec.get("engine") == r["engine"]]
             ax.plot([i] * len(vals), vals, "k.", ms=4)
             pct = r.get("TTFT mean vs none %" if key.startswith("TTFT") else "total tok/s vs none %")
-            if pct is not None:
+            if pct is not None and pct == pct:
                 ax.annotate(f"{pct:+.0f}%", (i, r[key]), ha="center", va="bottom", fontsize=8)
         ax.set_xticks(range(len(cells)), xs, fontsize=7)
         ax.set_ylabel(label)
