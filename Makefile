@@ -25,7 +25,7 @@ export TOKENIZERS_PARALLELISM := false
 export VLLM_PLUGINS :=
 export PYTHONPATH := $(CURDIR)
 
-.PHONY: setup setup-tpu demo test bench bench-manager bench-ttft bench-jax bench-fs bench-serving clean
+.PHONY: setup setup-tpu demo test bench bench-manager bench-ttft bench-jax bench-fs bench-fs-rescan bench-serving clean
 
 setup: $(STAMP)
 
@@ -69,7 +69,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q tests --ignore=tests/tpu
 	$(BIN)/python -m pytest -q tests/tpu
 
-bench: bench-manager bench-ttft bench-jax bench-fs
+bench: bench-manager bench-ttft bench-jax bench-fs bench-fs-rescan
 
 bench-manager: $(STAMP)
 	$(BIN)/python benchmarks/bench_manager.py
@@ -90,3 +90,6 @@ bench-serving: $(STAMP) $(STAMP_TPU) $(STAMP_BENCH)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
+
+bench-fs-rescan: $(STAMP)
+	$(BIN)/python benchmarks/bench_fs_rescan.py

@@ -27,7 +27,7 @@ from typing import Sequence
 import numpy as np
 
 from tpu_offload.core.fs.format import HEADER_SIZE
-from tpu_offload.core.fs.layout import chunk_dir_and_path, key_hex
+from tpu_offload.core.fs.layout import key_hex, published_stat
 from tpu_offload.core.keys import LayoutFingerprint
 
 from gpu_offload.vllm.compat import CPULoadStoreSpec
@@ -102,9 +102,8 @@ class FileView:
             return False
         for ns in self.ns_dirs:
             self.stats += 1
-            try:
-                if os.stat(chunk_dir_and_path(ns, khex)[1]).st_size != self.file_bytes:
-                    return False
-            except OSError:
+            # Never os.stat: it follows a symlink planted at the key or on the way, and counts a FIFO.
+            st = published_stat(ns, khex)
+            if st is None or st.st_size != self.file_bytes:
                 return False
         return True

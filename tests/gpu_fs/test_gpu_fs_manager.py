@@ -165,3 +165,26 @@ def test_shipped_config_wires_the_file_tier(tmp_path, monkeypatch):
     assert manager.files.file_bytes == worker.fs.tier.file_bytes
     worker.shutdown()
     manager.shutdown()
+
+
+@pytest.mark.parametrize("plant", ["symlink_file", "symlink_dir", "fifo"])
+def test_file_view_never_follows_a_planted_path(tmp_path, cfg, plant):
+    """The scheduler's presence check must not count another tenant's symlink or FIFO as a chunk."""
+    from tpu_offload.core.fs.layout import chunk_dir_and_path, key_hex
+
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    outside.mkdir()
+    publish(outside, cfg, 0, [key(9)])  # a real chunk, but outside our root
+    ns = os.path.join(str(root), fingerprint(cfg, 0).namespace())
+    d, path = chunk_dir_and_path(ns, key_hex(key(9)))
+    real = chunk_dir_and_path(os.path.join(str(outside), fingerprint(cfg, 0).namespace()), key_hex(key(9)))
+    if plant == "symlink_dir":
+        os.makedirs(os.path.dirname(d), exist_ok=True)
+        os.symlink(real[0], d)
+    else:
+        os.makedirs(d, exist_ok=True)
+        if plant == "symlink_file":
+            os.symlink(real[1], path)
+        else:
+            os.mkfifo(path)
+    assert not FileView(str(root), [fingerprint(cfg, 0)], CHUNK).contains(key(9))
