@@ -19,10 +19,11 @@ from workloads import DETERMINISM
 pytestmark = pytest.mark.engine
 
 # float32 differs from HF only in summation order: every token away from an exact tie must agree
-# (seen: all 96 tokens, through margins of 2e-4). bf16 rounds activations to 8 bits, which moves
-# logits by up to ~0.15 here, so only decisions clearer than that are compared.
-MARGIN = {"float32": 1e-3, "bfloat16": 0.3}
-MIN_COMPARED = {"float32": 0.5, "bfloat16": 0.05}  # share of all generated tokens
+# (seen: all 96 tokens, through margins of 2e-4). bf16 rounds activations to 8 bits: here the
+# engine picked the other token at HF margins of 0.002-0.15, so only clearer decisions are
+# compared (17 of 96 tokens with these prompts). The engine is deterministic, so this is stable.
+MARGIN = {"float32": 1e-3, "bfloat16": 0.2}
+MIN_COMPARED = {"float32": 0.5, "bfloat16": 0.1}  # share of all generated tokens
 REPEATS = 3
 
 
