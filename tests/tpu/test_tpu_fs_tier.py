@@ -101,3 +101,32 @@ def test_corrupt_file_is_a_load_error_and_recomputed(make, tmp_path):
     b.run()  # recomputed from the bad chunk on: the forward check passes
     assert b.wrk.totals["load_errors"] >= 1
     assert b.sch.manager.stats().pinned_chunks == 0 and not b.sch.has_pending_work()
+
+
+def test_reset_connector_forgets_host_and_file_tiers(make, tmp_path):
+    """reset_prefix_cache(reset_connector=True) after an RL weight update: nothing stored before
+    it comes back, from host RAM or from files; what is stored after it is found again."""
+    h = make(fs_write_mode="write_through")
+    p = prompt(5 * 2 * BS, 4)
+    h.add(p, max_tokens=1)
+    h.run()
+    h.wrk.fs.tier.flush(timeout=30)
+    old_ns = h.sch.fs.ns_dir
+    assert len(files(old_ns)) == 5
+    assert h.sched.reset_prefix_cache(reset_connector=True)  # vLLM's route to OffloadScheduler.reset_cache
+    assert h.sch.fs.ns_dir != old_ns
+    matched = []
+    orig = h.conn_s.get_num_new_matched_tokens
+    h.conn_s.get_num_new_matched_tokens = lambda r, n: matched.append(orig(r, n)) or matched[-1]
+    h.add(p, max_tokens=1)
+    h.run()
+    assert matched[0] == (0, False)  # neither tier serves the old weights' KV
+    assert h.wrk.totals.get("loaded_chunks", 0) == 0
+    h.wrk.fs.tier.flush(timeout=30)
+    assert h.wrk.fs.tier.ns_dir == h.sch.fs.ns_dir  # the worker writes where the scheduler looks
+    assert len(files(h.sch.fs.ns_dir)) == 5 and len(files(old_ns)) == 5  # recomputed KV, new namespace
+    assert h.sched.reset_prefix_cache()  # HBM forgets; the new namespace and host tier serve
+    matched.clear()
+    h.add(p + [7], max_tokens=1)
+    h.run()
+    assert matched[0] == (5 * 2 * BS, True)

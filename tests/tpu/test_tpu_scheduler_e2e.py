@@ -283,3 +283,25 @@ def test_registration_fails_when_staging_does_not_fit(mesh, tiny_model_dir):
     ok = OffloadWorker(settings, free_hbm_bytes=seen["need"])
     ok.register_runner(runner)  # exactly fits
     ok.shutdown()
+
+
+@pytest.mark.parametrize("preempt", [True, False], ids=["preempted", "kept-running"])
+def test_reset_never_stores_kv_computed_before_it(make, preempt):
+    """A request running across the reset: if vLLM preempts it, it recomputes from zero with
+    the new weights and stores again; if it keeps running on KV computed before the reset,
+    none of its chunks (decode ones included) may be stored afterwards."""
+    h = make(decode_save=True)
+    p = [int(x) for x in np.random.default_rng(9).integers(10, 500, size=4 * BS)]
+    rid = h.add(p, max_tokens=3 * BS)
+    for _ in range(3):
+        h.step()
+    stored = h.wrk.totals.get("stored_chunks", 0)
+    assert stored >= 2
+    h.sched.reset_prefix_cache(reset_running_requests=preempt, reset_connector=True)
+    h.run()
+    assert rid in h.finished
+    after = h.wrk.totals.get("stored_chunks", 0) - stored
+    if preempt:
+        assert after >= 4  # the recomputed prompt and decode chunks
+    else:
+        assert after == 0

@@ -147,3 +147,22 @@ def test_bad_slabs_with_intact_index_are_recomputed(make, tmp_path, damage):
     assert b.wrk.totals.get("load_errors", 0) >= 1
     assert not b.runner.failures
     assert b.sch.manager.stats().pinned_chunks == 0 and not b.sch.has_pending_work()
+
+
+def test_no_snapshot_after_a_reset(make, tmp_path):
+    """After reset_connector (new weights) the tier holds the new weights' KV; a snapshot would
+    hand it to whatever weights the next start loads, so none is saved (an older one stays)."""
+    h = make()
+    h.add(prompt(CHUNKS * 2 * BS, 5), max_tokens=1)
+    h.run()
+    assert h.sched.reset_prefix_cache(reset_connector=True)
+    h.add(prompt(CHUNKS * 2 * BS, 6), max_tokens=1)
+    h.run()
+    h.conn_s.shutdown()
+    h.conn_w.shutdown()
+    assert not (tmp_path / "snap").exists() or not any((tmp_path / "snap").iterdir())
+    b = make()
+    out = matched_of(b)
+    b.add(prompt(CHUNKS * 2 * BS, 6), max_tokens=1)
+    b.run()
+    assert out[0] == (0, False)

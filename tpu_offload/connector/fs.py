@@ -16,6 +16,7 @@ only for now (a multi-host replica would need one namespace per process).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -45,6 +46,11 @@ def fingerprint(vllm_config, kv_cache_config, blocks_per_chunk: int) -> LayoutFi
     )
 
 
+def salted(fp: LayoutFingerprint, salt: str) -> LayoutFingerprint:
+    """The namespace after a reset: KV written before it (old weights) is never found again."""
+    return fp if not salt else dataclasses.replace(fp, cache_salt=f"{fp.cache_salt}reset:{salt}")
+
+
 class FsLookup:
     """Scheduler side: file existence only (the worker verifies on read).
 
@@ -55,8 +61,15 @@ class FsLookup:
     """
 
     def __init__(self, cfg: OffloadConfig, fp: LayoutFingerprint):
-        self.ns_dir = os.path.join(os.path.abspath(cfg.shared_storage_path), fp.namespace())
+        self._root = os.path.abspath(cfg.shared_storage_path)
+        self._fp = fp
+        self.ns_dir = os.path.join(self._root, fp.namespace())
         self._seen: set[ChunkKey] = set()
+
+    def reset(self, salt: str) -> None:
+        """Look only in the namespace salted with ``salt`` from now on."""
+        self.ns_dir = os.path.join(self._root, salted(self._fp, salt).namespace())
+        self._seen.clear()
 
     def contains(self, key: ChunkKey) -> bool:
         if key in self._seen:
@@ -77,6 +90,7 @@ class FsMover:
         self.engine = engine
         self.write_back = cfg.fs_write_mode == "write_back"
         nbytes = sum(v.size for v in engine.row_views(0))  # this process's bytes of one chunk
+        self._cfg, self._fp, self._nbytes, self._metrics = cfg, fp, nbytes, metrics
         self.tier = FileTier.from_config(cfg, fp, nbytes, metrics)
         self._bufs = [np.empty(nbytes, dtype=np.uint8) for _ in range(buffers)]
         self._free = list(range(buffers))
@@ -84,6 +98,16 @@ class FsMover:
         self._reads: list[tuple[int, int, int, bool]] = []  # (op_id, slot, buf, ok) finished on I/O threads
         self._writing: list = []  # (WriteTicket, buf) in flight
         self.dropped_writes = 0
+
+    def reset(self, salt: str) -> None:
+        """Read and write only the namespace salted with ``salt`` from now on.
+
+        The old tier finishes its queued writes (into the old namespace) and
+        closes on a thread, so the step loop never waits on the filesystem.
+        """
+        old, self.tier = self.tier, FileTier.from_config(self._cfg, salted(self._fp, salt), self._nbytes,
+                                                         self._metrics)
+        threading.Thread(target=old.close, kwargs={"timeout": 60}, name="tpu-offload-fs-close", daemon=True).start()
 
     # ---- writes ------------------------------------------------------------
     def write(self, key: ChunkKey, slot: int) -> bool:

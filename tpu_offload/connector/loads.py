@@ -138,5 +138,21 @@ class LoadPlanner:
             plan.to_promote = []
         plan.cancelled = True  # one empty last op still goes out: the worker must report finished_recving
 
+    def invalidate(self) -> None:
+        """A reset: every chunk not yet sent fails (its blocks are recomputed), pins and slots released.
+
+        Sent loads finish normally; the manager has already doomed their pins.
+        """
+        for plan in self.plans.values():
+            unsent = range(plan.emitted, len(plan.keys))
+            pinned = [plan.keys[i] for i in unsent if plan.ready[i] and plan.slots[i] >= 0]
+            if pinned:
+                self.manager.complete_load(pinned)
+            if plan.to_promote:
+                self.manager.complete_store([plan.keys[i] for i in plan.to_promote], False)
+                plan.to_promote = []
+            for i in unsent:
+                plan.slots[i], plan.ready[i] = -1, True
+
     def pending(self) -> bool:
         return bool(self.plans or self.load_orders or self.promote_orders)

@@ -57,6 +57,9 @@ class OffloadMetadata(KVConnectorMetadata):
     # restored slabs saved under another; and the id this run saves under.
     restored_id: str = ""
     snapshot_id: str = ""
+    # Set by reset_cache (a weight update): workers switch the file tier to a namespace salted with it,
+    # drop write-throughs of older stores, and save no snapshot. "" = never reset.
+    reset_salt: str = ""
 
 
 @dataclasses.dataclass

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import uuid
 from typing import Any
 
 from tpu_offload.connector import compat
@@ -50,6 +51,7 @@ class _Req:
     finishing: bool = False  # request_finished returned True: blocks are ours
     final_blocks: list[int] | None = None
     keys: list[ChunkKey] = dataclasses.field(default_factory=list)
+    stale: bool = False  # holds KV computed before a reset (old weights): never stored
 
 
 class OffloadScheduler:
@@ -82,6 +84,8 @@ class OffloadScheduler:
         self._quarantine: set[ChunkKey] = set()  # present in the index but proved bad: never served
         self._staging_used = 0
         self._fp = fingerprint
+        self._fs_lookup = fs  # also when loads are synchronous (it learns resets)
+        self.reset_salt = ""  # see reset_cache
         self.restored_id = self.snapshot_id = ""  # warm restart: see connector/snapshot.py
         if cfg.snapshot_path and fingerprint is not None:
             from tpu_offload.connector.snapshot import new_id, restore_scheduler
@@ -215,7 +219,8 @@ class OffloadScheduler:
 
     # ---- per step --------------------------------------------------------
     def build_connector_meta(self, so) -> OffloadMetadata:
-        meta = OffloadMetadata(restored_id=self.restored_id, snapshot_id=self.snapshot_id)
+        meta = OffloadMetadata(restored_id=self.restored_id, snapshot_id=self.snapshot_id,
+                               reset_salt=self.reset_salt)
         load_budget = store_budget = self.s.staging_blocks
         # Loads: sync ones whole (the forward needs them now), async ones within the budget.
         load_budget = self.loads.emit(meta, load_budget, lambda n: self._defer("load", n))
@@ -267,6 +272,8 @@ class OffloadScheduler:
 
     def _plan_stores(self, meta, st: _Req, computed: int, block_ids, budget: int, final: bool) -> tuple[bool, int]:
         """Plan this step's stores for one request. Returns (nothing left to store, budget left)."""
+        if st.stale:
+            return True, budget
         n = self._storable(st, computed)
         keys = self._req_keys(st, n)
         touched, cand = [], []
@@ -369,7 +376,7 @@ class OffloadScheduler:
         if st is None:
             return False, None
         st.request = request
-        n = self._storable(st, request.num_computed_tokens)
+        n = 0 if st.stale else self._storable(st, request.num_computed_tokens)
         keys = self._req_keys(st, n)
         if any(self.manager.lookup(keys[i]) is Lookup.MISS for i in range(st.cursor, n)):
             st.finishing = True
@@ -398,12 +405,34 @@ class OffloadScheduler:
         return None if self.stats.is_empty() else self.stats.clone_and_reset()
 
     def reset_cache(self) -> bool:
+        """vLLM's ``reset_prefix_cache(reset_connector=True)``, e.g. after an RL weight update.
+
+        Nothing computed before it may come back, from any tier: the host
+        index is dropped (in-flight transfers finish into doomed slots), loads
+        not yet sent become load errors (recomputed), requests that already
+        hold computed KV never store again (a preempted request recomputes
+        from zero and stores normally), the file tier moves to a namespace
+        salted for this reset on both sides, and no warm-restart snapshot is
+        saved (it would pair the new weights' KV with whatever weights the
+        next start loads).
+        """
         self.manager.reset()
         self._quarantine.clear()
         self._slot_of.clear()
+        self._fs_bad.clear()
         self.events.reset()
+        self.loads.invalidate()
         for st in self._reqs.values():
             st.cursor = 0
+            st.keys.clear()
+            if st.request.num_computed_tokens > 0 or st.finishing:
+                st.stale = True
+        self.reset_salt = uuid.uuid4().hex
+        if self._fs_lookup is not None:
+            self._fs_lookup.reset(self.reset_salt)
+        if self.snapshot_id:
+            log.warning("tpu_offload: reset_cache after start: no warm-restart snapshot will be saved")
+            self.snapshot_id = ""
         return True
 
     def shutdown(self) -> None:

@@ -78,6 +78,7 @@ class OffloadWorker:
         self._restored_id: str | None = None  # id of the restored slabs (warm restart)
         self._snapshot_id = ""  # id to save under, from the scheduler
         self._snapshot_checked = False
+        self._reset_salt = ""  # the scheduler's latest reset (see OffloadScheduler.reset_cache)
 
     # ---- setup -------------------------------------------------------------
     def register_runner(self, runner) -> None:
@@ -205,8 +206,22 @@ class OffloadWorker:
                 log.warning("tpu_offload: restored host slabs (snapshot %s) do not belong to the scheduler's "
                             "index (snapshot %r); dropping them", self._restored_id, meta.restored_id)
                 self.engine.valid[:] = False
-        if meta.snapshot_id:
+        if meta.reset_salt != self._reset_salt:
+            self._on_reset(meta.reset_salt)
+        if meta.snapshot_id and not self._reset_salt:
             self._snapshot_id = meta.snapshot_id
+
+    def _on_reset(self, salt: str) -> None:
+        """The scheduler reset the tiers (weights changed): old KV must not reach the file tier or a snapshot."""
+        self._reset_salt = salt
+        self._snapshot_id = ""
+        for f in self._flights:  # stores of old KV still in flight: no write-through when they land
+            if f.kind == "store":
+                for op in f.ops:
+                    op.keys = []
+        if self.fs is not None:
+            self.fs.reset(salt)
+        log.info("tpu_offload: cache reset: file tier namespace salted %s, no snapshot at shutdown", salt[:8])
 
     def _fail_loads(self, ops: Sequence[LoadOp], bad: dict[int, list[int]]) -> None:
         for op in ops:
