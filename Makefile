@@ -59,8 +59,11 @@ $(STAMP_BENCH): requirements/inference-perf.lock Makefile
 	$(VENV_BENCH)/bin/pip install -q -r requirements/inference-perf.lock
 	touch $(STAMP_BENCH)
 
-demo: $(STAMP)
+demo: $(STAMP) $(STAMP_TPU)
 	$(BIN)/python -m gpu_offload.demo
+	# The TPU connector in the real tpu-inference engine on JAX CPU, next to tpu-inference's own.
+	JAX_PLATFORMS=cpu SKIP_JAX_PRECOMPILE=1 VLLM_PLUGINS= XLA_FLAGS=--xla_force_host_platform_device_count=4 \
+		$(TPU_BIN)/python demos/tpu_inference_demo.py
 
 # Two pytest processes: an in-process vLLM engine registers our tpu_offload_* metric
 # names (the GPU spec declares them) in the global Prometheus registry, and the TPU
