@@ -55,6 +55,12 @@ def start(name: str, model: str, blocks: int, host_bytes: int, w, work: Path, ar
         "JAX_PLATFORMS": "cpu", "SKIP_JAX_PRECOMPILE": "1",
         "VLLM_PLUGINS": "", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
     }
+    # The engine core is its own process: our connector's Prometheus series reach the API
+    # server's /metrics only through prometheus_client's multiprocess mode.
+    if args.multiproc_metrics:
+        prom_dir = work / "prometheus"
+        prom_dir.mkdir(parents=True, exist_ok=True)
+        env["PROMETHEUS_MULTIPROC_DIR"] = str(prom_dir)
     kvpt = tpu_model().kv_bytes_per_token(4 if args.dtype == "float32" else 2)
     chunk_tokens = 0
     ktc = None
@@ -85,6 +91,8 @@ def main(argv=None) -> int:
     matrix.add_args(ap, CONFIGS, "serving_tpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--max-batched-tokens", type=int, default=2048)
+    ap.add_argument("--no-multiproc-metrics", dest="multiproc_metrics", action="store_false",
+                    help="leave PROMETHEUS_MULTIPROC_DIR unset (our tier's series then stay in the engine process)")
     args = ap.parse_args(argv)
     eng = matrix.Engine("tpu-inference", BLOCK, tpu_model(), args.dtype, CONFIGS, start,
                         "tpu-inference 0.32 OpenAI server on JAX CPU")

@@ -21,6 +21,9 @@ from benchmarks.serving.events import KVEventListener
 from benchmarks.serving.server import Server
 
 OUR_HIT = "tpu_offload_hit_tokens_total"
+EXTERNAL_HIT = "vllm:external_prefix_cache_hits_total"  # any connector's hits, as vLLM counts them
+# Logged at ERROR level by the engine itself on a machine without the accelerator.
+BENIGN_ERRORS = ("Failed to detect number of TPUs",)
 
 
 @dataclasses.dataclass
@@ -72,6 +75,7 @@ def probes(cell: Cell, prompts: list[list[int]], filler: list[list[int]], max_to
         "tokens_first": first, "tokens_revisit": again, "stable": first == again,
         "revisit_device_hit_tokens": prom.delta(before, after, "vllm:prefix_cache_hits_total"),
         "revisit_tier_hit_tokens": prom.delta(before, after, OUR_HIT),
+        "revisit_external_hit_tokens": prom.delta(before, after, EXTERNAL_HIT),
     }
 
 
@@ -141,7 +145,8 @@ def log_findings(text: str) -> dict:
     """Errors and recomputed loads the server logged (a failed load is recomputed, not an
     HTTP error, so inference-perf alone would not see it)."""
     lines = text.splitlines()
-    errors = [ln for ln in lines if " ERROR " in ln or ln.startswith("Traceback")]
+    errors = [ln for ln in lines if (" ERROR " in ln or ln.startswith("Traceback"))
+              and not any(b in ln for b in BENIGN_ERRORS)]
     recomputed = [ln for ln in lines if "will be recomputed" in ln or "failed to load" in ln]
     return {"errors": len(errors), "recompute_warnings": len(recomputed), "first_error": errors[0][:300] if errors else None}
 
@@ -162,7 +167,8 @@ def hit_accounting(before: dict, after: dict, summary: dict, w: perf.Workload, c
         "served_fraction_of_reusable": (device + external) / allowed if allowed else None,
         # vLLM's per-request cached tokens = device + connector hits of its first scheduling
         "server_vs_perf_cached_diff": device + external - cached,
-        "ours_vs_external_diff": ours_cpu + ours_fs - external if cell.connector else None,
+        "ours_vs_external_diff": (ours_cpu + ours_fs - external
+                                  if cell.connector and prom.total(after, OUR_HIT, None) is not None else None),
         "loaded_bytes": d("vllm:kv_offload_total_bytes_total", transfer_type="CPU_to_GPU"),
         "stored_bytes": d("vllm:kv_offload_store_bytes_total"),
     }
@@ -187,6 +193,10 @@ def event_checks(listener: KVEventListener, final: dict, cell: Cell) -> dict:
     if not cell.connector:
         return out
     t = tier_state(final)
+    if t["capacity_chunks"] is None:  # the tier's gauges are not on this server's /metrics
+        out["checks"] = None
+        out["missing_gauges"] = True
+        return out
     cpu = out["by_medium"].get("CPU", {})
     bpc = cell.chunk_blocks
     stored, evicted, used = t["stored_chunks"] or 0, t["evicted_chunks"] or 0, t["used_chunks"] or 0

@@ -202,8 +202,8 @@ def check(records: list[dict]) -> dict:
             b = base.get((r["scenario"], r["repeat"])) or next(iter(base.values()), None)
             if b and b.get("probes") and r is not b and p["tokens_revisit"] != b["probes"]["tokens_revisit"]:
                 fail(f"{tag}: probe tokens differ from the no-connector run")
-            if r["config"] != "none" and p["revisit_tier_hit_tokens"] <= 0:
-                fail(f"{tag}: probe revisits were not served by our tier")
+            if r["config"] != "none" and p.get("revisit_external_hit_tokens", p["revisit_tier_hit_tokens"]) <= 0:
+                fail(f"{tag}: probe revisits were not served by the connector")
         ev = (r.get("events") or {}).get("checks")
         if ev:
             for k in ("every_store_announced", "every_eviction_announced", "resident_match"):
@@ -211,10 +211,15 @@ def check(records: list[dict]) -> dict:
                     fail(f"{tag}: KV events: {k} is false ({ev})")
             if "fs" in r["config"] and ev["storage_medium_events"] == 0:
                 lines.append(f"GAP  {tag}: no KV event carries the file tier's medium (STORAGE)")
-        elif r["config"] not in ("none", "theirs") and r.get("events") is not None:
-            lines.append(f"GAP  {tag}: no tier gauges to check the KV events against")
+        elif (r.get("events") or {}).get("missing_gauges"):
+            lines.append(f"GAP  {tag}: our tier's gauges are not on the server's /metrics: the KV events "
+                         f"({(r['events']['by_medium'].get('CPU') or {}).get('stored_events', 0)} CPU stores) "
+                         "cannot be checked against the tier, nor the router figure read")
+        if r["config"] != "none" and h["ours_vs_external_diff"] is None and h["external_hit_tokens"]:
+            lines.append(f"GAP  {tag}: {h['external_hit_tokens']:.0f} connector hit tokens (vLLM's count) "
+                         "have no per-tier counterpart on /metrics")
         rt = r.get("router")
-        if rt and rt["capacity_chunks_gauge"] != rt["capacity_chunks_expected"]:
+        if rt and rt["capacity_chunks_gauge"] is not None and rt["capacity_chunks_gauge"] != rt["capacity_chunks_expected"]:
             fail(f"{tag}: capacity gauge {rt['capacity_chunks_gauge']} chunks, the sizing says "
                  f"{rt['capacity_chunks_expected']}: the router figure would be wrong")
         t = r.get("tier") or {}
