@@ -23,7 +23,7 @@ from benchmarks.serving.server import Server
 OUR_HIT = "tpu_offload_hit_tokens_total"
 EXTERNAL_HIT = "vllm:external_prefix_cache_hits_total"  # any connector's hits, as vLLM counts them
 # Logged at ERROR level by the engine itself on a machine without the accelerator.
-BENIGN_ERRORS = ("Failed to detect number of TPUs",)
+BENIGN_ERRORS = ("Failed to detect number of TPUs", "Unable to poll the TPU GCE Metadata")
 
 
 @dataclasses.dataclass
