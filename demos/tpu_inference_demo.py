@@ -76,7 +76,7 @@ def shape(args) -> engine_run.Shape:
     n_tok = args.prefix + args.suffix
     max_len = (n_tok + args.max_tokens + BLOCK - 1) // BLOCK * BLOCK + BLOCK
     blocks = args.prompts * (max_len // BLOCK) + 4  # every prompt's own copy fits: no device pressure
-    return engine_run.Shape(MODEL.name, DTYPE, tp=1, block_size=BLOCK, num_blocks=blocks,
+    return engine_run.Shape(MODEL.name, DTYPE, tp=args.tp, block_size=BLOCK, num_blocks=blocks,
                             max_num_seqs=args.prompts, max_num_batched_tokens=args.batched_tokens,
                             max_model_len=max_len)
 
@@ -229,7 +229,7 @@ def run_child(which: str, model_dir: str, work: Path, args) -> dict:
     out, log = work / f"{which}.json", work / f"{which}.log"
     cmd = [sys.executable, __file__, "--child", which, "--model-dir", model_dir, "--out", str(out),
            "--prompts", str(args.prompts), "--prefix", str(args.prefix), "--suffix", str(args.suffix),
-           "--max-tokens", str(args.max_tokens), "--batched-tokens", str(args.batched_tokens)]
+           "--max-tokens", str(args.max_tokens), "--batched-tokens", str(args.batched_tokens), "--tp", str(args.tp)]
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for line in proc.stdout:
@@ -268,6 +268,8 @@ def main(argv=None) -> int:
     ap.add_argument("--suffix", type=int, default=128, help="unique tokens per prompt")
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--batched-tokens", type=int, default=1024, help="the engine's max_num_batched_tokens")
+    ap.add_argument("--tp", type=int, default=1, choices=(1, 2, 4),
+                    help="tensor parallel size over emulated CPU devices (the model has 2 KV heads: 4 replicates them)")
     ap.add_argument("--child", choices=("ours", "theirs"), help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
@@ -289,7 +291,8 @@ def main(argv=None) -> int:
     n_tok = args.prefix + args.suffix
     print()
     print(f"{args.prompts} prompts x {n_tok} tokens ({args.prefix} shared + {args.suffix} unique), sent together, "
-          f"{args.max_tokens} new tokens each, tpu-inference 0.32 on JAX CPU (TP 1, {DTYPE}, {BLOCK}-token blocks)")
+          f"{args.max_tokens} new tokens each, tpu-inference 0.32 on JAX CPU "
+          f"(TP {args.tp}, {DTYPE}, {BLOCK}-token blocks)")
     print()
     ok_ours = table("ours: tpu_offload.connector.TPUOffloadConnector (configs/tpu-inference/offload.json)", ours, base)
     ok_theirs = table(f"theirs: {THEIR_CONNECTOR}.TPUOffloadConnector (TPU_OFFLOAD_* env)", theirs, base)
