@@ -166,3 +166,22 @@ def test_no_snapshot_after_a_reset(make, tmp_path):
     b.add(prompt(CHUNKS * 2 * BS, 6), max_tokens=1)
     b.run()
     assert out[0] == (0, False)
+
+
+def test_engine_shutdown_saves_both_halves(make, tmp_path):
+    """tpu-inference's EngineCore.shutdown reaches only the scheduler half (its TPUWorker has no
+    shutdown()); on one host both halves share that process, so the scheduler half shuts the
+    worker half down: slabs and index are both saved, and the next start hits."""
+    h = make()
+    p = prompt(CHUNKS * 2 * BS, 7)
+    h.add(p, max_tokens=1)
+    h.run()
+    h.conn_s.shutdown()  # what EngineCore.shutdown -> Scheduler.shutdown does; nothing calls conn_w
+    assert h.wrk.engine is None  # drained and saved
+    assert os.path.exists(tmp_path / "snap" / "host" / "meta-p0.json")
+    b = make()
+    out = matched_of(b)
+    b.add(p + [3], max_tokens=1)
+    b.run()
+    assert out[0] == (CHUNKS * 2 * BS, True)
+

@@ -206,3 +206,22 @@ def kv_head_replicas(vllm_config, kv_cache_config) -> int:
     if len(found) > 1:
         raise ValueError(f"KV-cache groups repeat their heads differently ({sorted(found)}); not supported")
     return found.pop()
+
+
+def shutdown_worker_half(scheduler_connector) -> None:
+    """Shut down this process's worker half of the connector, if it is ours and still up.
+
+    vLLM's GPU worker calls ``ensure_kv_transfer_shutdown`` when it shuts down;
+    tpu-inference's ``TPUWorker`` has no ``shutdown``, so its worker half would
+    never drain, flush file writes or save the warm-restart slabs. On a single
+    host (uni executor) both halves live in the EngineCore process, whose
+    shutdown reaches the scheduler half: it shuts the worker half down first.
+    """
+    from vllm.distributed.kv_transfer import kv_transfer_state
+
+    agent = getattr(kv_transfer_state, "_KV_CONNECTOR_AGENT", None)
+    if agent is None or agent is scheduler_connector or getattr(agent, "worker", None) is None:
+        return
+    if not type(agent).__module__.startswith("tpu_offload."):
+        return
+    kv_transfer_state.ensure_kv_transfer_shutdown()

@@ -155,4 +155,5 @@ class TPUOffloadConnector(KVConnectorBase_V1):
         if self.worker is not None:
             self.worker.shutdown()
         if self.scheduler is not None:
+            compat.shutdown_worker_half(self)  # tpu-inference's worker never shuts it down
             self.scheduler.shutdown()

@@ -2,6 +2,9 @@
 
 * ``gather``  paged caches -> staging (donates staging): one step's blocks, all layers.
 * ``scatter`` staging -> paged caches (donates the caches).
+
+Both run per device (``shard_map``) on its own shards; the only traffic
+between devices is the scatter's rebuild of replicated heads (see layout.py).
 * ``store``   staging -> host slabs (donates the slabs): one batched D2H.
 * ``load``    host slabs -> staging (donates staging): one batched H2D.
 
