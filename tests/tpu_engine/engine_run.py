@@ -116,9 +116,9 @@ class EngineRun:
             self.llm = None
 
     def close(self) -> None:
-        """``stop()``, then shut the worker's connector down as vLLM's GPU worker
-        does (tpu-inference's never does: see test_tpu_engine_files.py), so the
-        next engine in this process gets a fresh one."""
+        """``stop()``, then make sure vLLM's process-wide worker connector is gone
+        (as vLLM's GPU worker does; tpu-inference's does not), so the next
+        engine in this process gets a fresh one."""
         from vllm.distributed.kv_transfer import kv_transfer_state
 
         self.stop()
