@@ -199,7 +199,7 @@ class OffloadWorker:
         self._poll()
 
     def _check_snapshot(self, meta: OffloadMetadata) -> None:
-        """The first orders name the scheduler's restored index: slabs of another are dropped."""
+        """Follow the scheduler's snapshot ids (slabs of another index are dropped) and its resets."""
         if not self._snapshot_checked:
             self._snapshot_checked = True
             if self._restored_id is not None and meta.restored_id != self._restored_id:
