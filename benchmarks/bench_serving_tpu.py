@@ -93,6 +93,10 @@ def main(argv=None) -> int:
     ap.add_argument("--max-batched-tokens", type=int, default=2048)
     ap.add_argument("--no-multiproc-metrics", dest="multiproc_metrics", action="store_false",
                     help="leave PROMETHEUS_MULTIPROC_DIR unset (our tier's series then stay in the engine process)")
+    # The engine on JAX CPU serves ~0.2-0.5 requests/s here: the guides' shape, scaled so a
+    # configuration still finishes in a few minutes on 2 cores.
+    ap.set_defaults(groups=8, system_prompt_len=512, question_len=32, output_len=8, prompts_per_group=3,
+                    concurrency=2, repeats=1, probes=2)
     args = ap.parse_args(argv)
     eng = matrix.Engine("tpu-inference", BLOCK, tpu_model(), args.dtype, CONFIGS, start,
                         "tpu-inference 0.32 OpenAI server on JAX CPU")
