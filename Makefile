@@ -27,7 +27,7 @@ export TOKENIZERS_PARALLELISM := false
 export VLLM_PLUGINS :=
 export PYTHONPATH := $(CURDIR)
 
-.PHONY: setup setup-tpu demo test bench bench-manager bench-ttft bench-jax bench-fs bench-fs-rescan bench-serving clean
+.PHONY: setup setup-tpu demo test bench bench-manager bench-ttft bench-jax bench-fs bench-fs-rescan bench-tpu-engine bench-serving clean
 
 setup: $(STAMP)
 
@@ -77,7 +77,7 @@ test: $(STAMP) $(STAMP_TPU)
 	$(TPU_BIN)/python -m pytest -q tests/tpu
 	$(TPU_BIN)/python -m pytest -q tests/tpu_engine
 
-bench: bench-manager bench-ttft bench-jax bench-fs bench-fs-rescan
+bench: bench-manager bench-ttft bench-jax bench-fs bench-fs-rescan bench-tpu-engine
 
 bench-manager: $(STAMP)
 	$(BIN)/python benchmarks/bench_manager.py
@@ -101,3 +101,6 @@ clean:
 
 bench-fs-rescan: $(STAMP)
 	$(BIN)/python benchmarks/bench_fs_rescan.py
+
+bench-tpu-engine: $(STAMP_TPU)
+	$(TPU_BIN)/python benchmarks/bench_tpu_engine.py
