@@ -81,7 +81,7 @@ def main(argv=None) -> int:
         llm = LLM(model=path, skip_tokenizer_init=True, dtype="float32", max_model_len=max_len,
                   enforce_eager=True, max_num_seqs=args.prompts, disable_log_stats=False,
                   kv_transfer_config=kv_transfer_config(1 << 30))
-        worker, manager = testing.live_workers()[-1], testing.live_managers()[-1]
+        worker = testing.live_workers()[-1]
 
         warm = make_prompts(args.prompts, args.prefix, args.suffix, m.vocab_size, seed=99)
         run(llm, warm, max_tokens=2)  # warm-up: kernels, allocator; its chunks are not reused

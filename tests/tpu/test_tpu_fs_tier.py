@@ -43,27 +43,6 @@ def files(root):
     return sorted(f for _, _, fs in os.walk(root) for f in fs if not f.startswith("."))
 
 
-def test_write_through_then_another_engine_promotes_and_loads(make, tmp_path):
-    a = make(fs_write_mode="write_through")
-    p = prompt(5 * 2 * BS, 1)  # 5 chunks of 2 blocks
-    a.add(p, max_tokens=1)
-    a.run()
-    a.wrk.fs.tier.flush(timeout=30)
-    assert len(files(tmp_path / "kv")) == 5
-    b = make(fs_write_mode="write_through")  # a fresh engine: empty HBM and host tier
-    matched = []
-    orig = b.conn_s.get_num_new_matched_tokens
-    b.conn_s.get_num_new_matched_tokens = lambda r, n: matched.append(orig(r, n)) or matched[-1]
-    checked = b.runner.checked_positions
-    b.add(p + [3, 4, 5], max_tokens=2)
-    b.run()
-    assert matched[0] == (5 * 2 * BS, True)  # every chunk found on the filesystem
-    assert b.wrk.totals["loaded_chunks"] == 5 and b.wrk.totals.get("load_errors", 0) == 0
-    assert b.runner.checked_positions - checked >= len(p)  # the model read the promoted KV
-    assert b.check_tier() == 5  # promoted chunks are host chunks now
-    assert b.sch.manager.stats().pinned_chunks == 0 and not b.sch.has_pending_work()
-
-
 def test_write_back_on_eviction_and_mixed_prefix(make, tmp_path):
     h = make(fs_write_mode="write_back", num_cpu_chunks=4)
     p = prompt(6 * 2 * BS, 2)  # 6 chunks, the host tier holds 4

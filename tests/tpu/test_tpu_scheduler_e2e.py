@@ -7,7 +7,6 @@ exactly what the prefix implies. A wrong, stale or truncated load, or a store
 that captured an overwritten block, fails the run.
 """
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from prometheus_client import REGISTRY
@@ -63,25 +62,6 @@ def assert_idle(h):
     assert h.wrk.pending() == 0
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync-sched", "async-sched"])
-def test_full_prompt_hit_loads_async_and_reports_n_minus_1(make, async_scheduling):
-    h = make(blocks_per_chunk=2, dtype=jnp.bfloat16, async_scheduling=async_scheduling)
-    p = prompt(4 * 2 * BS, 1)  # exactly 4 chunks
-    h.add(p, max_tokens=2)
-    h.run()
-    assert h.wrk.totals["stored_chunks"] == 4
-    assert h.check_tier() == 4
-    assert h.sched.reset_prefix_cache()  # HBM forgets; only the host tier can serve
-    matched = spy(h, "get_num_new_matched_tokens")
-    h.add(p, max_tokens=3)
-    checked = h.runner.checked_positions
-    h.run()
-    assert matched[0][1] == (len(p) - 1, True)  # N-1, asynchronous
-    assert h.wrk.totals["loaded_chunks"] == 4
-    assert h.runner.checked_positions - checked >= len(p) - 1  # the model read the loaded KV
-    assert_idle(h)
-
-
 def test_lookup_has_no_side_effects(make):
     h = make(blocks_per_chunk=1)
     p = prompt(5 * BS, 2)
@@ -98,23 +78,6 @@ def test_lookup_has_no_side_effects(make):
     assert before == after
     assert h.conn_s.get_num_new_matched_tokens(probe, 0) == (5 * BS - 1, True)
     assert h.conn_s.get_num_new_matched_tokens(probe, 2 * BS) == (3 * BS - 1, True)
-
-
-def test_chunked_prefill_partial_hit_and_sync_mode(make):
-    h = make(blocks_per_chunk=2, max_num_batched_tokens=64, sync_load=True)
-    p = prompt(200, 3)  # 6 full chunks of 32 tokens, prefilled 64 tokens per step
-    h.add(p, max_tokens=2)
-    h.run()
-    assert h.wrk.totals["stored_chunks"] == 6
-    h.check_tier()
-    assert h.sched.reset_prefix_cache()
-    matched = spy(h, "get_num_new_matched_tokens")
-    q = p[:150] + prompt(40, 4)  # shares 4 whole chunks (128 tokens) with p
-    h.add(q, max_tokens=2)
-    h.run()
-    assert matched[0][1] == (128, False)  # chunk-aligned hit, synchronous
-    assert h.wrk.totals["loaded_chunks"] == 4
-    assert_idle(h)
 
 
 @pytest.mark.parametrize("decode_save", [True, False])

@@ -1,8 +1,15 @@
 """A stand-in for tpu-inference's model runner, driven by vLLM's real scheduler.
 
-tpu-inference's runner cannot be imported on this machine (its model stack
-needs Python >= 3.12), so this file reproduces the surface the connector
-touches: ``mesh``, ``devices``, a ``kv_caches`` list of per-layer
+The real engine (tests/tpu_engine) now proves the round trip, pressure,
+faults, the file tier across processes and warm restart; the tests written
+against this stand-in were removed where it covers them. The stand-in stays
+for what the real engine cannot reach on CPU here: several JAX processes
+(multi-host completion), Explicit and Manual mesh axes, decode_save, staging
+deferral, use of freed blocks, preemption, KV events, vLLM without worker
+metadata, write-back on eviction, corrupt files and bad snapshots; and it
+checks restored bytes position by position, which token equality cannot.
+
+It reproduces the surface the connector touches: ``mesh``, ``devices``, a ``kv_caches`` list of per-layer
 ``(num_blocks, block_size, 2*kv_heads, head_dim)`` arrays sharded with heads
 over the 'model' axis, rebound on every step, ``get_kv_cache_layout()``, and
 vLLM's ``KVConnectorModelRunnerMixin`` step lifecycle.
