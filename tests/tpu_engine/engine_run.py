@@ -25,13 +25,16 @@ ENV = {
 }
 
 
-def prepare_process() -> None:
-    """Environment for an engine process; call before JAX or vLLM is imported."""
+def prepare_process(keep_offload_vars: bool = False) -> None:
+    """Environment for an engine process; call before JAX or vLLM is imported.
+
+    A server keeps TPU_OFFLOAD_*: tpu-inference's own connector is configured only by them."""
     flag = f"--xla_force_host_platform_device_count={DEVICES}"
     if flag not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
     os.environ.update(ENV)
-    env_without_offload_vars()
+    if not keep_offload_vars:
+        env_without_offload_vars()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import engine_run  # noqa: E402
 
-engine_run.prepare_process()
+engine_run.prepare_process(keep_offload_vars=True)  # the operator's settings, as `vllm serve` would
 os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
 
 import cpu_support  # noqa: E402
