@@ -66,6 +66,7 @@ class OffloadScheduler:
         self.events = EventTranslator(s.block_size, s.blocks_per_chunk)
         self.metrics = metrics or ConnectorMetrics.get()
         self.metrics.core.add_tier("cpu", self.manager.stats)
+        self._staging_used = 0  # before set_gauges: under PROMETHEUS_MULTIPROC_DIR a gauge is read at once
         self.metrics.set_gauges(lambda: self.manager.stats().used_bytes, lambda: self._staging_used, s.staging_blocks)
         self.stats = OffloadStats()  # drained by vLLM every step
         self.totals: dict[str, float] = {}  # the same counters since start (tests, debugging)
