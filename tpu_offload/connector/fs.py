@@ -6,8 +6,8 @@ core ``FileTier``. A chunk's host bytes are spread over one buffer per
 device shard, so they go through a small pool of preallocated contiguous
 buffers: a write copies the slot out (then the slot may be reused at once),
 a read fills a buffer on an I/O thread and the step loop copies it into the
-slot. When every buffer is busy a write is dropped (counted) and a read
-waits for the next step: bounded memory, never a block.
+slot. When every buffer is busy a write waits in a queue (one entry per
+slot) and a read waits for the next step: bounded memory, never a block.
 
 Modes: ``write_through`` writes every chunk when its host store completes;
 ``write_back`` writes a chunk when the host tier evicts it. Single process
@@ -16,10 +16,12 @@ only for now (a multi-host replica would need one namespace per process).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import os
 import threading
+import time
 
 import numpy as np
 
@@ -29,6 +31,9 @@ from tpu_offload.core.fs.layout import chunk_dir_and_path, key_hex
 from tpu_offload.core.keys import ChunkKey, LayoutFingerprint
 
 log = logging.getLogger(__name__)
+
+_BUFFER_BYTES_CAP = 1 << 30  # host RAM for the copy buffers, on top of the host tier
+_WARN_EVERY_S = 60.0
 
 
 def fingerprint(vllm_config, kv_cache_config, blocks_per_chunk: int) -> LayoutFingerprint:
@@ -84,49 +89,121 @@ class FsLookup:
 
 
 class FsMover:
-    """Worker side: host slot <-> file through preallocated contiguous buffers."""
+    """Worker side: host slot <-> file through preallocated contiguous buffers.
 
-    def __init__(self, cfg: OffloadConfig, fp: LayoutFingerprint, engine, metrics=None, buffers: int = 8):
+    A write is queued by slot (at most one per slot, so the queue is bounded
+    by the host tier) and copied out as buffers free up. The worker calls
+    ``overwrite`` before anything writes into a slot: a queued write of that
+    slot is copied now if a buffer is free, else dropped, so a file never gets
+    the slot's next bytes. Every drop is counted (``drops``, the worker stats
+    and ``tpu_offload_fs_dropped_writes``) and logged, rate-limited.
+    """
+
+    def __init__(self, cfg: OffloadConfig, fp: LayoutFingerprint, engine, metrics=None, buffers: int | None = None):
         self.engine = engine
         self.write_back = cfg.fs_write_mode == "write_back"
         nbytes = sum(v.size for v in engine.row_views(0))  # this process's bytes of one chunk
         self._cfg, self._fp, self._nbytes, self._metrics = cfg, fp, nbytes, metrics
         self.tier = FileTier.from_config(cfg, fp, nbytes, metrics)
-        self._bufs = [np.empty(nbytes, dtype=np.uint8) for _ in range(buffers)]
-        self._free = list(range(buffers))
+        n = buffers if buffers is not None else buffer_count(cfg, nbytes)
+        self._bufs = [np.empty(nbytes, dtype=np.uint8) for _ in range(n)]
+        self._free = list(range(n))
         self._lock = threading.Lock()
         self._reads: list[tuple[int, int, int, bool]] = []  # (op_id, slot, buf, ok) finished on I/O threads
         self._writing: list = []  # (WriteTicket, buf) in flight
-        self.dropped_writes = 0
+        self._pending: collections.OrderedDict[int, ChunkKey] = collections.OrderedDict()  # slot -> key, FIFO
+        self.drops: collections.Counter[str] = collections.Counter()
+        self._drops_taken = 0
+        self._warned_at = -1e9
+        if self.write_back and cfg.fs_write_back_lag_s:
+            log.warning("tpu_offload: fs_write_back_lag_s=%g is ignored by the TPU connector: write_back writes a "
+                        "chunk only when the host tier evicts it; use fs_write_mode=write_through for other "
+                        "replicas to see chunks at once", cfg.fs_write_back_lag_s)
+
+    @property
+    def dropped_writes(self) -> int:
+        return sum(self.drops.values())
+
+    def take_drops(self) -> int:
+        """Drops since the last call (for the per-step worker stats)."""
+        total = self.dropped_writes
+        new, self._drops_taken = total - self._drops_taken, total
+        return new
 
     def reset(self, salt: str) -> None:
         """Read and write only the namespace salted with ``salt`` from now on.
 
         The old tier finishes its queued writes (into the old namespace) and
         closes on a thread, so the step loop never waits on the filesystem.
+        Writes still waiting for a buffer hold KV of the old weights: discarded.
         """
+        if self._pending:
+            log.info("tpu_offload: cache reset: %d queued file writes of old KV discarded", len(self._pending))
+            self._pending.clear()
         old, self.tier = self.tier, FileTier.from_config(self._cfg, salted(self._fp, salt), self._nbytes,
                                                          self._metrics)
         threading.Thread(target=old.close, kwargs={"timeout": 60}, name="tpu-offload-fs-close", daemon=True).start()
 
     # ---- writes ------------------------------------------------------------
-    def write(self, key: ChunkKey, slot: int) -> bool:
-        """Copy the slot out and queue its file write; False if dropped."""
-        buf = self._take()
-        if buf is None:
-            self.dropped_writes += 1
-            return False
+    def write(self, key: ChunkKey, slot: int) -> None:
+        """Queue the slot's file write; copied out now or on a later ``pump``."""
+        self._pending.pop(slot, None)
+        self._pending[slot] = key
+        self.pump()
+
+    def pending_writes(self) -> int:
+        return len(self._pending)
+
+    def pump(self) -> None:
+        """Copy queued writes into free buffers, oldest first (step loop thread)."""
+        while self._pending:
+            buf = self._take()
+            if buf is None:
+                return
+            slot, key = self._pending.popitem(last=False)
+            self._copy_out(key, slot, buf)
+
+    def overwrite(self, slots) -> None:
+        """``slots`` are about to get new bytes: write their queued chunks now or drop them."""
+        if not self._pending:
+            return
+        for slot in slots:
+            key = self._pending.pop(int(slot), None)
+            if key is None:
+                continue
+            buf = self._take()
+            if buf is None:
+                self._drop("slot_reused", 1)
+            else:
+                self._copy_out(key, int(slot), buf)
+
+    def _copy_out(self, key: ChunkKey, slot: int, buf: int) -> None:
+        if not self.engine.valid[slot]:  # dropped from the host tier since it was queued
+            self._give(buf)
+            self._drop("slot_invalid", 1)
+            return
         out, off = self._bufs[buf], 0
         for view in self.engine.row_views(slot):
             out[off : off + view.size] = view
             off += view.size
         ticket = self.tier.submit_write(key, out)
-        if ticket is None:
+        if ticket is None:  # the tier refused it (read-only, closed): it counts its own metric
             self._give(buf)
-            self.dropped_writes += 1
-            return False
+            self._drop(f"tier_{self.tier.state.value}", 1, counted=True)
+            return
         self._writing.append((ticket, buf))  # the buffer comes back when the write ends
-        return True
+
+    def _drop(self, reason: str, n: int, counted: bool = False) -> None:
+        self.drops[reason] += n
+        if not counted:
+            m = self.tier.fs_metrics.for_tier(self.tier.name)
+            for _ in range(n):
+                m.dropped(reason)
+        now = time.monotonic()
+        if now - self._warned_at >= _WARN_EVERY_S:
+            self._warned_at = now
+            log.warning("tpu_offload: file tier write dropped (%s); %d dropped so far %s: the shared directory "
+                        "lacks those chunks", reason, self.dropped_writes, dict(self.drops))
 
     # ---- reads -------------------------------------------------------------
     def read(self, op_id: int, key: ChunkKey, slot: int) -> bool:
@@ -175,6 +252,19 @@ class FsMover:
         with self._lock:
             self._free.append(buf)
 
-    def close(self) -> None:
-        self.tier.flush(timeout=30)
+    def close(self, timeout: float = 30.0) -> None:
+        """Write what is queued (bounded by ``timeout``), then flush and close the tier."""
+        deadline = time.monotonic() + timeout
+        while self._pending and time.monotonic() < deadline:
+            self.pump()
+            time.sleep(0.001)
+        if self._pending:
+            self._drop("shutdown", len(self._pending))
+            self._pending.clear()
+        self.tier.flush(timeout=max(0.0, deadline - time.monotonic()))
         self.tier.close(timeout=30)
+
+
+def buffer_count(cfg: OffloadConfig, chunk_bytes: int) -> int:
+    """Two buffers per I/O thread keep every thread busy; never more than the tier's queue or the byte cap."""
+    return max(1, min(cfg.fs_queue_depth, 2 * cfg.fs_threads, _BUFFER_BYTES_CAP // max(1, chunk_bytes)))

@@ -143,6 +143,8 @@ class OffloadWorker:
         self._check_snapshot(meta)
         for op in meta.promotes:
             self._write_back(op.evict)
+            if self.fs is not None:
+                self.fs.overwrite(op.slots)  # queued writes of these slots go out now or are dropped
             self._promoting[op.op_id] = (set(op.slots), [])
             for slot, key in zip(op.slots, op.keys):
                 self.engine.valid[slot] = False
@@ -187,6 +189,8 @@ class OffloadWorker:
             bpc = self.s.blocks_per_chunk
             chunks = [StoreChunk(slot, op.blocks[i * bpc : (i + 1) * bpc])
                       for op in meta.stores for i, slot in enumerate(op.slots)]
+            if self.fs is not None:
+                self.fs.overwrite([c.slot for c in chunks])  # never write a slot's next bytes under this key
             bad: dict[int, list[int]] = {}
             try:
                 done = self.engine.store(self.runner.kv_caches, chunks)
@@ -275,7 +279,15 @@ class OffloadWorker:
                     ok = False
             self._complete(f, ok)
         self._flights = still
+        if self.fs is not None:
+            self.fs.pump()  # write-throughs waiting for a buffer
+            self._count_fs_drops()
         self._maybe_release()
+
+    def _count_fs_drops(self) -> None:
+        n = self.fs.take_drops()
+        if n:
+            self._add("fs_dropped_writes", n)
 
     def _complete(self, f: _Flight, ok: bool) -> None:
         seconds = time.perf_counter() - f.started
@@ -356,7 +368,8 @@ class OffloadWorker:
         self._flights.clear()
         self._save_snapshot()
         if self.fs is not None:
-            self.fs.close()
+            self.fs.close(timeout=max(1.0, deadline - time.monotonic()))
+            self._count_fs_drops()
             self.fs = None
         self.engine = None
         self.runner = None
