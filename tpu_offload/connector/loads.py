@@ -40,6 +40,48 @@ def settle_store(manager, order: Order, failed: set[int]) -> list[ChunkKey]:
         manager.complete_store(bad, False)
     return bad
 
+class InFlight:
+    """Chunk keys of asynchronous loads vLLM is still waiting for, per request.
+
+    vLLM caches a request's loaded blocks only when its load finishes, so a
+    second request sharing the prefix must wait for that (then hit vLLM's own
+    prefix cache) rather than load the same chunks again. Counted per key:
+    requests may overlap. Per request so every release is idempotent.
+    """
+
+    def __init__(self):
+        self._by_req: dict[str, list[ChunkKey]] = {}
+        self._count: dict[ChunkKey, int] = {}
+
+    def add(self, req_id: str, keys: list[ChunkKey]) -> None:
+        self.release(req_id)
+        if not keys:
+            return
+        self._by_req[req_id] = list(keys)
+        for k in keys:
+            self._count[k] = self._count.get(k, 0) + 1
+
+    def release(self, req_id: str) -> None:
+        for k in self._by_req.pop(req_id, ()):
+            n = self._count[k] - 1
+            if n:
+                self._count[k] = n
+            else:
+                del self._count[k]
+
+    def busy(self, keys: list[ChunkKey], req_id: str) -> bool:
+        """Whether another request is loading any of ``keys``."""
+        own = set(self._by_req.get(req_id, ()))
+        return any(k in self._count and (k not in own or self._count[k] > 1) for k in keys)
+
+    def clear(self) -> None:
+        self._by_req.clear()
+        self._count.clear()
+
+    def __len__(self) -> int:
+        return len(self._by_req)
+
+
 @dataclasses.dataclass
 class LoadPlan:
     req_id: str

@@ -19,6 +19,11 @@ Invariants this file keeps (each one a defect of the upstream connector):
   shards (completions are counted per order and process).
 * With a shared filesystem (``fs``), a prefix may continue with chunks that
   only exist as files; they are promoted into host slots, then loaded.
+* A chunk is loaded asynchronously for one request at a time: a request
+  whose load would include a chunk another request is loading waits (its
+  lookup returns ``None``) until vLLM has cached that request's blocks, then
+  hits vLLM's own prefix cache. The wait ends when that load is reported in
+  ``finished_recving``, its request finishes, or the tier is reset.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from typing import Any
 
 from tpu_offload.connector import compat
 from tpu_offload.connector.events import EventTranslator
-from tpu_offload.connector.loads import LoadPlan, LoadPlanner, Order, settle_store
+from tpu_offload.connector.loads import InFlight, LoadPlan, LoadPlanner, Order, settle_store
 from tpu_offload.connector.metadata import OffloadMetadata, OffloadReport, StoreOp
 from tpu_offload.connector.metrics import ConnectorMetrics
 from tpu_offload.connector.settings import Settings
@@ -74,6 +79,7 @@ class OffloadScheduler:
         self._reqs: dict[str, _Req] = {}
         self._ids = itertools.count()
         self.loads = LoadPlanner(self.manager, self.bpc, lambda: next(self._ids))
+        self.loading = InFlight()  # async loads vLLM waits for: their chunks are not loaded twice
         self._store_orders: dict[int, Order] = {}
         self.fs = fs if self.async_load else None  # file hits are always loaded asynchronously
         self.write_through = fs is not None and cfg.fs_write_mode == "write_through"
@@ -156,12 +162,21 @@ class OffloadScheduler:
         report = min(hit_tokens, request.num_tokens - 1)  # a full hit still computes one token
         return n_hit, max(0, report - num_computed_tokens)
 
-    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
-        _, n = self._hit(request, num_computed_tokens)
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        n_hit, n = self._hit(request, num_computed_tokens)
+        if n and self.async_load and len(self.loading) and self._hbm_caching():
+            first = num_computed_tokens // self.chunk_tokens
+            if self.loading.busy(self._keys(request, n_hit)[first:], request.request_id):
+                return None, False  # vLLM asks again next step, when the blocks may be cached
         return n, bool(n) and self.async_load
+
+    def _hbm_caching(self) -> bool:
+        """Whether vLLM caches loaded blocks (waiting for another load is only worth it then)."""
+        return getattr(self.kv_cache_manager, "enable_caching", True) is not False
 
     # ---- admission -------------------------------------------------------
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        self.loading.release(request.request_id)  # a new allocation: any earlier load is over
         st = self._reqs.get(request.request_id)
         if st is None:
             st = self._reqs[request.request_id] = _Req(request=request)
@@ -211,6 +226,8 @@ class OffloadScheduler:
                 dst.append(block_ids[b] if b >= skip else -1)
         self.loads.add(LoadPlan(request.request_id, self.async_load, load_keys, slots, dst, ready,
                                 to_promote=fs_idx, evict=evict))
+        if self.async_load:
+            self.loading.add(request.request_id, load_keys)
         if not st.looked_up:
             st.looked_up = True
             queried = request.num_tokens - local
@@ -332,6 +349,8 @@ class OffloadScheduler:
 
     # ---- feedback ----------------------------------------------------------
     def update_connector_output(self, output) -> None:
+        for req_id in getattr(output, "finished_recving", None) or ():
+            self.loading.release(req_id)  # vLLM caches its blocks before it asks about waiting requests
         raw = compat.extract_report(output)
         if raw is None:
             return
@@ -373,6 +392,7 @@ class OffloadScheduler:
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
         req_id = request.request_id
         self.loads.cancel(req_id)  # aborted while its load waited: release what was never sent
+        self.loading.release(req_id)  # its blocks will not be cached: others load for themselves
         st = self._reqs.get(req_id)
         if st is None:
             return False, None
@@ -423,6 +443,7 @@ class OffloadScheduler:
         self._fs_bad.clear()
         self.events.reset()
         self.loads.invalidate()
+        self.loading.clear()  # nothing the tier held before may be served: no one waits for it
         for st in self._reqs.values():
             st.cursor = 0
             st.keys.clear()
