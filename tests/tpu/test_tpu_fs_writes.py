@@ -158,3 +158,12 @@ def test_worker_invalidates_queued_writes_before_storing_into_their_slots(make):
     assert fs.drops.get("slot_reused", 0) == 2  # two first-prompt writes still waited for a buffer
     assert dropped_metric(h, "slot_reused") == before + 2
     assert h.wrk.totals["fs_dropped_writes"] == 2
+
+
+def test_shipped_file_config_writes_through():
+    """write_back would leave other replicas without a chunk until this host tier evicts it."""
+    import json
+    from pathlib import Path
+
+    cfg = json.loads((Path(__file__).parents[2] / "configs" / "tpu-inference" / "offload-fs.json").read_text())
+    assert cfg["kv_connector_extra_config"]["fs_write_mode"] == "write_through"
