@@ -147,6 +147,7 @@ class FsMover:
     # ---- writes ------------------------------------------------------------
     def write(self, key: ChunkKey, slot: int) -> None:
         """Queue the slot's file write; copied out now or on a later ``pump``."""
+        slot = int(slot)
         self._pending.pop(slot, None)
         self._pending[slot] = key
         self.pump()
