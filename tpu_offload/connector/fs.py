@@ -194,6 +194,10 @@ class FsMover:
             return
         self._writing.append((ticket, buf))  # the buffer comes back when the write ends
 
+    def count_drop(self, reason: str) -> None:
+        """A write the worker could not even queue (the chunk's host bytes never arrived)."""
+        self._drop(reason, 1)
+
     def _drop(self, reason: str, n: int, counted: bool = False) -> None:
         self.drops[reason] += n
         if not counted:

@@ -233,11 +233,24 @@ class OffloadWorker:
             self._load_errors.update(b for b in op.blocks if b >= 0)
 
     def _write_back(self, evict) -> None:
-        if self.fs is None:
+        if self.fs is None or not evict:
             return
+        slots = {slot for slot, _ in evict}
+        if any(not self.engine.valid[s] for s in slots):  # a small tier evicts a chunk whose store is in flight
+            pending = [f for f in self._flights if f.kind == "store" and f.done is not None
+                       and any(s in slots for op in f.ops for s in op.slots)]
+            for f in pending:  # a transfer, never the filesystem: its bytes must be copied before the overwrite
+                try:
+                    jax.block_until_ready(f.done)
+                except Exception:
+                    pass  # _poll completes it as failed
+            if pending:
+                self._poll()
         for slot, key in evict:
             if self.engine.valid[slot]:
                 self.fs.write(key, slot)
+            else:  # its store failed: nothing to write
+                self.fs.count_drop("store_failed")
 
     def _poll_fs(self) -> None:
         """Start queued file reads, land finished ones in their slots, report done promotions."""
