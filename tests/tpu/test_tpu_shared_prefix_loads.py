@@ -123,3 +123,25 @@ def test_aborted_load_does_not_hold_others_forever(make):
     lookups = _lookups(h)
     _shared(h, p)
     assert lookups[0][1] == (4 * h.sch.chunk_tokens, True)  # not held back by the aborted load
+
+
+def test_waiting_requests_load_their_own_rest_inside_the_step(make):
+    """A held-back request already waited; its own stored tail loads synchronously
+    (an asynchronous load would add two more steps before its first token)."""
+    h = make(blocks_per_chunk=1)
+    p = prompt(4 * h.sch.chunk_tokens, 1)
+    prompts = [p + prompt(BS + 3, 100 + i) for i in range(N)]
+    for q in prompts:  # store the shared prefix and every unique tail block (one at a time:
+        h.add(q, max_tokens=1)  # the stand-in checks KV as it was before the step)
+        h.run()
+    assert h.sched.reset_prefix_cache()
+    before = h.wrk.totals.get("loaded_chunks", 0)
+    lookups = _lookups(h)
+    ids = [h.add(q, max_tokens=3) for q in prompts]
+    h.run()
+    assert set(ids) <= set(h.finished) and not len(h.sch.loading)
+    held = {rid for rid, r in lookups if r == (None, False)}
+    assert len(held) == N - 1
+    last = {rid: r for rid, r in lookups}
+    assert all(last[rid] == (BS, False) for rid in held)  # its tail block, inside the step
+    assert h.wrk.totals["loaded_chunks"] - before == 4 + N  # the prefix once, each tail once

@@ -23,7 +23,9 @@ Invariants this file keeps (each one a defect of the upstream connector):
   whose load would include a chunk another request is loading waits (its
   lookup returns ``None``) until vLLM has cached that request's blocks, then
   hits vLLM's own prefix cache. The wait ends when that load is reported in
-  ``finished_recving``, its request finishes, or the tier is reset.
+  ``finished_recving``, its request finishes, or the tier is reset. A request
+  that waited loads the rest of its hit inside its step when that fits the
+  staging budget (an asynchronous load would add two steps to its wait).
 """
 
 from __future__ import annotations
@@ -80,6 +82,9 @@ class OffloadScheduler:
         self._ids = itertools.count()
         self.loads = LoadPlanner(self.manager, self.bpc, lambda: next(self._ids))
         self.loading = InFlight()  # async loads vLLM waits for: their chunks are not loaded twice
+        self._waited: set[str] = set()  # requests held back for another's load
+        self._load_async: dict[str, bool] = {}  # what the last lookup told vLLM, per request
+        self._sync_blocks_left = s.staging_blocks  # this step's budget for loads inside the step
         self._store_orders: dict[int, Order] = {}
         self.fs = fs if self.async_load else None  # file hits are always loaded asynchronously
         self.write_through = fs is not None and cfg.fs_write_mode == "write_through"
@@ -89,7 +94,6 @@ class OffloadScheduler:
         self._procs = 1  # worker processes that must report each order (learned from reports)
         self.expected_procs: int | None = None  # what get_finished_count told vLLM's aggregator
         self._quarantine: set[ChunkKey] = set()  # present in the index but proved bad: never served
-        self._staging_used = 0
         self._fp = fingerprint
         self._fs_lookup = fs  # also when loads are synchronous (it learns resets)
         self.reset_salt = ""  # see reset_cache
@@ -164,11 +168,36 @@ class OffloadScheduler:
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         n_hit, n = self._hit(request, num_computed_tokens)
-        if n and self.async_load and len(self.loading) and self._hbm_caching():
+        if not (n and self.async_load):
+            return n, False
+        rid = request.request_id
+        if len(self.loading) and self._hbm_caching():
             first = num_computed_tokens // self.chunk_tokens
-            if self.loading.busy(self._keys(request, n_hit)[first:], request.request_id):
+            if self.loading.busy(self._keys(request, n_hit)[first:], rid):
+                self._waited.add(rid)
                 return None, False  # vLLM asks again next step, when the blocks may be cached
-        return n, bool(n) and self.async_load
+        load_async = not self._sync_after_wait(request, num_computed_tokens, n_hit, n)
+        self._load_async[rid] = load_async
+        return n, load_async
+
+    def _sync_after_wait(self, request, num_computed_tokens: int, n_hit: int, n: int) -> bool:
+        """Whether a request that waited for another's load loads its rest inside this step.
+
+        It already paid the wait; an asynchronous load of its (short) rest would
+        add two more steps before its first token. Only host chunks (a file
+        needs a promotion first), and only within this step's staging budget, so
+        the step's stall stays as bounded as an asynchronous part's.
+        """
+        if request.request_id not in self._waited:
+            return False
+        blocks = -(-n // self.s.block_size)
+        if blocks > self._sync_blocks_left:
+            return False
+        _, on_fs = self._prefix(self._keys(request))
+        if any(on_fs[num_computed_tokens // self.chunk_tokens : n_hit]):
+            return False
+        self._sync_blocks_left -= blocks
+        return True
 
     def _hbm_caching(self) -> bool:
         """Whether vLLM caches loaded blocks (waiting for another load is only worth it then)."""
@@ -177,6 +206,8 @@ class OffloadScheduler:
     # ---- admission -------------------------------------------------------
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         self.loading.release(request.request_id)  # a new allocation: any earlier load is over
+        self._waited.discard(request.request_id)
+        load_async = self._load_async.pop(request.request_id, self.async_load)
         st = self._reqs.get(request.request_id)
         if st is None:
             st = self._reqs[request.request_id] = _Req(request=request)
@@ -208,6 +239,10 @@ class OffloadScheduler:
         for i, slot in zip(host_idx, self.manager.prepare_load([load_keys[i] for i in host_idx])):
             slots[i], ready[i] = int(slot), True  # pinned until the worker reports the load
         evict: list[tuple[int, bytes]] = []
+        if fs_idx and not load_async:  # left the host tier since the lookup: too late to promote
+            for i in fs_idx:
+                ready[i] = True  # slot -1: a load error, recomputed
+            fs_idx = []
         if fs_idx:
             alloc = self.manager.prepare_store([load_keys[i] for i in fs_idx])
             if alloc is None:  # no host slot to promote into: those blocks become load errors
@@ -224,9 +259,9 @@ class OffloadScheduler:
         for c in range(first, n_hit):
             for b in range(c * self.bpc, (c + 1) * self.bpc):
                 dst.append(block_ids[b] if b >= skip else -1)
-        self.loads.add(LoadPlan(request.request_id, self.async_load, load_keys, slots, dst, ready,
+        self.loads.add(LoadPlan(request.request_id, load_async, load_keys, slots, dst, ready,
                                 to_promote=fs_idx, evict=evict))
-        if self.async_load:
+        if load_async:
             self.loading.add(request.request_id, load_keys)
         if not st.looked_up:
             st.looked_up = True
@@ -261,6 +296,7 @@ class OffloadScheduler:
             computed = min(st.request.num_computed_tokens + n_new, st.request.num_tokens)
             _, store_budget = self._plan_stores(meta, st, computed, None, store_budget, final=False)
         self._staging_used = max(self.s.staging_blocks - load_budget, self.s.staging_blocks - max(store_budget, 0))
+        self._sync_blocks_left = self.s.staging_blocks  # lookups after this belong to the next step
         if self.fs is not None:
             self.fs.new_step()
         return meta
@@ -393,6 +429,8 @@ class OffloadScheduler:
         req_id = request.request_id
         self.loads.cancel(req_id)  # aborted while its load waited: release what was never sent
         self.loading.release(req_id)  # its blocks will not be cached: others load for themselves
+        self._waited.discard(req_id)
+        self._load_async.pop(req_id, None)
         st = self._reqs.get(req_id)
         if st is None:
             return False, None
