@@ -51,7 +51,7 @@ from tiny_models import TinyLlama  # noqa: E402
 # head_dim 128: the RPA v3 cache layout a TPU deployment uses. Big enough that
 # prefill dominates a step, small enough for the whole demo in a few minutes
 # on 2 CPU cores.
-MODEL = TinyLlama("demo", num_heads=4, num_kv_heads=2, hidden_size=512, num_layers=6, head_dim=128,
+MODEL = TinyLlama(name="demo", num_heads=4, num_kv_heads=2, hidden_size=512, num_layers=6, head_dim=128,
                   intermediate_size=1408, max_position=8192)
 DTYPE = "float32"
 BLOCK = 128  # tokens per KV block (the tpu-v7 overlay's block size); one host chunk = one block

@@ -67,9 +67,8 @@ class FileStats:
 class Promotion:
     """The reads of one load job; completes on the tier's I/O threads."""
 
-    def __init__(self, slots: list[int], keys: list[bytes]):
+    def __init__(self, slots: list[int]):
         self.slots = slots
-        self.keys = keys
         self.ok = np.zeros(len(slots), dtype=bool)
         self._left = len(slots)
         self._lock = threading.Lock()
@@ -113,7 +112,6 @@ class FileLink:
         self._tickets: list[WriteTicket | None] = [None] * n  # writes reading a slot
         self._slot_key: list[bytes | None] = [None] * n
         self._key_slot: dict[bytes, int] = {}
-        self._filed = np.zeros(n, dtype=bool)  # the slot's bytes are in a file (read from it, or written)
         self._dirty: dict[int, float] = {}  # write-back: slot -> when its store completed, oldest first
         self.stats = FileStats()
         self.ring: HostChunkPool | None = None
@@ -154,7 +152,6 @@ class FileLink:
                     tickets[slot] = None
                 self._dirty.pop(slot, None)
                 self._assign(slot, keys[i] if keys is not None else None)
-                self._filed[slot] = False
 
     def after_store(self, slots: Sequence[int]) -> None:
         """A store into ``slots`` completed (they are valid): write-through now,
@@ -177,14 +174,13 @@ class FileLink:
                     self.stats.writes_dropped += 1
                 else:
                     self._tickets[slot] = t
-                    self._filed[slot] = True
                     self.stats.writes += 1
 
     def start_promotion(self, slots: list[int], keys: list[bytes], evicted: Sequence[bytes] = ()) -> Promotion:
         """Queue the reads that fill ``slots``; the slots are invalid until they land."""
         self.before_overwrite(slots, keys, evicted)
         self.pool.valid[slots] = False
-        p = Promotion(slots, keys)
+        p = Promotion(slots)
         for i, (slot, key) in enumerate(zip(slots, keys)):
             if not self.tier.submit_read(key, self.pool.row(slot), lambda ok, i=i: p.done(i, ok)):
                 p.done(i, False)
@@ -194,8 +190,6 @@ class FileLink:
         """On the engine thread, once ``p.ready()``: publish what landed."""
         good = [s for s, ok in zip(p.slots, p.ok) if ok]
         self.pool.valid[good] = True
-        with self._lock:
-            self._filed[good] = True
         s = self.stats
         s.promotions += len(good)
         s.promotion_failures += len(p.slots) - len(good)
@@ -257,7 +251,6 @@ class FileLink:
                     continue
                 del self._dirty[slot]
                 self._tickets[slot] = ticket
-                self._filed[slot] = True
                 queued += 1
             if why == "shutdown":
                 self.stats.shutdown_writes += queued

@@ -60,3 +60,21 @@ def tiny_model_dir(tmp_path_factory):
     from tpu_standin import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture
+def harnesses(mesh, tiny_model_dir):
+    """Builds stand-in harnesses (16-token blocks; ``Harness`` keywords pass through) and
+    shuts their worker halves down after the test."""
+    from tpu_standin import Harness
+
+    made = []
+
+    def build(extra: dict, **kw):
+        h = Harness(mesh, tiny_model_dir, block_size=16, extra=extra, **kw)
+        made.append(h)
+        return h
+
+    yield build
+    for h in made:
+        h.conn_w.shutdown()

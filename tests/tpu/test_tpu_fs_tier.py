@@ -7,40 +7,22 @@ promotion fails the run.
 
 import os
 
-import numpy as np
 import pytest
 
-from tpu_standin import Harness
+from tpu_standin import chunk_files, prompt
 
 pytestmark = pytest.mark.engine
 
 BS = 16
 
 
-def prompt(n, seed):
-    return [int(x) for x in np.random.default_rng(seed).integers(10, 500, size=n)]
-
-
 @pytest.fixture
-def make(mesh, tiny_model_dir, tmp_path):
-    made = []
-
+def make(harnesses, tmp_path):
     def _make(**extra):
-        extra.setdefault("num_cpu_chunks", 32)
-        extra.setdefault("staging_blocks", 8)
-        extra.setdefault("blocks_per_chunk", 2)
-        extra.setdefault("shared_storage_path", str(tmp_path / "kv"))
-        h = Harness(mesh, tiny_model_dir, block_size=BS, extra=extra)
-        made.append(h)
-        return h
+        return harnesses({"num_cpu_chunks": 32, "staging_blocks": 8, "blocks_per_chunk": 2,
+                          "shared_storage_path": str(tmp_path / "kv"), **extra})
 
-    yield _make
-    for h in made:
-        h.conn_w.shutdown()
-
-
-def files(root):
-    return sorted(f for _, _, fs in os.walk(root) for f in fs if not f.startswith("."))
+    return _make
 
 
 def test_write_back_on_eviction_and_mixed_prefix(make, tmp_path):
@@ -49,7 +31,7 @@ def test_write_back_on_eviction_and_mixed_prefix(make, tmp_path):
     h.add(p, max_tokens=1)
     h.run()
     h.wrk.fs.tier.flush(timeout=30)
-    assert len(files(tmp_path / "kv")) == 2  # exactly the two evicted chunks were written back
+    assert len(chunk_files(tmp_path / "kv")) == 2  # exactly the two evicted chunks were written back
     assert h.sched.reset_prefix_cache()
     matched = []
     orig = h.conn_s.get_num_new_matched_tokens
@@ -91,7 +73,7 @@ def test_reset_connector_forgets_host_and_file_tiers(make, tmp_path):
     h.run()
     h.wrk.fs.tier.flush(timeout=30)
     old_ns = h.sch.fs.ns_dir
-    assert len(files(old_ns)) == 5
+    assert len(chunk_files(old_ns)) == 5
     assert h.sched.reset_prefix_cache(reset_connector=True)  # vLLM's route to OffloadScheduler.reset_cache
     assert h.sch.fs.ns_dir != old_ns
     matched = []
@@ -103,7 +85,7 @@ def test_reset_connector_forgets_host_and_file_tiers(make, tmp_path):
     assert h.wrk.totals.get("loaded_chunks", 0) == 0
     h.wrk.fs.tier.flush(timeout=30)
     assert h.wrk.fs.tier.ns_dir == h.sch.fs.ns_dir  # the worker writes where the scheduler looks
-    assert len(files(h.sch.fs.ns_dir)) == 5 and len(files(old_ns)) == 5  # recomputed KV, new namespace
+    assert len(chunk_files(h.sch.fs.ns_dir)) == 5 and len(chunk_files(old_ns)) == 5  # recomputed KV, new namespace
     assert h.sched.reset_prefix_cache()  # HBM forgets; the new namespace and host tier serve
     matched.clear()
     h.add(p + [7], max_tokens=1)

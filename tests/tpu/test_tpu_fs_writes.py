@@ -13,32 +13,21 @@ import time
 import numpy as np
 import pytest
 
-from tpu_standin import Harness
+from tpu_standin import chunk_files, prompt
 
 pytestmark = pytest.mark.engine
 
 BS = 16
 
 
-def prompt(n, seed):
-    return [int(x) for x in np.random.default_rng(seed).integers(10, 500, size=n)]
-
-
 @pytest.fixture
-def make(mesh, tiny_model_dir, tmp_path):
-    made = []
-
+def make(harnesses, tmp_path):
     def _make(**extra):
-        extra = {"num_cpu_chunks": 32, "staging_blocks": 16, "blocks_per_chunk": 1,
-                 "shared_storage_path": str(tmp_path / "kv"), "fs_write_mode": "write_through",
-                 "fs_threads": 1, "fs_queue_depth": 4, **extra}  # 2 copy buffers
-        h = Harness(mesh, tiny_model_dir, block_size=BS, extra=extra)
-        made.append(h)
-        return h
+        return harnesses({"num_cpu_chunks": 32, "staging_blocks": 16, "blocks_per_chunk": 1,
+                          "shared_storage_path": str(tmp_path / "kv"), "fs_write_mode": "write_through",
+                          "fs_threads": 1, "fs_queue_depth": 4, **extra})  # 2 copy buffers
 
-    yield _make
-    for h in made:
-        h.conn_w.shutdown()
+    return _make
 
 
 def slow_writes(fs, gate: threading.Event | None = None, delay: float = 0.02):
@@ -66,10 +55,6 @@ def read_back(h, key) -> bytes | None:
     assert fs.tier.submit_read(key, buf, lambda ok: (got.append(ok), ev.set()))
     assert ev.wait(30)
     return buf.tobytes() if got[0] else None
-
-
-def chunk_files(root):
-    return sorted(f for _, _, fs in os.walk(root) for f in fs if not f.startswith("."))
 
 
 def dropped_metric(h, reason=None) -> float:

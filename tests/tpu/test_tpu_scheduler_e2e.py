@@ -11,34 +11,21 @@ import numpy as np
 import pytest
 from prometheus_client import REGISTRY
 
-from tpu_standin import Harness
+from tpu_standin import prompt
 
 pytestmark = pytest.mark.engine
 
 BS = 16
 
 
-def prompt(n, seed):
-    rng = np.random.default_rng(seed)
-    return [int(x) for x in rng.integers(10, 500, size=n)]
-
-
 @pytest.fixture
-def make(mesh, tiny_model_dir):
-    made = []
-
+def make(harnesses):
     def _make(**extra):
         kw = {k: extra.pop(k) for k in ("num_blocks", "max_num_batched_tokens", "dtype", "async_scheduling")
               if k in extra}
-        extra.setdefault("num_cpu_chunks", 64)
-        extra.setdefault("staging_blocks", 16)
-        h = Harness(mesh, tiny_model_dir, block_size=BS, extra=extra, **kw)
-        made.append(h)
-        return h
+        return harnesses({"num_cpu_chunks": 64, "staging_blocks": 16, **extra}, **kw)
 
-    yield _make
-    for h in made:
-        h.conn_w.shutdown()
+    return _make
 
 
 def spy(h, name):

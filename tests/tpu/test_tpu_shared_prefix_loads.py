@@ -9,10 +9,9 @@ path may leave a request held back forever: a failed or aborted load ends
 the wait too.
 """
 
-import numpy as np
 import pytest
 
-from tpu_standin import Harness
+from tpu_standin import prompt
 
 pytestmark = pytest.mark.engine
 
@@ -20,26 +19,13 @@ BS = 16
 N = 4
 
 
-def prompt(n, seed):
-    rng = np.random.default_rng(seed)
-    return [int(x) for x in rng.integers(10, 500, size=n)]
-
-
 @pytest.fixture
-def make(mesh, tiny_model_dir):
-    made = []
-
+def make(harnesses):
     def _make(max_num_batched_tokens=512, **extra):
-        extra.setdefault("num_cpu_chunks", 64)
-        extra.setdefault("staging_blocks", 64)
-        h = Harness(mesh, tiny_model_dir, block_size=BS, num_blocks=128, extra=extra,
-                    max_num_batched_tokens=max_num_batched_tokens)
-        made.append(h)
-        return h
+        return harnesses({"num_cpu_chunks": 64, "staging_blocks": 64, **extra}, num_blocks=128,
+                         max_num_batched_tokens=max_num_batched_tokens)
 
-    yield _make
-    for h in made:
-        h.conn_w.shutdown()
+    return _make
 
 
 def _stored_prefix(h, chunks):

@@ -13,16 +13,12 @@ import pytest
 
 from tpu_offload.core.keys import make_chunk_key
 from tpu_offload.core.lru import LRUChunkManager
-from tpu_standin import Harness
+from tpu_standin import Harness, prompt
 
 pytestmark = pytest.mark.engine
 
 BS = 16
 CHUNKS = 4
-
-
-def prompt(n, seed):
-    return [int(x) for x in np.random.default_rng(seed).integers(10, 500, size=n)]
 
 
 @pytest.fixture

@@ -39,6 +39,18 @@ VOCAB = 512
 _M = (1 << 61) - 1
 
 
+def prompt(n: int, seed: int) -> list[int]:
+    """``n`` random token ids (a seed per prompt, so prompts share no prefix by chance)."""
+    return [int(x) for x in np.random.default_rng(seed).integers(10, 500, size=n)]
+
+
+def chunk_files(root) -> list[str]:
+    """Names of the files under ``root``, temporaries (dot-names) left out."""
+    import os
+
+    return sorted(f for _, _, fs in os.walk(root) for f in fs if not f.startswith("."))
+
+
 def write_tiny_model(path: Path) -> str:
     cfg = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,

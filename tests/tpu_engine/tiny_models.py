@@ -18,55 +18,25 @@ OpenAI server can serve the model too; tests pass token ids.
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
+
+from gpu_offload.testing.tiny_model import TinyLlama as _TinyLlama
 
 VOCAB = 1024
-EOS = 2
 
 
 @dataclasses.dataclass(frozen=True)
-class TinyLlama:
-    name: str
-    num_heads: int
-    num_kv_heads: int
-    hidden_size: int = 256
-    num_layers: int = 2
+class TinyLlama(_TinyLlama):
+    """The project's tiny Llama with this engine's defaults, a name, and a tokenizer beside it."""
+
+    name: str = ""
     head_dim: int = 128
-    intermediate_size: int = 512
     vocab_size: int = VOCAB
     max_position: int = 4096
-    init_range: float = 0.2
-    seed: int = 0
-
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """The model's real KV size per token (all layers, K and V, each KV head once)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
     def write(self, path: str, dtype: str) -> str:
         """Config, weights and tokenizer under ``path`` (reused when already there)."""
-        marker = os.path.join(path, "tiny_llama.json")
-        spec = json.dumps({**dataclasses.asdict(self), "dtype": dtype}, sort_keys=True)
-        if os.path.exists(marker) and open(marker).read() == spec:
-            return path
-        import torch
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        torch.manual_seed(self.seed)
-        cfg = LlamaConfig(
-            hidden_size=self.hidden_size, num_hidden_layers=self.num_layers,
-            num_attention_heads=self.num_heads, num_key_value_heads=self.num_kv_heads,
-            head_dim=self.head_dim, intermediate_size=self.intermediate_size,
-            vocab_size=self.vocab_size, max_position_embeddings=self.max_position,
-            initializer_range=self.init_range, tie_word_embeddings=False,
-            bos_token_id=1, eos_token_id=EOS, torch_dtype=dtype,
-        )
-        model = LlamaForCausalLM(cfg).to(getattr(torch, dtype))
-        os.makedirs(path, exist_ok=True)
-        model.save_pretrained(path, safe_serialization=True)
+        super().write(path, dtype)
         write_tokenizer(path, self.vocab_size)
-        with open(marker, "w") as f:
-            f.write(spec)
         return path
 
 
@@ -82,5 +52,5 @@ def write_tokenizer(path: str, vocab_size: int) -> None:
     fast.save_pretrained(path)
 
 
-KV4 = TinyLlama("kv4", num_heads=8, num_kv_heads=4)
-KV1 = TinyLlama("kv1", num_heads=4, num_kv_heads=1)
+KV4 = TinyLlama(name="kv4", num_heads=8, num_kv_heads=4)
+KV1 = TinyLlama(name="kv1", num_heads=4, num_kv_heads=1)

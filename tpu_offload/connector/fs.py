@@ -27,7 +27,7 @@ import numpy as np
 
 from tpu_offload.core.config import ConfigError, OffloadConfig
 from tpu_offload.core.fs import FileTier
-from tpu_offload.core.fs.layout import chunk_dir_and_path, key_hex
+from tpu_offload.core.fs.layout import key_hex, published_stat
 from tpu_offload.core.keys import ChunkKey, LayoutFingerprint
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,8 @@ class FsLookup:
     def contains(self, key: ChunkKey) -> bool:
         if key in self._seen:
             return True
-        if os.path.exists(chunk_dir_and_path(self.ns_dir, key_hex(key))[1]):
+        # Never os.path.exists: it follows a symlink planted at the key or on the way, and counts a FIFO.
+        if published_stat(self.ns_dir, key_hex(key)) is not None:
             self._seen.add(key)
             return True
         return False
@@ -201,9 +202,7 @@ class FsMover:
     def _drop(self, reason: str, n: int, counted: bool = False) -> None:
         self.drops[reason] += n
         if not counted:
-            m = self.tier.fs_metrics.for_tier(self.tier.name)
-            for _ in range(n):
-                m.dropped(reason)
+            self.tier.fs_metrics.for_tier(self.tier.name).dropped(reason, n)
         now = time.monotonic()
         if now - self._warned_at >= _WARN_EVERY_S:
             self._warned_at = now

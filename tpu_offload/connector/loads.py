@@ -50,15 +50,15 @@ class InFlight:
     """
 
     def __init__(self):
-        self._by_req: dict[str, list[ChunkKey]] = {}
+        self._by_req: dict[str, frozenset[ChunkKey]] = {}
         self._count: dict[ChunkKey, int] = {}
 
     def add(self, req_id: str, keys: list[ChunkKey]) -> None:
         self.release(req_id)
         if not keys:
             return
-        self._by_req[req_id] = list(keys)
-        for k in keys:
+        own = self._by_req[req_id] = frozenset(keys)
+        for k in own:
             self._count[k] = self._count.get(k, 0) + 1
 
     def release(self, req_id: str) -> None:
@@ -71,7 +71,7 @@ class InFlight:
 
     def busy(self, keys: list[ChunkKey], req_id: str) -> bool:
         """Whether another request is loading any of ``keys``."""
-        own = set(self._by_req.get(req_id, ()))
+        own = self._by_req.get(req_id, frozenset())
         return any(k in self._count and (k not in own or self._count[k] > 1) for k in keys)
 
     def clear(self) -> None:

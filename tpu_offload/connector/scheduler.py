@@ -157,30 +157,26 @@ class OffloadScheduler:
                 n += 1
         return n, on_fs
 
-    def _hit(self, request, num_computed_tokens: int) -> tuple[int, int]:
-        """(chunks any tier can serve, tokens to report) for a request; no side effects."""
-        n_hit, _ = self._prefix(self._keys(request))
-        hit_tokens = n_hit * self.chunk_tokens
-        if hit_tokens <= num_computed_tokens:
-            return n_hit, 0
-        report = min(hit_tokens, request.num_tokens - 1)  # a full hit still computes one token
-        return n_hit, max(0, report - num_computed_tokens)
-
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        n_hit, n = self._hit(request, num_computed_tokens)
+        """Tokens any tier can serve beyond what vLLM computed; no side effects."""
+        keys = self._keys(request)
+        n_hit, on_fs = self._prefix(keys)
+        hit_tokens = n_hit * self.chunk_tokens
+        report = min(hit_tokens, request.num_tokens - 1)  # a full hit still computes one token
+        n = max(0, report - num_computed_tokens) if hit_tokens > num_computed_tokens else 0
         if not (n and self.async_load):
             return n, False
         rid = request.request_id
+        first = num_computed_tokens // self.chunk_tokens
         if len(self.loading) and self._hbm_caching():
-            first = num_computed_tokens // self.chunk_tokens
-            if self.loading.busy(self._keys(request, n_hit)[first:], rid):
+            if self.loading.busy(keys[first:n_hit], rid):
                 self._waited.add(rid)
                 return None, False  # vLLM asks again next step, when the blocks may be cached
-        load_async = not self._sync_after_wait(request, num_computed_tokens, n_hit, n)
+        load_async = not self._sync_after_wait(rid, n, on_fs[first:n_hit])
         self._load_async[rid] = load_async
         return n, load_async
 
-    def _sync_after_wait(self, request, num_computed_tokens: int, n_hit: int, n: int) -> bool:
+    def _sync_after_wait(self, req_id: str, n: int, on_fs: list[bool]) -> bool:
         """Whether a request that waited for another's load loads its rest inside this step.
 
         It already paid the wait; an asynchronous load of its (short) rest would
@@ -188,13 +184,10 @@ class OffloadScheduler:
         needs a promotion first), and only within this step's staging budget, so
         the step's stall stays as bounded as an asynchronous part's.
         """
-        if request.request_id not in self._waited:
+        if req_id not in self._waited:
             return False
         blocks = -(-n // self.s.block_size)
-        if blocks > self._sync_blocks_left:
-            return False
-        _, on_fs = self._prefix(self._keys(request))
-        if any(on_fs[num_computed_tokens // self.chunk_tokens : n_hit]):
+        if blocks > self._sync_blocks_left or any(on_fs):
             return False
         self._sync_blocks_left -= blocks
         return True

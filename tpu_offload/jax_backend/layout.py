@@ -63,10 +63,6 @@ class LayerGroup:
     replicas: int = 1  # consecutive head shards holding identical bytes
 
     @property
-    def block_spec(self) -> tuple:
-        return self.cache_spec[1:]
-
-    @property
     def bits(self) -> np.dtype:
         return bits_dtype(self.dtype)
 
@@ -98,11 +94,6 @@ class LayerGroup:
     def device_block_bytes(self) -> int:
         """One device's share of a block in our buffers."""
         return self.piece * np.dtype(self.dtype).itemsize * len(self.layers)
-
-    @property
-    def device_cache_block_bytes(self) -> int:
-        """One device's share of a block in the cache (what a scatter rebuilds)."""
-        return self.local_elems * np.dtype(self.dtype).itemsize * len(self.layers)
 
     def staging_shape(self, blocks: int) -> tuple[int, ...]:
         return (blocks, len(self.layers), self.width)
@@ -184,9 +175,6 @@ class KVLayout:
     def device_block_bytes(self) -> int:
         """One device's share of a block in our buffers (sizes staging per device)."""
         return sum(g.device_block_bytes for g in self.groups)
-
-    def device_cache_block_bytes(self) -> int:
-        return sum(g.device_cache_block_bytes for g in self.groups)
 
 
 _AUTO_MESHES: dict = {}

@@ -111,5 +111,5 @@ class TierMetrics:
     def corrupt(self, reason: str) -> None:
         self._m.corrupt.labels(**self._lv, reason=reason).inc()
 
-    def dropped(self, reason: str) -> None:
-        self._m.dropped.labels(**self._lv, reason=reason).inc()
+    def dropped(self, reason: str, n: int = 1) -> None:
+        self._m.dropped.labels(**self._lv, reason=reason).inc(n)

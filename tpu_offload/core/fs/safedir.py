@@ -126,7 +126,7 @@ def open_regular(name: str, dir_fd: int, extra: int = 0) -> tuple[int, os.stat_r
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise NotRegular(name, None) from None
-        if e.errno in (errno.ENXIO, errno.ENODEV, errno.EISDIR):  # a socket, a device without a driver
+        if e.errno in (errno.ENXIO, errno.ENODEV):  # a socket, a device without a driver
             raise NotRegular(name, stat.S_IFSOCK if e.errno == errno.ENXIO else stat.S_IFCHR) from None
         raise
     try:
