@@ -42,6 +42,7 @@ from tpu_offload.core.fs.chunkfile import CORRUPT, ERROR, HIT, MISS, UNSAFE, Chu
 from tpu_offload.core.fs.fileio import byte_view
 from tpu_offload.core.fs.format import HEADER_SIZE
 from tpu_offload.core.fs.index import FileIndex
+from tpu_offload.core.fs.journal import FileJournal
 from tpu_offload.core.fs.metrics import FsMetrics
 from tpu_offload.core.fs.ticket import TierState, WriteTicket, done_future
 from tpu_offload.core.fs.workers import IOWorkers
@@ -121,6 +122,7 @@ class FileTier:
         self.fs_metrics = fs_metrics
         self._m = fs_metrics.for_tier(name)
         self._workers: IOWorkers | None = None
+        self.journal: FileJournal | None = None  # set by an adapter that publishes KV events
         self._open_namespace()
         if self._state is not TierState.OFF:
             self._workers = IOWorkers(threads, name=f"{name}-io")
@@ -188,18 +190,18 @@ class FileTier:
                 self._state, self._retry_at = TierState.RW, None
                 log.info("fs tier %s: retrying writes at %s", self.name, self.ns_dir)
             if self._state is not TierState.RW:
-                self._drop(self._state.value)
+                self._drop(self._state.value, key)
                 return None
             if key in self._inflight:
                 self._count("writes_dedup")
                 return WriteTicket(key, done_future(True))
             if self._writes >= self.queue_depth:
-                self._drop("queue_full")
+                self._drop("queue_full", key)
                 return None
             try:
                 fut = self._workers.submit(self._write_task, key, mv)
             except RuntimeError:  # closed under us
-                self._drop("closed")
+                self._drop("closed", key)
                 return None
             self._writes += 1
             self._inflight[key] = fut
@@ -213,6 +215,9 @@ class FileTier:
                 del self._inflight[key]
             if fut.cancelled():
                 self._drop("cancelled")
+        if self.journal is not None:
+            ok = not fut.cancelled() and fut.exception() is None and fut.result() is True
+            (self.journal.published if ok else self.journal.failed)(key)
 
     def _write_task(self, key: bytes, mv: memoryview) -> bool:
         if self._state is not TierState.RW:
@@ -336,6 +341,8 @@ class FileTier:
         return True
 
     def _miss(self, key: bytes) -> bool:
+        if key in self._index and self.journal is not None:
+            self.journal.removed(key)  # deleted under us (another instance's eviction, an admin)
         self._index.remove(key)
         self._count("read_misses")
         self._m.op("read", "miss")
@@ -352,6 +359,8 @@ class FileTier:
     def _reject(self, key: bytes, khex: str, ino: int, reason: str) -> bool:
         """A file that must not be served: count it and take it out of sight."""
         self._index.remove(key)
+        if self.journal is not None:
+            self.journal.removed(key)
         self._count("corrupt", 1, f"corrupt_{reason}", 1)
         self._m.corrupt(reason)
         self._m.op("read", "corrupt")
@@ -403,7 +412,10 @@ class FileTier:
         n = 0
         for key, _size in victims:
             try:
-                n += self.files.unlink(layout.key_hex(key))
+                gone = self.files.unlink(layout.key_hex(key))
+                n += gone
+                if gone and self.journal is not None:
+                    self.journal.removed(key)
             except OSError as e:
                 log.debug("fs tier %s: evicting %s failed: %s", self.name, key.hex(), e)
         if n:
@@ -554,11 +566,13 @@ class FileTier:
             self._warned = True
             log.warning(msg)
 
-    def _drop(self, reason: str) -> None:
+    def _drop(self, reason: str, key: bytes | None = None) -> None:
         with self._lock:
             self._counts["dropped"] += 1
             self._counts[f"dropped_{reason}"] += 1
         self._m.dropped(reason)
+        if key is not None and self.journal is not None:
+            self.journal.failed(key)
 
     def _count(self, name: str, n: int = 1, *more) -> None:
         """Add to counters under one lock: ``_count(name, n, name2, n2, ...)``."""
