@@ -284,6 +284,8 @@ class FileLink:
         i = self._free_ring_row()
         if i is None:
             self.stats.write_backs_ring_full += 1
+            if self.tier.journal is not None:
+                self.tier.journal.failed(key)
             return
         row = self.ring.row(i)
         np.copyto(row, self.pool.row(slot))

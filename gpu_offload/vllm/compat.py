@@ -39,6 +39,9 @@ try:
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (  # noqa: F401
         OffloadingConnectorStats,
     )
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (  # noqa: F401
+        OffloadingWorkerMetadata,
+    )
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (  # noqa: F401
         OffloadingConnector,
     )

@@ -19,6 +19,9 @@ vLLM 0.32's connector asserts ``TransferResult.success``, has no
 * Worker metrics. ``get_kv_connector_stats`` on a worker returns what our
   worker measured (hits that landed, the file tier's series); vLLM merges it
   with the scheduler's stats into ``/metrics``.
+* File-tier KV events. Each worker ships its file tier's journal in the
+  worker metadata (``build_connector_worker_meta``); the scheduler side hands
+  it to our manager, which publishes ``STORAGE`` events (``file_events``).
 * One engine per process. vLLM keeps one worker-side connector per process;
   a second engine in the same process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
   would register its KV caches on the first engine's connector, and its
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 from gpu_offload._log import get_logger
 from gpu_offload.vllm.compat import OffloadingConnector
+from gpu_offload.vllm.file_events import FileTierWorkerMetadata
 from gpu_offload.vllm.manager import HostTierManager
 from gpu_offload.vllm.worker import HostOffloadWorker
 
@@ -105,6 +109,22 @@ def _get_kv_connector_stats(orig):
     return get_kv_connector_stats
 
 
+def _build_connector_worker_meta(orig):
+    def build_connector_worker_meta(self):
+        meta = orig(self)
+        worker = _our_worker(self)
+        journal = worker.fs.tier.journal if worker is not None and worker.fs is not None else None
+        if journal is None:
+            return meta
+        entries = journal.take()
+        if meta is None and not entries:
+            return None
+        # Always ours once files journal: vLLM aggregates ranks into the first one's type.
+        return FileTierWorkerMetadata.wrap(meta, entries)
+
+    return build_connector_worker_meta
+
+
 def _register_kv_caches(orig):
     def register_kv_caches(self, kv_caches):
         if _our_worker(self) is not None:
@@ -118,6 +138,14 @@ def _register_kv_caches(orig):
 
 def _update_connector_output(orig):
     def update_connector_output(self, connector_output):
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(meta, FileTierWorkerMetadata) and meta.has_files():
+            manager = getattr(getattr(self, "connector_scheduler", None), "manager", None)
+            if isinstance(manager, HostTierManager):
+                try:
+                    manager.note_file_outcomes(meta)
+                except Exception:  # never let bookkeeping take the engine down
+                    logger.exception("could not account the file tier's outcomes for KV events")
         if getattr(connector_output, "failed_recving", None) or getattr(connector_output, "invalid_block_ids", None):
             try:
                 _forget_failed_loads(self, connector_output)
@@ -172,7 +200,8 @@ def install() -> bool:
     if ok:
         _install("get_transfer_results", _get_transfer_results, wrap=True) \
             or _install_missing_transfer_results()
-        _install("update_connector_output", _update_connector_output, wrap=True)
+    _install("update_connector_output", _update_connector_output, wrap=True)
+    _install("build_connector_worker_meta", _build_connector_worker_meta, wrap=True)
     _install("get_kv_connector_stats", _get_kv_connector_stats, wrap=True)
     _install("register_kv_caches", _register_kv_caches, wrap=True)
     return ok

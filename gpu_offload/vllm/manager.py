@@ -50,6 +50,7 @@ from gpu_offload.vllm.compat import (
 from gpu_offload.vllm.fs_specs import HostLoadSpec, HostStoreSpec
 
 if TYPE_CHECKING:
+    from gpu_offload.vllm.file_events import FileEvents
     from gpu_offload.vllm.fs_specs import FileView
 
 logger = get_logger(__name__)
@@ -67,9 +68,14 @@ class HostTierManager(ManagerCompat, OffloadingManager):
         tokens_per_block: int = 0,
         enable_events: bool = False,
         files: "FileView | None" = None,
+        file_events: "FileEvents | None" = None,
+        write_back: bool = False,
     ):
-        """``chunk_bytes``: host bytes of one chunk summed over all workers."""
+        """``chunk_bytes``: host bytes of one chunk summed over all workers.
+        ``file_events``: the file tier's KV events (``file_events``), with events on."""
         self.files = files
+        self.file_events = file_events if enable_events else None
+        self.write_back = write_back
         self.num_chunks = num_chunks
         self.chunk_bytes = chunk_bytes
         self.blocks_per_chunk = blocks_per_chunk
@@ -144,6 +150,7 @@ class HostTierManager(ManagerCompat, OffloadingManager):
         evicted: list = []
         if alloc is not None:
             evicted = list(alloc.evicted)
+            self._expect_write_back(evicted)
             if self._forgotten and evicted:
                 self._forgotten.difference_update(evicted)
             self._lru.complete_store(alloc.keys, True)
@@ -187,6 +194,7 @@ class HostTierManager(ManagerCompat, OffloadingManager):
             return None
         if alloc.keys:
             self._alloc_sizes.append(len(alloc.keys))
+        self._expect_write_back(alloc.evicted)
         if self._forgotten and alloc.evicted:
             self._forgotten.difference_update(alloc.evicted)
         slots = alloc.slots.tolist()
@@ -203,6 +211,12 @@ class HostTierManager(ManagerCompat, OffloadingManager):
         if success:
             self.stored_chunks += done
             self._pending_stored += done
+            if self.file_events is not None and not self.write_back:
+                self.file_events.expect(keys)  # write-through: the workers write them now
+
+    def _expect_write_back(self, evicted) -> None:
+        if evicted and self.file_events is not None and self.write_back:
+            self.file_events.expect(k for k in evicted if k not in self._forgotten)
 
     def _complete(self, fn, keys: Collection, state: Lookup, what: str) -> int:
         """Batch call for the keys in ``state``; the rest (dropped by a reset)
@@ -232,13 +246,23 @@ class HostTierManager(ManagerCompat, OffloadingManager):
     def take_events(self) -> Iterable:
         extra, self._extra_events = self._extra_events, []
         yield from extra
+        fe = self.file_events
         for ev in self._lru.take_events():
             keys = ev.keys
             if ev.removed and self._removal_announced:
                 keys = [k for k in keys if k not in self._removal_announced]
                 self._removal_announced.difference_update(ev.keys)
+            if fe is not None:
+                keys = fe.hold(keys) if ev.removed else fe.back_in_host(keys)
             if keys:
                 yield make_event(keys, ev.removed)
+        if fe is not None:
+            yield from fe.take()
+
+    def note_file_outcomes(self, meta) -> None:
+        """The workers' file outcomes of a step (``FileTierWorkerMetadata``)."""
+        if self.file_events is not None:
+            self.file_events.note(meta)
 
     def reset_cache(self) -> None:
         evictions = self._lru.evictions
@@ -249,6 +273,8 @@ class HostTierManager(ManagerCompat, OffloadingManager):
         self._extra_events.clear()
         self._promoting.clear()
         self._unplaced.clear()
+        if self.file_events is not None:
+            self.file_events.reset()
         self.resets += 1
 
     def get_stats(self):

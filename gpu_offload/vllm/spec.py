@@ -54,6 +54,7 @@ from tpu_offload.core.pool import PAGE
 from gpu_offload._log import get_logger
 from gpu_offload.vllm import hooks, metrics
 from gpu_offload.vllm.compat import HostSpecBase, OffloadingSpec, current_load_failure_policy
+from gpu_offload.vllm.file_events import FileEvents
 
 logger = get_logger(__name__)
 
@@ -139,13 +140,16 @@ class HostOffloadSpec(HostSpecBase):
             from gpu_offload.vllm.manager import HostTierManager
 
             stride = -(-self.worker_chunk_bytes // PAGE) * PAGE
+            files = self._file_view()
             self._manager = HostTierManager(
                 self.num_chunks,
                 stride * self.world_size,
                 blocks_per_chunk=self.blocks_per_chunk,
                 tokens_per_block=self.tokens_per_block_0,
-                enable_events=self.kv_events_config.enable_kv_cache_events and self.offload_config.enable_events,
-                files=self._file_view(),
+                enable_events=self._events_on(),
+                files=files,
+                file_events=FileEvents(self.world_size) if files is not None and self._events_on() else None,
+                write_back=self.offload_config.fs_write_mode == "write_back",
             )
             HostOffloadSpec.live_parts.add(self._manager)
             logger.info(
@@ -153,6 +157,9 @@ class HostOffloadSpec(HostSpecBase):
                 self.num_chunks, self.blocks_per_chunk, stride * self.world_size / 2**20, self.world_size,
             )
         return self._manager
+
+    def _events_on(self) -> bool:
+        return bool(self.kv_events_config.enable_kv_cache_events and self.offload_config.enable_events)
 
     def get_worker(self, kv_caches):
         tensors = [ct.tensor for ct in kv_caches.tensors]
@@ -200,6 +207,7 @@ class HostOffloadSpec(HostSpecBase):
         if not oc.shared_storage_path:
             return
         from tpu_offload.core.fs import FileTier
+        from tpu_offload.core.fs.journal import FileJournal
 
         from gpu_offload.vllm.fs_specs import fingerprint
 
@@ -212,6 +220,8 @@ class HostOffloadSpec(HostSpecBase):
         worker.fs_metrics = metrics.worker_fs_metrics()
         tier = FileTier.from_config(oc, fingerprint(self.config, self.config.parallel.rank), chunk,
                                     fs_metrics=worker.fs_metrics)
+        if self._events_on():
+            tier.journal = FileJournal()  # shipped to the scheduler each step (hooks, file_events)
         worker.attach_files(tier, oc.fs_write_mode, write_back_lag_s=oc.fs_write_back_lag_s)
         logger.info("file tier: %s, %s%s, %s", tier.ns_dir, oc.fs_write_mode,
                     f" (lag {oc.fs_write_back_lag_s:g} s)" if oc.fs_write_mode == "write_back" else "",
