@@ -15,7 +15,7 @@ import re
 
 import pytest
 
-from engine_child import run_jobs
+from engine_child import NUDGE, run_jobs
 from engine_run import kv_transfer_config
 from offload_helpers import OURS, SETUPS, hit_tokens, settle, totals, wrk
 from workloads import ROUNDTRIP
@@ -43,17 +43,21 @@ def runs(engines, model_dir, tmp_path_factory):
         base = engines.baseline(shape, w)
         fs_dir, snap_dir = tmp_path_factory.mktemp(f"fs-{name}"), tmp_path_factory.mktemp(f"snap-{name}")
         eng = engines.get(("writer", shape), shape, fs_config(fs_dir, snap_dir))
+        events = capture_events(eng)
         tokens = w.run(eng)
         settle(eng)
         worker = wrk(eng)
         stored = totals(eng)["stored_chunks"]
         fs = worker.fs
+        assert fs.tier.flush(30)
+        eng.generate(NUDGE, 2)  # a step: the worker reports its published files, the scheduler announces them
         eng.stop()  # as a tpu-inference server exits: nothing else flushes files or saves the snapshot
         dropped = fs.drops  # including writes still queued at shutdown
         shut_by_engine = worker.engine is None
         engines.close()
         out[name] = {"base": base, "writer": tokens, "stored": stored, "shut_by_engine": shut_by_engine,
-                     "dropped_writes": dropped, "files": chunk_files(fs_dir),
+                     "dropped_writes": dropped, "files": chunk_files(fs_dir), "file_keys": chunk_keys(fs_dir),
+                     "events": events,
                      "want_hits": sum(hit_tokens(len(p), shape.block_size) for p in w.prompts)}
         common = {"shape": shape.__dict__, "model_dir": model_dir(shape.model, shape.dtype), "workload": w.name}
         jobs += [{**common, "kv": fs_config(fs_dir=fs_dir)}, {**common, "kv": fs_config(snapshot_dir=snap_dir)}]
@@ -61,6 +65,24 @@ def runs(engines, model_dir, tmp_path_factory):
     for i, name in enumerate(sorted(SETUPS)):
         out[name]["reader"], out[name]["snapshot"] = results[2 * i], results[2 * i + 1]
     return out
+
+
+def capture_events(eng) -> list:
+    """The KV events vLLM's scheduler takes from our connector (what its publisher sends)."""
+    conn, seen = eng.scheduler_connector, []
+    orig = conn.take_events
+
+    def take_events():
+        out = list(orig())
+        seen.extend(out)
+        return out
+
+    conn.take_events = take_events
+    return seen
+
+
+def chunk_keys(root) -> set[str]:
+    return {n for _, _, names in os.walk(root) for n in names if re.fullmatch(r"[0-9a-f]{32,}", n)}
 
 
 def chunk_files(root) -> int:
@@ -97,3 +119,21 @@ def test_engine_shutdown_shuts_our_worker_down(runs, setup):
     ensure_kv_transfer_shutdown()); our connector must shut its worker half
     down itself, or it never drains, flushes file writes or saves its slabs."""
     assert runs[setup]["shut_by_engine"]
+
+
+@pytest.mark.parametrize("setup", sorted(SETUPS))
+def test_every_chunk_file_is_announced_with_the_storage_medium(runs, setup):
+    """llm-d's router scores the file tier from KV events: every file we published is a
+    ``BlockStored`` with medium STORAGE carrying the same blocks, tokens and parent as the
+    chunk's CPU announcement."""
+    r = runs[setup]
+    stored = {m: [e for e in r["events"] if type(e).__name__ == "BlockStored" and e.medium == m]
+              for m in ("CPU", "STORAGE")}
+    assert len(stored["STORAGE"]) == len(r["file_keys"]) == r["stored"], \
+        (len(stored["STORAGE"]), len(r["file_keys"]), r["stored"])
+    cpu = {tuple(e.block_hashes): e for e in stored["CPU"]}
+    for e in stored["STORAGE"]:
+        twin = cpu.get(tuple(e.block_hashes))
+        assert twin is not None, "a file announced with blocks the host tier never announced"
+        assert e.token_ids and e.token_ids == twin.token_ids and e.parent_block_hash == twin.parent_block_hash
+    assert not [e for e in r["events"] if type(e).__name__ == "BlockRemoved" and e.medium == "STORAGE"]

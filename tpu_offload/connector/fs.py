@@ -27,6 +27,7 @@ import numpy as np
 
 from tpu_offload.core.config import ConfigError, OffloadConfig
 from tpu_offload.core.fs import FileTier
+from tpu_offload.core.fs.journal import FileJournal
 from tpu_offload.core.fs.layout import key_hex, published_stat
 from tpu_offload.core.keys import ChunkKey, LayoutFingerprint
 
@@ -106,6 +107,7 @@ class FsMover:
         nbytes = sum(v.size for v in engine.row_views(0))  # this process's bytes of one chunk
         self._cfg, self._fp, self._nbytes, self._metrics = cfg, fp, nbytes, metrics
         self.tier = FileTier.from_config(cfg, fp, nbytes, metrics)
+        self.tier.journal = FileJournal() if cfg.enable_events else None  # reported to the scheduler
         n = buffers if buffers is not None else buffer_count(cfg, nbytes)
         self._bufs = [np.empty(nbytes, dtype=np.uint8) for _ in range(n)]
         self._free = list(range(n))
@@ -143,6 +145,7 @@ class FsMover:
             self._pending.clear()
         old, self.tier = self.tier, FileTier.from_config(self._cfg, salted(self._fp, salt), self._nbytes,
                                                          self._metrics)
+        self.tier.journal, old.journal = old.journal, None  # the old namespace is retracted as a whole
         threading.Thread(target=old.close, kwargs={"timeout": 60}, name="tpu-offload-fs-close", daemon=True).start()
 
     # ---- writes ------------------------------------------------------------

@@ -73,6 +73,9 @@ class OffloadReport(KVConnectorWorkerMetadata):
     loads: list[tuple[int, int, list[int]]] = dataclasses.field(default_factory=list)
     # (op_id, process_index, slots whose file could not be read)
     promotes: list[tuple[int, int, list[int]]] = dataclasses.field(default_factory=list)
+    # Chunk files published / removed (``FileJournal``), for the file tier's KV events
+    fs_published: list[bytes] = dataclasses.field(default_factory=list)
+    fs_removed: list[bytes] = dataclasses.field(default_factory=list)
 
     def aggregate(self, other: "OffloadReport") -> "OffloadReport":
         other = OffloadReport.coerce(other)
@@ -81,10 +84,12 @@ class OffloadReport(KVConnectorWorkerMetadata):
             stores=self.stores + other.stores,
             loads=self.loads + other.loads,
             promotes=self.promotes + other.promotes,
+            fs_published=self.fs_published + other.fs_published,
+            fs_removed=self.fs_removed + other.fs_removed,
         )
 
     def is_empty(self) -> bool:
-        return not self.stores and not self.loads and not self.promotes
+        return not (self.stores or self.loads or self.promotes or self.fs_published or self.fs_removed)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -99,5 +104,7 @@ class OffloadReport(KVConnectorWorkerMetadata):
                 stores=[(int(a), int(b), list(c)) for a, b, c in value.get("stores", [])],
                 loads=[(int(a), int(b), list(c)) for a, b, c in value.get("loads", [])],
                 promotes=[(int(a), int(b), list(c)) for a, b, c in value.get("promotes", [])],
+                fs_published=[bytes(k) for k in value.get("fs_published", [])],
+                fs_removed=[bytes(k) for k in value.get("fs_removed", [])],
             )
         raise TypeError(f"not an offload report: {type(value).__name__}")

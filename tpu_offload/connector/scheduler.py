@@ -388,6 +388,8 @@ class OffloadScheduler:
             log.error("tpu_offload: %d worker processes report, but vLLM's aggregator was told to wait for %d "
                       "per request: finished requests will be miscounted", report.process_count, self.expected_procs)
         self._procs = max(self._procs, report.process_count)
+        if report.fs_published or report.fs_removed:
+            self.events.files(report.fs_published, report.fs_removed)
         for order, failed in self._complete(self._store_orders, report.stores):
             for k in settle_store(self.manager, order, failed):
                 self.events.forget(k)

@@ -24,6 +24,7 @@ from typing import Any, Sequence
 import jax
 
 from tpu_offload.connector.metadata import LoadOp, OffloadMetadata, OffloadReport
+from tpu_offload.core.fs.journal import PUBLISHED, REMOVED
 from tpu_offload.connector.metrics import ConnectorMetrics
 from tpu_offload.connector.settings import Settings
 from tpu_offload.connector.stats import OffloadStats
@@ -359,6 +360,13 @@ class OffloadWorker:
         return errors
 
     def take_report(self) -> OffloadReport | None:
+        journal = self.fs.tier.journal if self.fs is not None else None
+        if journal is not None:
+            for kind, key in journal.take():
+                if kind == PUBLISHED:
+                    self._report.fs_published.append(key)
+                elif kind == REMOVED:
+                    self._report.fs_removed.append(key)
         if self._report.is_empty():
             return None
         report, self._report = self._report, OffloadReport(process_count=jax.process_count())
