@@ -99,7 +99,7 @@ def main(argv=None) -> int:
                     concurrency=2, repeats=1, probes=2)
     args = ap.parse_args(argv)
     eng = matrix.Engine("tpu-inference", BLOCK, tpu_model(), args.dtype, CONFIGS, start,
-                        "tpu-inference 0.32 OpenAI server on JAX CPU")
+                        "tpu-inference 0.32 OpenAI server on JAX CPU", soak_config="ours")
     return matrix.run(eng, args)
 
 

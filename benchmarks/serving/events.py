@@ -34,6 +34,7 @@ class KVEventListener:
         self.stored_blocks: Counter = Counter()  # medium -> block hashes announced stored
         self.removed_blocks: Counter = Counter()
         self.untracked_removals: Counter = Counter()  # removed without a prior store
+        self.tokenless_stored: Counter = Counter()  # BlockStored without token ids (a key-only placeholder)
         self.untagged = 0  # events with no medium
         self.cleared = 0
         self.batches = 0
@@ -86,6 +87,8 @@ class KVEventListener:
         if isinstance(ev, BlockStored):
             self.stored_events[medium] += 1
             self.stored_blocks[medium] += len(ev.block_hashes)
+            if not ev.token_ids:
+                self.tokenless_stored[medium] += 1
             for h in ev.block_hashes:
                 refs[_hkey(h)] += 1
         elif isinstance(ev, BlockRemoved):
@@ -116,6 +119,7 @@ class KVEventListener:
                     "stored_events": self.stored_events[m], "removed_events": self.removed_events[m],
                     "stored_blocks": self.stored_blocks[m], "removed_blocks": self.removed_blocks[m],
                     "untracked_removals": self.untracked_removals[m],
+                    "tokenless_stored_events": self.tokenless_stored[m],
                     "resident_blocks": sum(1 for n in self._refs.get(m, {}).values() if n > 0),
                 } for m in media},
             }

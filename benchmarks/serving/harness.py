@@ -184,6 +184,7 @@ def tier_state(s: dict) -> dict:
         "stored_chunks": g("tpu_offload_stored_chunks_total", tier="cpu"),
         "evicted_chunks": g("tpu_offload_evicted_chunks_total", tier="cpu"),
         "pinned_or_pending_fraction": g("vllm:kv_offload_cpu_cache_usage_perc"),
+        "fs_files": g("tpu_offload_fs_files"),  # chunk files the file tier knows (None: no file tier)
     }
 
 
@@ -209,6 +210,13 @@ def event_checks(listener: KVEventListener, final: dict, cell: Cell) -> dict:
         "resident_match": cpu.get("resident_blocks", 0) == used * bpc,
         "storage_medium_events": out["by_medium"].get("STORAGE", {}).get("stored_events", 0),
     }
+    if t["fs_files"] is not None:  # the file tier: what the router believes is on the volume
+        st = out["by_medium"].get("STORAGE", {})
+        out["checks"].update({
+            "resident_blocks_storage_events": st.get("resident_blocks", 0), "fs_files_metric": t["fs_files"],
+            "storage_resident_match": st.get("resident_blocks", 0) == t["fs_files"] * bpc,
+            "storage_payloads_complete": st.get("tokenless_stored_events", 0) == 0,
+        })
     return out
 
 

@@ -31,6 +31,7 @@ class Engine:
     #   -> (Server, events endpoint or None, chunk tokens of OUR tier: 0 for none / another connector)
     start: Callable
     title: str
+    soak_config: str = ""  # ours, for --soak (default: the first after "none")
 
 
 def add_args(ap: argparse.ArgumentParser, configs: tuple[str, ...], out: str) -> None:
@@ -77,7 +78,8 @@ def run(eng: Engine, args) -> int:
     if args.report:
         return rereport(args.report, eng.title)
     if args.soak:
-        args.configs, args.scenarios, args.repeats = [c for c in eng.configs if c != "none"][:1], ["high"], 1
+        args.configs = [eng.soak_config or [c for c in eng.configs if c != "none"][0]]
+        args.scenarios, args.repeats = ["high"], 1
         args.out = f"{args.out}_soak"
     requests = args.soak or args.requests or args.groups * args.prompts_per_group
     w = perf.Workload(groups=args.groups, system_prompt_len=args.system_prompt_len, question_len=args.question_len,
@@ -216,7 +218,10 @@ def check(records: list[dict]) -> dict:
                 if not ev[k]:
                     fail(f"{tag}: KV events: {k} is false ({ev})")
             if "fs" in r["config"] and ev["storage_medium_events"] == 0:
-                lines.append(f"GAP  {tag}: no KV event carries the file tier's medium (STORAGE)")
+                fail(f"{tag}: no KV event carries the file tier's medium (STORAGE)")
+            for k in ("storage_resident_match", "storage_payloads_complete"):
+                if k in ev and not ev[k]:
+                    fail(f"{tag}: KV events: {k} is false ({ev})")
         elif (r.get("events") or {}).get("missing_gauges"):
             lines.append(f"GAP  {tag}: our tier's gauges are not on the server's /metrics: the KV events "
                          f"({(r['events']['by_medium'].get('CPU') or {}).get('stored_events', 0)} CPU stores) "
