@@ -92,9 +92,12 @@ bench-fs: $(STAMP)
 	$(BIN)/python benchmarks/bench_fs.py
 
 # The llm-d guides' benchmark (inference-perf, shared-prefix, High/Low Cache) on both engines.
+# e.g. make bench-serving VLLM_BENCH_ARGS="--repeats 3" TPU_BENCH_ARGS="--configs none ours"
+VLLM_BENCH_ARGS ?=
+TPU_BENCH_ARGS ?=
 bench-serving: $(STAMP) $(STAMP_TPU) $(STAMP_BENCH)
-	$(BIN)/python benchmarks/bench_serving_vllm.py
-	$(BIN)/python benchmarks/bench_serving_tpu.py
+	$(BIN)/python benchmarks/bench_serving_vllm.py $(VLLM_BENCH_ARGS)
+	$(BIN)/python benchmarks/bench_serving_tpu.py $(TPU_BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
