@@ -184,6 +184,8 @@ def tier_state(s: dict) -> dict:
         "stored_chunks": g("tpu_offload_stored_chunks_total", tier="cpu"),
         "evicted_chunks": g("tpu_offload_evicted_chunks_total", tier="cpu"),
         "pinned_or_pending_fraction": g("vllm:kv_offload_cpu_cache_usage_perc"),
+        "pinned_chunks": g("tpu_offload_tier_pinned_chunks", tier="cpu"),
+        "pending_chunks": g("tpu_offload_tier_pending_chunks", tier="cpu"),
         "fs_files": g("tpu_offload_fs_files"),  # chunk files the file tier knows (None: no file tier)
     }
 

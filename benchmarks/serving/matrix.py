@@ -79,7 +79,8 @@ def run(eng: Engine, args) -> int:
         return rereport(args.report, eng.title)
     if args.soak:
         args.configs = [eng.soak_config or [c for c in eng.configs if c != "none"][0]]
-        args.scenarios, args.repeats = ["high"], 1
+        # No probes: a tier at half the working set cannot keep them while the filler runs.
+        args.scenarios, args.repeats, args.probes = ["high"], 1, 0
         args.out = f"{args.out}_soak"
     requests = args.soak or args.requests or args.groups * args.prompts_per_group
     w = perf.Workload(groups=args.groups, system_prompt_len=args.system_prompt_len, question_len=args.question_len,
@@ -238,6 +239,8 @@ def check(records: list[dict]) -> dict:
             fail(f"{tag}: host tier holds {t['used_bytes']} B > capacity {t['capacity_bytes']} B")
         if t.get("pinned_or_pending_fraction"):
             fail(f"{tag}: pins/pending stores left at the end: {t['pinned_or_pending_fraction']}")
+        if t.get("pinned_chunks") or t.get("pending_chunks"):
+            fail(f"{tag}: {t['pinned_chunks']} pinned and {t['pending_chunks']} pending chunk(s) left at the end")
         for s in r.get("samples", []):
             if s["used_bytes"] is not None and s["capacity_bytes"] and s["used_bytes"] > s["capacity_bytes"]:
                 fail(f"{tag}: host tier above budget at t={s['t']:.0f}s")
@@ -251,5 +254,8 @@ def check(records: list[dict]) -> dict:
 def soak_line(tag: str, samples: list[dict]) -> str:
     rss = [s["rss"] for s in samples]
     warm = rss[len(rss) // 4:] or rss
+    used = [s["used_bytes"] for s in samples if s["used_bytes"] is not None]
+    cap = next((s["capacity_bytes"] for s in samples if s["capacity_bytes"]), None)
     return (f"SOAK {tag}: {len(samples)} samples; RSS after warm-up {warm[0] / 2**20:.0f} -> {warm[-1] / 2**20:.0f} MiB "
-            f"({(warm[-1] - warm[0]) / 2**20:+.0f} MiB), max {max(rss) / 2**20:.0f} MiB")
+            f"({(warm[-1] - warm[0]) / 2**20:+.0f} MiB), max {max(rss) / 2**20:.0f} MiB; host tier max "
+            f"{max(used, default=0) / 2**20:.1f} of {(cap or 0) / 2**20:.1f} MiB")
