@@ -32,7 +32,7 @@ from benchmarks.serving.server import Server, free_port  # noqa: E402
 BLOCK = 128
 TPU_PY = ROOT / ".venv-tpu" / "bin" / "python"
 SERVE = ROOT / "tests" / "tpu_engine" / "serve.py"
-CONFIGS = ("none", "theirs", "ours")
+CONFIGS = ("none", "theirs", "ours", "ours-fs")  # ours-fs: opt in (--configs), with --host-fraction < 1
 
 
 def tpu_model():
@@ -69,9 +69,13 @@ def start(name: str, model: str, blocks: int, host_bytes: int, w, work: Path, ar
                "kv_connector_module_path": "tpu_inference.offload.tpu_offload_connector"}
         env.update(TPU_OFFLOAD_NUM_CPU_CHUNKS=str(host_bytes // (BLOCK * kvpt)), TPU_OFFLOAD_NUM_STAGING_BLOCKS="128",
                    TPU_OFFLOAD_SKIP_JAX_PRECOMPILE="1")
-    elif name == "ours":
-        ktc = json.loads((ROOT / "configs/tpu-inference/offload.json").read_text())
+    elif name in ("ours", "ours-fs"):
+        fs = name == "ours-fs"
+        ktc = json.loads((ROOT / f"configs/tpu-inference/offload{'-fs' if fs else ''}.json").read_text())
         ktc["kv_connector_extra_config"].update(cpu_bytes=host_bytes, staging_blocks=128)
+        if fs:  # the shipped sizes are for real hosts
+            ktc["kv_connector_extra_config"].update(shared_storage_path=str(work / "kv-files"),
+                                                    fs_capacity_bytes=4 * host_bytes)
         chunk_tokens = int(ktc["kv_connector_extra_config"].get("blocks_per_chunk", 1)) * BLOCK
     cmd = [
         str(TPU_PY), str(SERVE), "--model", model, "--dtype", args.dtype, "--seed", "0",
@@ -96,7 +100,7 @@ def main(argv=None) -> int:
     # The engine on JAX CPU serves ~0.2-0.5 requests/s here: the guides' shape, scaled so a
     # configuration still finishes in a few minutes on 2 cores.
     ap.set_defaults(groups=8, system_prompt_len=512, question_len=32, output_len=8, prompts_per_group=3,
-                    concurrency=2, repeats=1, probes=2)
+                    concurrency=2, repeats=1, probes=2, configs=["none", "theirs", "ours"])
     args = ap.parse_args(argv)
     eng = matrix.Engine("tpu-inference", BLOCK, tpu_model(), args.dtype, CONFIGS, start,
                         "tpu-inference 0.32 OpenAI server on JAX CPU", soak_config="ours")
