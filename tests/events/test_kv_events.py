@@ -10,30 +10,17 @@ stores 14, so evictions are announced too.
 
 from __future__ import annotations
 
-import os
 import time
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
+import numpy as np
+import pytest
+from events_helpers import wait_for
 
 pytestmark = pytest.mark.engine
 
 SLOTS = 8
 PROMPTS = 7  # 2 full blocks each: 14 chunks into 8 slots
 
-
-def _wait(cond, timeout: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.1)
-    return cond()
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +80,7 @@ def test_every_chunk_in_and_out_of_the_cpu_tier_is_announced(engine):
     stored = manager.stored_chunks
     evicted = manager.index.evictions
     assert stored == 2 * PROMPTS and evicted == stored - SLOTS, (stored, evicted)
-    assert _wait(lambda: listener.summary()["by_medium"].get("CPU", {}).get("removed_blocks", 0) >= evicted)
+    assert wait_for(lambda: listener.summary()["by_medium"].get("CPU", {}).get("removed_blocks", 0) >= evicted)
     s = listener.summary()
     assert s["decode_errors"] == 0 and s["seq_gaps"] == 0 and s["untagged_events"] == 0, s
     cpu = s["by_medium"]["CPU"]
@@ -107,4 +94,4 @@ def test_subscriber_view_matches_what_the_tier_holds(engine):
     llm, manager, listener = engine
     held = _tier_hashes(manager)
     assert len(held) == SLOTS
-    assert _wait(lambda: listener.blocks("CPU") == held), (len(listener.blocks("CPU")), len(held))
+    assert wait_for(lambda: listener.blocks("CPU") == held), (len(listener.blocks("CPU")), len(held))

@@ -15,13 +15,9 @@ from __future__ import annotations
 import os
 import time
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
+import numpy as np
+import pytest
+from events_helpers import wait_for
 
 pytestmark = pytest.mark.engine
 
@@ -29,14 +25,6 @@ SLOTS = 8
 FILES = 10
 PROMPTS = 7  # 2 full blocks each: 14 chunks
 
-
-def _wait(cond, timeout: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.1)
-    return cond()
 
 
 @pytest.fixture(scope="module", params=["write_through", "write_back"])
@@ -116,7 +104,7 @@ def test_subscriber_sees_exactly_the_files_and_the_host_tier(run):
     want_host = {_hash(k) for k in manager.index.keys_lru_order()}
     expect_files = FILES if run["mode"] == "write_through" else 2 * PROMPTS - SLOTS  # write-back: the evicted
     assert len(want_files) == expect_files, (len(want_files), sorted(on_disk))
-    assert _wait(lambda: listener.blocks("STORAGE") == want_files and listener.blocks("CPU") == want_host), \
+    assert wait_for(lambda: listener.blocks("STORAGE") == want_files and listener.blocks("CPU") == want_host), \
         (len(listener.blocks("STORAGE")), len(want_files), len(listener.blocks("CPU")), len(want_host))
     s = listener.summary()
     assert s["decode_errors"] == 0 and s["seq_gaps"] == 0 and s["untagged_events"] == 0, s
