@@ -4,8 +4,10 @@ A write lands in a unique ``O_EXCL`` temp file in the final directory and is
 published by ``rename``, so a reader sees the whole file or nothing, even if
 the writer is killed; a read verifies everything before it says "hit".
 Every path operation goes through ``safedir`` (relative to directory fds,
-no symlink followed, no open that can block on a FIFO). The
-tier decides what failures mean (read-only, miss, quarantine); this module
+no symlink followed, no open that can block on a FIFO). The namespace
+directory stays open (``safedir.HeldDir``), so an operation opens only the
+two fan-out directories and the file: on NFS/Lustre each open is a round
+trip. The tier decides what failures mean (read-only, miss, quarantine); this module
 only reports them.
 """
 
@@ -34,8 +36,9 @@ HIT, MISS, ERROR, CORRUPT, UNSAFE = "hit", "miss", "error", "corrupt", "unsafe"
 
 class ChunkFiles:
     def __init__(self, ns_dir: str, digest: bytes, *, fsync: bool = False, o_direct: bool = False,
-                 name: str = "fs"):
+                 name: str = "fs", recheck_s: float = 1.0):
         self.ns_dir = ns_dir
+        self.ns = safedir.HeldDir(ns_dir, mode=layout.DIR_MODE, recheck_s=recheck_s)
         self.digest = digest
         self.fsync = fsync
         self.direct = bool(o_direct) and O_DIRECT != 0
@@ -49,16 +52,29 @@ class ChunkFiles:
     def _dir(self, khex: str, create: bool = False):
         """The key's fan-out directory as an fd context (no symlink followed on the way)."""
         a, b, _ = layout.chunk_relpath(khex)
-        return safedir.dir_at(self.ns_dir, (a, b), create=create, mode=layout.DIR_MODE)
+        return self.ns.dir_at((a, b), create=create)
+
+    def close(self) -> None:
+        self.ns.close()
 
     # ---- write ---------------------------------------------------------
-    def write(self, key: bytes, khex: str, mv: memoryview) -> None:
-        """Publish ``mv`` as the chunk ``key``; raises OSError (ELOOP/ENOTDIR: a symlink on the way)."""
-        hdr = self._header_buf()
-        pack_header(hdr, self.digest, key, len(mv), payload_checksum(mv))
-        use_direct = self.direct and direct_ok(mv)
-        tmp = layout.temp_name(khex)
+    def write(self, key: bytes, khex: str, mv: memoryview, *, unless_size: int | None = None) -> os.stat_result | None:
+        """Publish ``mv`` as the chunk ``key``; raises OSError (ELOOP/ENOTDIR: a symlink on the way).
+
+        With ``unless_size``, a regular file of that size already published
+        (maybe by another instance) is kept: its stat is returned and nothing
+        is written. The check uses the directory fd the write would use, so a
+        write walks the directories once.
+        """
         with self._dir(khex, create=True) as d:
+            if unless_size is not None:
+                st = safedir.lstat_regular(khex, d)
+                if st is not None and st.st_size == unless_size:
+                    return st
+            hdr = self._header_buf()
+            pack_header(hdr, self.digest, key, len(mv), payload_checksum(mv))
+            use_direct = self.direct and direct_ok(mv)
+            tmp = layout.temp_name(khex)
             fd, use_direct = self._open_tmp(tmp, d, use_direct)
             try:
                 try:
@@ -85,6 +101,7 @@ class ChunkFiles:
                 raise
             if self.fsync:  # make the rename itself durable
                 safedir.fsync_dir(d)
+        return None
 
     def _open_tmp(self, tmp: str, d: int, use_direct: bool) -> tuple[int, bool]:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -151,7 +168,11 @@ class ChunkFiles:
     # ---- metadata ------------------------------------------------------
     def stat(self, khex: str) -> os.stat_result | None:
         """The published file's stat, or None: absent, or not a regular file reached without symlinks."""
-        return layout.published_stat(self.ns_dir, khex)
+        try:
+            with self._dir(khex) as d:
+                return safedir.lstat_regular(khex, d)
+        except OSError:
+            return None
 
     def restamp(self, khex: str) -> None:
         """Set the file's mtime to now (the shared recency clock); never through a symlink."""
@@ -173,7 +194,7 @@ class ChunkFiles:
             st = safedir.lstat_regular(khex, d)
             if st is None or st.st_ino != ino:
                 return False
-            with safedir.dir_at(self.ns_dir, (layout.QUARANTINE,), create=True, mode=layout.DIR_MODE) as q:
+            with self.ns.dir_at((layout.QUARANTINE,), create=True) as q:
                 os.rename(khex, qname, src_dir_fd=d, dst_dir_fd=q)
         return True
 

@@ -21,6 +21,8 @@ import errno
 import fcntl
 import os
 import stat
+import threading
+import time
 from typing import Iterator, Sequence
 
 O_PATH = getattr(os, "O_PATH", 0)
@@ -76,6 +78,21 @@ def walk(base: str, names: Sequence[str], *, create: bool = False, mode: int = 0
 
         make_dirs(base, mode)
         fd = os.open(base, last if not names else _WALK)
+    if not names:
+        return fd
+    try:
+        return walk_at(fd, names, create=create, mode=mode, listing=listing)
+    finally:
+        os.close(fd)
+
+
+def walk_at(dir_fd: int, names: Sequence[str], *, create: bool = False, mode: int = 0o750,
+            listing: bool = False) -> int:
+    """Like ``walk`` from an open directory fd, which stays open (``names`` not empty)."""
+    if not names:
+        raise ValueError("walk_at needs at least one name")
+    last = _LIST if listing else _WALK
+    fd = dir_fd
     try:
         for i, name in enumerate(names):
             flags = last if i == len(names) - 1 else _WALK
@@ -86,10 +103,12 @@ def walk(base: str, names: Sequence[str], *, create: bool = False, mode: int = 0
                     raise
                 _mkdir_at(name, fd, mode)
                 nfd = os.open(name, flags, dir_fd=fd)
-            os.close(fd)
+            if fd != dir_fd:
+                os.close(fd)
             fd = nfd
     except BaseException:
-        os.close(fd)
+        if fd != dir_fd:
+            os.close(fd)
         raise
     return fd
 
@@ -195,3 +214,125 @@ def server_now(dir_fd: int, probe_name: str) -> float | None:
             os.unlink(probe_name, dir_fd=dir_fd)
         except OSError:
             pass
+
+
+class HeldDir:
+    """A directory kept open across operations and walked relative to its fd.
+
+    Why: on NFS or Lustre every open is a round trip, and re-opening the
+    namespace directory by path for every chunk operation added one per
+    operation. Why it re-opens: someone may remove and recreate the directory
+    (``rm -rf``, ``mv``) under us. A removed one shows up as ENOENT from a
+    walk with the fd unlinked (``st_nlink == 0``), ESTALE on NFS, or another
+    inode at the path; the last check also runs every ``recheck_s`` seconds,
+    so a directory moved away is left within that time. The path's last
+    component is never followed if it is a symlink (ELOOP or ENOTDIR, as in ``walk``).
+    An fd is closed only when no walk is using it, so a concurrent walk never
+    runs against a reused fd number.
+    """
+
+    def __init__(self, path: str, *, mode: int = 0o750, recheck_s: float = 1.0):
+        self.path = path
+        self.mode = mode
+        self.recheck_s = recheck_s
+        self._lock = threading.Lock()
+        self._cur: _Held | None = None
+        self._next_check = 0.0
+        self._closed = False
+
+    def walk(self, names: Sequence[str], *, create: bool = False, listing: bool = False) -> int:
+        """fd of ``path/names...`` (``walk_at`` from the held fd; one re-open if it went stale)."""
+        for retry in (False, True):
+            h = self._acquire(create)
+            try:
+                return walk_at(h.fd, names, create=create, mode=self.mode, listing=listing)
+            except OSError as e:
+                if retry or not self._stale(h, e):
+                    raise
+            finally:
+                self._release(h)
+        raise AssertionError("unreachable")
+
+    @contextlib.contextmanager
+    def dir_at(self, names: Sequence[str], *, create: bool = False) -> Iterator[int]:
+        fd = self.walk(names, create=create)
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            if self._cur is not None:
+                self._retire(self._cur)
+
+    def _acquire(self, create: bool) -> "_Held":
+        with self._lock:
+            h = self._cur
+            if h is not None and time.monotonic() < self._next_check:
+                h.users += 1
+                return h
+            if h is not None:
+                self._next_check = time.monotonic() + self.recheck_s
+        if h is not None and not self._same(h):  # due a check of the path (off the lock)
+            with self._lock:
+                self._retire(h)
+        with self._lock:
+            h = self._cur
+            if h is None or self._closed:
+                h = _Held(walk(self.path, (), create=create, mode=self.mode))
+                h.ident = _ident(os.fstat(h.fd))
+                if self._closed:
+                    h.retired = True  # a straggler after close: used once, then closed
+                else:
+                    self._cur, self._next_check = h, time.monotonic() + self.recheck_s
+            h.users += 1
+            return h
+
+    def _release(self, h: "_Held") -> None:
+        with self._lock:
+            h.users -= 1
+            if h.retired and h.users == 0:
+                os.close(h.fd)
+
+    def _retire(self, h: "_Held") -> None:
+        """Under the lock: stop handing ``h`` out; closed by its last user."""
+        if self._cur is h:
+            self._cur = None
+        if not h.retired:
+            h.retired = True
+            if h.users == 0:
+                os.close(h.fd)
+
+    def _stale(self, h: "_Held", e: OSError) -> bool:
+        """After a failed walk: is ``h`` a removed or replaced directory? (Then it is retired.)"""
+        if e.errno not in (errno.ENOENT, errno.ESTALE):
+            return False
+        if e.errno == errno.ENOENT:
+            try:
+                if os.fstat(h.fd).st_nlink > 0 and self._same(h):
+                    return False  # a plain miss
+            except OSError:
+                pass  # ESTALE: the server no longer knows it
+        with self._lock:
+            self._retire(h)
+        return True
+
+    def _same(self, h: "_Held") -> bool:
+        """Is ``h`` still the directory at the path (not moved away, replaced or removed)?"""
+        try:
+            return _ident(os.stat(self.path, follow_symlinks=False)) == h.ident
+        except OSError:
+            return False
+
+
+class _Held:
+    __slots__ = ("fd", "ident", "users", "retired")
+
+    def __init__(self, fd: int):
+        self.fd, self.ident, self.users, self.retired = fd, (0, 0), 0, False
+
+
+def _ident(st: os.stat_result) -> tuple[int, int]:
+    return st.st_dev, st.st_ino

@@ -226,18 +226,16 @@ class FileTier:
         khex = layout.key_hex(key)
         t0 = time.perf_counter()
         try:
-            st = self.files.stat(khex)
-            if st is not None and st.st_size == self.file_bytes:
-                # Someone (maybe another instance) already published it.
-                self._index.add(key, st.st_size, disk_time=st.st_mtime)
-                self._count("writes_exist")
-                self._m.op("write", "exists")
-                self.touch(key)
-                return True
-            self.files.write(key, khex, mv)
+            st = self.files.write(key, khex, mv, unless_size=self.file_bytes)
         except OSError as e:
             self._write_error(e)
             return False
+        if st is not None:  # someone (maybe another instance) already published it
+            self._index.add(key, st.st_size, disk_time=st.st_mtime)
+            self._count("writes_exist")
+            self._m.op("write", "exists")
+            self.touch(key)
+            return True
         dt = time.perf_counter() - t0
         self._index.add(key, self.file_bytes)
         self._count("writes_ok", 1, "bytes_written", len(mv))
@@ -606,6 +604,7 @@ class FileTier:
             self._workers.close(timeout)
         with self._lock:
             self._state = TierState.CLOSED
+        self.files.close()
         self.fs_metrics.remove_tier(self.name, self.usage)
 
     def __enter__(self) -> "FileTier":
