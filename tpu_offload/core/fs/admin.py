@@ -20,7 +20,7 @@ import math
 import os
 import time
 
-from tpu_offload.core.fs import layout, safedir
+from tpu_offload.core.fs import actions, layout, safedir
 from tpu_offload.core.fs.fileio import aligned_empty
 from tpu_offload.core.fs.format import HEADER_SIZE, MAGIC, HeaderError, parse_header
 from tpu_offload.core.fs.layout import Found, NamespaceScan
@@ -28,9 +28,6 @@ from tpu_offload.core.fs.layout import Found, NamespaceScan
 import xxhash
 
 _VERIFY_BLOCK = 8 << 20
-
-
-_FUTURE_SLACK_S = 2.0  # mtime granularity and clock jitter
 
 
 @dataclasses.dataclass
@@ -84,28 +81,18 @@ def _fs_usage(root: str) -> tuple[int, int]:
     return used + st.f_bavail * st.f_frsize, used
 
 
-def _server_now(ns_dir: str) -> float | None:
-    try:
-        with safedir.dir_at(ns_dir) as d:
-            return safedir.server_now(d, layout.temp_name("clock"))
-    except OSError:
-        return None
-
-
 def _clamp_future(s: NamespaceScan, now: float, dry_run: bool) -> int:
     """Files stamped ahead of the server's clock are restamped to now, so they age and can go."""
     n = 0
     for f in s.chunks:
-        if f.mtime <= now + _FUTURE_SLACK_S:
+        if not actions.in_future(f.mtime, now):
             continue
         n += 1
         if not dry_run:
             try:
-                with safedir.dir_at(s.path, f.dirs) as d:
-                    if safedir.lstat_regular(f.name, d) is not None:
-                        os.utime(f.name, (now, now), dir_fd=d, follow_symlinks=False)
-                        st = os.stat(f.name, dir_fd=d, follow_symlinks=False)
-                        f.mtime_ns = st.st_mtime_ns
+                st = actions.restamp(s.path, f.dirs, f.name, now)
+                if st is not None:
+                    f.mtime_ns = st.st_mtime_ns
             except OSError:
                 pass
         f.mtime = now
@@ -139,7 +126,7 @@ def evict(
     temps_removed = clamped = 0
     clock = "server"
     for s in scans:
-        srv = None if dry_run else _server_now(s.path)
+        srv = None if dry_run else actions.server_now(s.path)
         if srv is None:
             clock = "local"
         now = srv if srv is not None else time.time()
@@ -147,7 +134,7 @@ def evict(
         keep = []
         for t in s.temps:
             # Without the server's clock (read-only, dry run) a temp's age cannot be trusted.
-            if now - t.mtime > tmp_age_s and (dry_run or (srv is not None and _unlink_same(s.path, t))):
+            if now - t.mtime > tmp_age_s and (dry_run or (srv is not None and actions.unlink_found(s.path, t))):
                 temps_removed += 1
             else:
                 keep.append(t)
@@ -182,14 +169,6 @@ def evict(
             rep.evicted_bytes += freed
             rep.used_after -= freed
     return rep
-
-
-def _unlink_same(ns_dir: str, f: Found) -> bool:
-    try:
-        with safedir.dir_at(ns_dir, f.dirs) as d:
-            return safedir.unlink_if(f.name, d, f.ino, f.mtime_ns)
-    except OSError:
-        return False
 
 
 def _delete_if_unchanged(ns_dir: str, f: Found, dry_run: bool) -> str:
@@ -361,11 +340,6 @@ def _act(action: str, ns_dir: str, d: int, f: Found, reason: str) -> None:
         if action == "delete":
             safedir.unlink_if(f.name, d, f.ino)
         elif action == "quarantine":
-            st = safedir.lstat_regular(f.name, d)
-            if st is None or st.st_ino != f.ino:
-                return
-            tag = reason.split(" ")[0]
-            with safedir.dir_at(ns_dir, (layout.QUARANTINE,), create=True, mode=layout.DIR_MODE) as q:
-                os.rename(f.name, f"{f.name}.{tag}.{os.getpid()}", src_dir_fd=d, dst_dir_fd=q)
+            actions.quarantine(ns_dir, d, f.name, f.ino, reason)
     except FileNotFoundError:
         pass

@@ -21,7 +21,7 @@ from typing import Callable
 
 import numpy as np
 
-from tpu_offload.core.fs import layout, safedir
+from tpu_offload.core.fs import actions, layout, safedir
 from tpu_offload.core.fs.fileio import (
     O_DIRECT, aligned_empty, direct_ok, is_direct_refusal, read_all, write_all,
 )
@@ -188,15 +188,10 @@ class ChunkFiles:
         except FileNotFoundError:
             return False
 
-    def quarantine(self, khex: str, ino: int, qname: str) -> bool:
-        """Move the file (that inode only) to ``<namespace>/quarantine/qname``."""
+    def quarantine(self, khex: str, ino: int, reason: str) -> bool:
+        """Move the file (that inode only) to ``<namespace>/quarantine/``."""
         with self._dir(khex) as d:
-            st = safedir.lstat_regular(khex, d)
-            if st is None or st.st_ino != ino:
-                return False
-            with self.ns.dir_at((layout.QUARANTINE,), create=True) as q:
-                os.rename(khex, qname, src_dir_fd=d, dst_dir_fd=q)
-        return True
+            return actions.quarantine(self.ns_dir, d, khex, ino, reason)
 
     def _check(self, key: bytes, hdr: np.ndarray, mv: memoryview, n: int) -> str | None:
         if n < HEADER_SIZE:

@@ -156,6 +156,11 @@ def is_our_quarantine(name: str) -> bool:
     return _QUAR_RE.match(name) is not None
 
 
+def quarantine_name(khex: str, reason: str) -> str:
+    """``<key hex>.<reason's first word>.<pid>``: the only names ``is_our_quarantine`` accepts."""
+    return f"{khex}.{reason.split(' ')[0]}.{os.getpid()}"
+
+
 class Pacer:
     """Makes a long background loop step aside: sleep ``pause_s`` after each ``run_s`` of work.
 

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from tpu_offload.core.fs import layout, safedir
+from tpu_offload.core.fs import actions, layout, safedir
 from tpu_offload.core.fs.chunkfile import CORRUPT, ERROR, HIT, MISS, UNSAFE, ChunkFiles
 from tpu_offload.core.fs.fileio import byte_view
 from tpu_offload.core.fs.format import HEADER_SIZE
@@ -57,7 +57,6 @@ log = logging.getLogger("tpu_offload.fs")
 
 _SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 _DENIED_ERRNOS = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
-_FUTURE_SLACK_S = 2.0  # mtime granularity and clock jitter: not "the future" yet
 
 
 class FileTier:
@@ -367,7 +366,7 @@ class FileTier:
         log.warning("fs tier %s: rejected %s (%s)", self.name, self.path_of(key), reason)
         try:  # only that inode (not a fresh write since), never through a symlink
             if self.quarantine:
-                self.files.quarantine(khex, ino, f"{khex}.{reason}.{os.getpid()}")
+                self.files.quarantine(khex, ino, reason)
             else:
                 self.files.unlink(khex, ino)
         except OSError:
@@ -449,7 +448,7 @@ class FileTier:
             for t in scan.temps:
                 # Ages on the server's clock: our clock may run ahead of the writer's.
                 # Without it (read-only) we cannot judge an age, and could not delete anyway.
-                if srv is not None and srv - t.mtime > self.stale_tmp_s and self._unlink_found(t):
+                if srv is not None and srv - t.mtime > self.stale_tmp_s and actions.unlink_found(self.ns_dir, t):
                     self._count("stale_temps_removed")
             self._note_unreadable(scan.unreadable)
             self._last_scan = time.monotonic()
@@ -462,13 +461,9 @@ class FileTier:
         """The file server's clock (a probe file's mtime); also re-aims the index's clock."""
         if self._state is not TierState.RW:
             return None
-        try:
-            with safedir.dir_at(self.ns_dir) as d:
-                t0 = time.time()
-                srv = safedir.server_now(d, layout.temp_name("clock"))
-                local = (t0 + time.time()) / 2
-        except OSError:
-            return None
+        t0 = time.time()
+        srv = actions.server_now(self.ns_dir)
+        local = (t0 + time.time()) / 2
         if srv is not None:
             self._index.offset = srv - local
         return srv
@@ -479,23 +474,14 @@ class FileTier:
         Its mtime is set to now on disk, so it ages for every instance and the
         CLI; otherwise it would sort as most recent forever and never be evicted.
         """
-        if st.st_mtime <= now + _FUTURE_SLACK_S:
+        if not actions.in_future(st.st_mtime, now):
             return st.st_mtime
         try:
-            with safedir.dir_at(self.ns_dir, dirs) as d:
-                if safedir.lstat_regular(name, d) is not None:
-                    os.utime(name, (now, now), dir_fd=d, follow_symlinks=False)
+            actions.restamp(self.ns_dir, dirs, name, now)
             self._count("future_mtimes_clamped")
         except OSError:
             pass  # read-only, or gone: the index still ages it from now
         return now
-
-    def _unlink_found(self, f: layout.Found) -> bool:
-        try:
-            with safedir.dir_at(self.ns_dir, f.dirs) as d:
-                return safedir.unlink_if(f.name, d, f.ino, f.mtime_ns)
-        except OSError:
-            return False
 
     def _note_unreadable(self, unreadable: list[tuple[str, str]]) -> None:
         """Skipped paths: counted, exported, one warning when the set first becomes non-empty."""
