@@ -37,13 +37,14 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from tpu_offload.core.fs import actions, layout, safedir
+from tpu_offload.core.fs import layout, safedir
 from tpu_offload.core.fs.chunkfile import CORRUPT, ERROR, HIT, MISS, UNSAFE, ChunkFiles
 from tpu_offload.core.fs.fileio import byte_view
 from tpu_offload.core.fs.format import HEADER_SIZE
 from tpu_offload.core.fs.index import FileIndex
 from tpu_offload.core.fs.journal import FileJournal
 from tpu_offload.core.fs.metrics import FsMetrics
+from tpu_offload.core.fs.rescan import Rescanner
 from tpu_offload.core.fs.ticket import TierState, WriteTicket, done_future
 from tpu_offload.core.fs.workers import IOWorkers
 from tpu_offload.core.keys import ChunkKey, LayoutFingerprint
@@ -57,6 +58,15 @@ log = logging.getLogger("tpu_offload.fs")
 
 _SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 _DENIED_ERRNOS = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
+
+
+class CapacityError(ValueError):
+    """``capacity_bytes`` below one chunk file; ``from_config`` words it as a config error."""
+
+    def __init__(self, capacity_bytes: int, need: int):
+        super().__init__(f"capacity_bytes={capacity_bytes} is smaller than one chunk file "
+                         f"({need} bytes); allowed: at least that, or None")
+        self.capacity_bytes, self.need = capacity_bytes, need
 
 
 class FileTier:
@@ -83,8 +93,7 @@ class FileTier:
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes}")
         if capacity_bytes is not None and capacity_bytes < HEADER_SIZE + chunk_bytes:
-            raise ValueError(f"capacity_bytes={capacity_bytes} is smaller than one chunk file "
-                             f"({HEADER_SIZE + chunk_bytes} bytes); allowed: at least that, or None")
+            raise CapacityError(capacity_bytes, HEADER_SIZE + chunk_bytes)
         if queue_depth < 1:
             raise ValueError(f"queue_depth must be >= 1, got {queue_depth}")
         self.name = name
@@ -96,13 +105,13 @@ class FileTier:
         self.capacity_bytes = capacity_bytes
         self.queue_depth = queue_depth
         self.quarantine = quarantine
-        self.stale_tmp_s = stale_tmp_s
         self.rescan_interval_s = rescan_interval_s
         self.readonly_retry_s = readonly_retry_s
         self.files = ChunkFiles(self.ns_dir, fingerprint.digest(), fsync=fsync, o_direct=o_direct, name=name)
         self._index = FileIndex(touch_interval_s)
+        self._scanner = Rescanner(self.ns_dir, self._index, name=name, stale_tmp_s=stale_tmp_s, count=self._count,
+                                  writable=lambda: self._state is TierState.RW)
         self._lock = threading.RLock()  # state, counters, in-flight writes
-        self._scan_lock = threading.Lock()
         self._inflight: dict[bytes, Future] = {}
         self._writes = 0
         self._counts: collections.Counter[str] = collections.Counter()
@@ -112,8 +121,6 @@ class FileTier:
         self._retry_at: float | None = None
         self._warned = False
         self._warned_errnos: set[int | str] = set()
-        self._last_scan = 0.0
-        self._unreadable: list[tuple[str, str]] = []
         self._fs_total = 0
         self._offload_metrics = metrics
         if fs_metrics is None:
@@ -137,20 +144,20 @@ class FileTier:
         """The configured tier, or None when no ``shared_storage_path`` is set."""
         if not cfg.shared_storage_path:
             return None
-        need = HEADER_SIZE + chunk_bytes
-        if cfg.fs_capacity_bytes is not None and cfg.fs_capacity_bytes < need:
+        try:
+            return cls(
+                cfg.shared_storage_path, fingerprint, chunk_bytes,
+                capacity_bytes=cfg.fs_capacity_bytes, threads=cfg.fs_threads,
+                queue_depth=cfg.fs_queue_depth, fsync=cfg.fs_fsync, o_direct=cfg.fs_o_direct,
+                metrics=metrics, **kw,
+            )
+        except CapacityError as e:  # checked (once) by the constructor, before it touches anything
             from tpu_offload.core.config import ConfigError
 
             raise ConfigError(
-                f"fs_capacity_bytes: value {cfg.fs_capacity_bytes} is not allowed; allowed: at least one "
-                f"chunk file, {need} bytes ({chunk_bytes} of KV + a {HEADER_SIZE}-byte header), or unset"
-            )
-        return cls(
-            cfg.shared_storage_path, fingerprint, chunk_bytes,
-            capacity_bytes=cfg.fs_capacity_bytes, threads=cfg.fs_threads,
-            queue_depth=cfg.fs_queue_depth, fsync=cfg.fs_fsync, o_direct=cfg.fs_o_direct,
-            metrics=metrics, **kw,
-        )
+                f"fs_capacity_bytes: value {e.capacity_bytes} is not allowed; allowed: at least one "
+                f"chunk file, {e.need} bytes ({chunk_bytes} of KV + a {HEADER_SIZE}-byte header), or unset"
+            ) from None
 
     # ---- lookups -------------------------------------------------------
     @property
@@ -265,7 +272,7 @@ class FileTier:
     def _after_write(self) -> None:
         if self.capacity_bytes is None:
             return
-        if time.monotonic() - self._last_scan >= self.rescan_interval_s:
+        if time.monotonic() - self._scanner.last >= self.rescan_interval_s:
             try:
                 self._rescan(block=False)  # picks up what other instances wrote
             except OSError as e:
@@ -427,72 +434,11 @@ class FileTier:
         self._rescan(block=True)
 
     def _rescan(self, block: bool) -> None:
-        """Re-read the directory; the index is rebuilt off its lock (see ``FileIndex.adopt``)."""
-        if not self._scan_lock.acquire(blocking=block):
+        """Re-read the directory (see ``Rescanner``), then enforce the budget."""
+        if not self._scanner.run(block):
             return  # another thread is scanning
-        try:
-            self._index.begin_rebuild()
-            scan = layout.NamespaceScan(os.path.basename(self.ns_dir), self.ns_dir)
-            try:
-                srv = self._server_now()
-                now = srv if srv is not None else self._index.now()
-                pace = layout.Pacer()  # the engine thread must get the GIL while we walk
-                self._index.adopt(
-                    ((bytes.fromhex(name), st.st_size, self._clamp(name, st, dirs, now))
-                     for name, st, dirs in layout.walk_namespace(self.ns_dir, scan, pace)),
-                    pace,
-                )
-            except BaseException:
-                self._index.abort_rebuild()
-                raise
-            for t in scan.temps:
-                # Ages on the server's clock: our clock may run ahead of the writer's.
-                # Without it (read-only) we cannot judge an age, and could not delete anyway.
-                if srv is not None and srv - t.mtime > self.stale_tmp_s and actions.unlink_found(self.ns_dir, t):
-                    self._count("stale_temps_removed")
-            self._note_unreadable(scan.unreadable)
-            self._last_scan = time.monotonic()
-        finally:
-            self._scan_lock.release()
         if self.capacity_bytes is not None and self._index.used_bytes > self.capacity_bytes:
             self._evict_to(self.capacity_bytes)
-
-    def _server_now(self) -> float | None:
-        """The file server's clock (a probe file's mtime); also re-aims the index's clock."""
-        if self._state is not TierState.RW:
-            return None
-        t0 = time.time()
-        srv = actions.server_now(self.ns_dir)
-        local = (t0 + time.time()) / 2
-        if srv is not None:
-            self._index.offset = srv - local
-        return srv
-
-    def _clamp(self, name: str, st: os.stat_result, dirs: tuple[str, ...], now: float) -> float:
-        """A file stamped in the future (a host whose clock runs ahead) is aged from now.
-
-        Its mtime is set to now on disk, so it ages for every instance and the
-        CLI; otherwise it would sort as most recent forever and never be evicted.
-        """
-        if not actions.in_future(st.st_mtime, now):
-            return st.st_mtime
-        try:
-            actions.restamp(self.ns_dir, dirs, name, now)
-            self._count("future_mtimes_clamped")
-        except OSError:
-            pass  # read-only, or gone: the index still ages it from now
-        return now
-
-    def _note_unreadable(self, unreadable: list[tuple[str, str]]) -> None:
-        """Skipped paths: counted, exported, one warning when the set first becomes non-empty."""
-        if unreadable:
-            self._count("scan_unreadable", len(unreadable))
-            if not self._unreadable:
-                path, why = unreadable[0]
-                log.warning("fs tier %s: %d path(s) under %s could not be read and are skipped "
-                            "(first: %s: %s); the rest is served", self.name, len(unreadable),
-                            self.ns_dir, path, why)
-        self._unreadable = unreadable
 
     # ---- state ---------------------------------------------------------
     def _open_namespace(self) -> None:
@@ -614,7 +560,7 @@ class FileTier:
         return {
             "capacity_bytes": budget, "used_bytes": self._index.used_bytes, "files": len(self._index),
             "writes_in_flight": self._writes, "state": self._state.value,
-            "unreadable_paths": len(self._unreadable),
+            "unreadable_paths": len(self._scanner.unreadable),
         }
 
     def counters(self) -> dict[str, int]:

@@ -1,0 +1,106 @@
+"""Rebuilding a tier's index from its namespace directory, on the file server's clock.
+
+Why a rescan: other instances write and delete in the same directory, so
+the index must be merged with it now and then (at start, every
+``rescan_interval_s`` of writes, at flush). Why the server's clock: hosts
+sharing a volume disagree on the time, and a file's mtime was stamped by the
+server, so ages and recency are judged against a probe file's mtime: a host
+whose clock runs ahead must not reap a live writer's temp file, and a file
+stamped in the future is set back to now so that it ages and can be evicted.
+The index is rebuilt off its lock (``FileIndex.adopt``), paced, so a rescan
+of 150k files never stalls the engine thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Callable
+
+from tpu_offload.core.fs import actions, layout
+from tpu_offload.core.fs.index import FileIndex
+
+log = logging.getLogger("tpu_offload.fs")
+
+
+class Rescanner:
+    def __init__(self, ns_dir: str, index: FileIndex, *, name: str, stale_tmp_s: float,
+                 count: Callable[..., None], writable: Callable[[], bool]):
+        self.ns_dir = ns_dir
+        self.index = index
+        self.name = name
+        self.stale_tmp_s = stale_tmp_s
+        self._count = count  # the tier's counters: ``count(name, n, ...)``
+        self._writable = writable  # no probe file (and no delete) unless the tier may write
+        self._lock = threading.Lock()
+        self.last = 0.0  # time.monotonic() of the last completed scan
+        self.unreadable: list[tuple[str, str]] = []  # (path, why) skipped by the last scan
+
+    def run(self, block: bool) -> bool:
+        """Re-read the directory into the index; False if another thread was scanning (and not ``block``)."""
+        if not self._lock.acquire(blocking=block):
+            return False
+        try:
+            self.index.begin_rebuild()
+            scan = layout.NamespaceScan(os.path.basename(self.ns_dir), self.ns_dir)
+            try:
+                srv = self.server_now()
+                now = srv if srv is not None else self.index.now()
+                pace = layout.Pacer()  # the engine thread must get the GIL while we walk
+                self.index.adopt(
+                    ((bytes.fromhex(name), st.st_size, self._clamp(name, st, dirs, now))
+                     for name, st, dirs in layout.walk_namespace(self.ns_dir, scan, pace)),
+                    pace,
+                )
+            except BaseException:
+                self.index.abort_rebuild()
+                raise
+            for t in scan.temps:
+                # Ages on the server's clock: our clock may run ahead of the writer's.
+                # Without it (read-only) we cannot judge an age, and could not delete anyway.
+                if srv is not None and srv - t.mtime > self.stale_tmp_s and actions.unlink_found(self.ns_dir, t):
+                    self._count("stale_temps_removed")
+            self._note_unreadable(scan.unreadable)
+            self.last = time.monotonic()
+        finally:
+            self._lock.release()
+        return True
+
+    def server_now(self) -> float | None:
+        """The file server's clock (a probe file's mtime); also re-aims the index's clock."""
+        if not self._writable():
+            return None
+        t0 = time.time()
+        srv = actions.server_now(self.ns_dir)
+        local = (t0 + time.time()) / 2
+        if srv is not None:
+            self.index.offset = srv - local
+        return srv
+
+    def _clamp(self, name: str, st: os.stat_result, dirs: tuple[str, ...], now: float) -> float:
+        """A file stamped in the future (a host whose clock runs ahead) is aged from now.
+
+        Its mtime is set to now on disk, so it ages for every instance and the
+        CLI; otherwise it would sort as most recent forever and never be evicted.
+        """
+        if not actions.in_future(st.st_mtime, now):
+            return st.st_mtime
+        try:
+            actions.restamp(self.ns_dir, dirs, name, now)
+            self._count("future_mtimes_clamped")
+        except OSError:
+            pass  # read-only, or gone: the index still ages it from now
+        return now
+
+    def _note_unreadable(self, unreadable: list[tuple[str, str]]) -> None:
+        """Skipped paths: counted, exported, one warning when the set first becomes non-empty."""
+        if unreadable:
+            self._count("scan_unreadable", len(unreadable))
+            if not self.unreadable:
+                path, why = unreadable[0]
+                log.warning("fs tier %s: %d path(s) under %s could not be read and are skipped "
+                            "(first: %s: %s); the rest is served", self.name, len(unreadable),
+                            self.ns_dir, path, why)
+        self.unreadable = unreadable
