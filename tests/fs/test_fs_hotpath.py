@@ -11,6 +11,7 @@ symlink, the tier misses or re-opens cleanly and never writes outside.
 from __future__ import annotations
 
 import errno
+import gc
 import os
 import shutil
 import tempfile
@@ -18,8 +19,10 @@ import threading
 
 import numpy as np
 import pytest
+from prometheus_client import CollectorRegistry
 
-from fs_helpers import aligned, key, payload
+from fs_helpers import CHUNK, aligned, key, payload
+from tpu_offload.core.fs import FileTier, FsMetrics
 from tpu_offload.core.fs import layout as fslayout
 from tpu_offload.core.fs import safedir
 
@@ -171,3 +174,13 @@ def test_estale_reopens_the_namespace_once(root, make_tier, monkeypatch):
     out = aligned()
     assert t.read_into(key(1), out) and np.array_equal(out, payload(1))
     assert fails[0] == 1 and held.retired and t.files.ns._cur is not held
+
+
+def test_an_unclosed_tier_leaks_no_namespace_fd(root, fp):
+    before = len(os.listdir("/proc/self/fd"))
+    t = FileTier(root, fp, CHUNK, capacity_bytes=None, threads=1, fs_metrics=FsMetrics(CollectorRegistry()))
+    assert t.submit_write(key(1), _buf(1)).wait(10) and t.files.stat(fslayout.key_hex(key(1))) is not None
+    t._workers.close(10)  # what an owner that forgets close() still ends: its threads
+    del t
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) <= before

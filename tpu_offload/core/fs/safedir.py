@@ -267,6 +267,15 @@ class HeldDir:
             if self._cur is not None:
                 self._retire(self._cur)
 
+    def __del__(self) -> None:  # a tier never closed must not leak its fd (no walk can be running now)
+        h = getattr(self, "_cur", None)
+        if h is not None and not h.retired:
+            h.retired = True
+            try:
+                os.close(h.fd)
+            except OSError:
+                pass
+
     def _acquire(self, create: bool) -> "_Held":
         with self._lock:
             h = self._cur
