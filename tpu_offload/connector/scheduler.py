@@ -383,6 +383,10 @@ class OffloadScheduler:
         raw = compat.extract_report(output)
         if raw is None:
             return
+        self._apply_report(raw)
+        self.metrics.core.refresh()  # completions change the tier gauges (mirrored under PROMETHEUS_MULTIPROC_DIR)
+
+    def _apply_report(self, raw) -> None:
         report = OffloadReport.coerce(raw)
         if report.process_count > self._procs and self.expected_procs not in (None, report.process_count):
             log.error("tpu_offload: %d worker processes report, but vLLM's aggregator was told to wait for %d "

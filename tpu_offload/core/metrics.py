@@ -17,6 +17,7 @@ their last value between readings.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from typing import Callable, Iterable
 
@@ -109,6 +110,8 @@ class OffloadMetrics:
         self._multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
         self._mirror: dict[str, Gauge] = {}
         self._refreshed = 0.0
+        self._trailing: threading.Timer | None = None
+        self._refresh_lock = threading.Lock()
         if not self._multiprocess:
             self.registry.register(self._live)
 
@@ -125,20 +128,35 @@ class OffloadMetrics:
         self.refresh(force=True)
 
     def refresh(self, force: bool = False) -> None:
-        """Multiprocess mode only: copy live gauges into files the server reads."""
+        """Multiprocess mode only: copy live gauges into files the server reads.
+
+        At most once a second; a call inside that second schedules one trailing
+        refresh, so the files never stay stale once the engine goes idle (the
+        last stores of a burst complete in steps that trigger no later call).
+        """
         if not self._multiprocess:
             return
-        now = time.monotonic()
-        if not force and now - self._refreshed < 1.0:
-            return
-        self._refreshed = now
-        for name, doc, labelnames, labelvalues, value in self._live.samples():
-            gauge = self._mirror.get(name)
-            if gauge is None:
-                gauge = self._mirror[name] = Gauge(
-                    name, doc, labelnames, registry=self.registry, multiprocess_mode="mostrecent"
-                )
-            (gauge.labels(*labelvalues) if labelnames else gauge).set(value)
+        with self._refresh_lock:
+            wait = 1.0 - (time.monotonic() - self._refreshed)
+            if not force and wait > 0:
+                if self._trailing is None:
+                    self._trailing = threading.Timer(wait, self._trailing_refresh)
+                    self._trailing.daemon = True
+                    self._trailing.start()
+                return
+            self._refreshed = time.monotonic()
+            for name, doc, labelnames, labelvalues, value in self._live.samples():
+                gauge = self._mirror.get(name)
+                if gauge is None:
+                    gauge = self._mirror[name] = Gauge(
+                        name, doc, labelnames, registry=self.registry, multiprocess_mode="mostrecent"
+                    )
+                (gauge.labels(*labelvalues) if labelnames else gauge).set(value)
+
+    def _trailing_refresh(self) -> None:
+        with self._refresh_lock:
+            self._trailing = None
+        self.refresh(force=True)
 
     def record_lookup(self, queried_tokens: int, hits: Iterable[tuple[str, int, int]] = ()) -> None:
         """``hits``: (tier, chunks, tokens) per tier that served the request."""
