@@ -187,6 +187,7 @@ def tier_state(s: dict) -> dict:
         "pinned_chunks": g("tpu_offload_tier_pinned_chunks", tier="cpu"),
         "pending_chunks": g("tpu_offload_tier_pending_chunks", tier="cpu"),
         "fs_files": g("tpu_offload_fs_files"),  # chunk files the file tier knows (None: no file tier)
+        "fs_reads": g("tpu_offload_fs_ops_total", op="read"),  # file -> host promotions, every outcome
     }
 
 
@@ -203,11 +204,13 @@ def event_checks(listener: KVEventListener, final: dict, cell: Cell) -> dict:
     cpu = out["by_medium"].get("CPU", {})
     bpc = cell.chunk_blocks
     stored, evicted, used = t["stored_chunks"] or 0, t["evicted_chunks"] or 0, t["used_chunks"] or 0
+    promoted = t["fs_reads"] or 0  # a chunk promoted from its file enters the host tier too (one read: TP 1 here)
     out["checks"] = {
-        "stored_chunks_metric": stored, "stored_chunk_events_cpu": cpu.get("stored_events", 0),
+        "stored_chunks_metric": stored, "promoted_chunks_metric": promoted,
+        "stored_chunk_events_cpu": cpu.get("stored_events", 0),
         "evicted_chunks_metric": evicted, "removed_blocks_cpu": cpu.get("removed_blocks", 0),
         "resident_blocks_events": cpu.get("resident_blocks", 0), "resident_blocks_tier": used * bpc,
-        "every_store_announced": cpu.get("stored_events", 0) == stored,
+        "every_store_announced": cpu.get("stored_events", 0) == stored + promoted,
         "every_eviction_announced": cpu.get("removed_blocks", 0) == evicted * bpc,
         "resident_match": cpu.get("resident_blocks", 0) == used * bpc,
         "storage_medium_events": out["by_medium"].get("STORAGE", {}).get("stored_events", 0),
