@@ -69,8 +69,13 @@ class ConnectorMetrics:
         g(_P + "staging_buffer_usage", "Staging blocks used by the last step", staging_used)
         g(_P + "staging_buffer_free", "Staging blocks free in the last step", lambda: staging_total - staging_used())
 
-    def lookup(self, queried_tokens: int, hit_tokens: int, hit_chunks: int) -> None:
-        self.core.record_lookup(queried_tokens, [("cpu", hit_chunks, hit_tokens)] if hit_tokens else [])
+    def lookup(self, queried_tokens: int, hit_tokens: int, hit_chunks: int, fs_chunks: int = 0,
+               chunk_tokens: int = 0) -> None:
+        """``fs_chunks`` of the ``hit_chunks`` come from the file tier (promoted through host RAM)."""
+        fs_tokens = min(fs_chunks * chunk_tokens, hit_tokens)
+        hits = [(t, c, n) for t, c, n in (("cpu", hit_chunks - fs_chunks, hit_tokens - fs_tokens),
+                                          ("fs", fs_chunks, fs_tokens)) if n]
+        self.core.record_lookup(queried_tokens, hits)
         self.lookups.inc()
         self.hits.inc(hit_tokens)
         self.misses.inc(max(0, queried_tokens - hit_tokens))
