@@ -259,7 +259,7 @@ class OffloadScheduler:
         if not st.looked_up:
             st.looked_up = True
             queried = request.num_tokens - local
-            self.metrics.lookup(queried, num_external_tokens, len(load_keys))
+            self.metrics.lookup(queried, num_external_tokens, len(load_keys), len(fs_idx), self.chunk_tokens)
             self._add("lookup_tokens", queried)
             self._add("hit_tokens", num_external_tokens)
 
@@ -348,7 +348,9 @@ class OffloadScheduler:
             if alloc is None:
                 self.metrics.core.record_alloc_failure()
                 self._add("alloc_failures", 1)
-                if final:  # nothing evictable: give the blocks back rather than hold them
+                # Chunks whose stores are in flight become evictable within a step or two: keep the
+                # finished request's blocks until then. Only pins (loads) left: give the blocks back.
+                if final and not self.manager.stats().pending_chunks:
                     log.warning("request %s: host tier full of pinned chunks; %d final chunks not stored",
                                 st.request.request_id, len(cand))
                     return True, budget
