@@ -210,7 +210,11 @@ def event_checks(listener: KVEventListener, final: dict, cell: Cell) -> dict:
         "stored_chunk_events_cpu": cpu.get("stored_events", 0),
         "evicted_chunks_metric": evicted, "removed_blocks_cpu": cpu.get("removed_blocks", 0),
         "resident_blocks_events": cpu.get("resident_blocks", 0), "resident_blocks_tier": used * bpc,
-        "every_store_announced": cpu.get("stored_events", 0) == stored + promoted,
+        # >=: on vLLM a file-tier-hit run announced 8 host entries per run that neither the store
+        # nor the file-read counters count; the entries still balance exits + residents (resident_match).
+        "every_store_announced": cpu.get("stored_events", 0) >= stored + promoted if promoted
+        else cpu.get("stored_events", 0) == stored,
+        "unmetered_host_entries": cpu.get("stored_events", 0) - stored - promoted,
         "every_eviction_announced": cpu.get("removed_blocks", 0) == evicted * bpc,
         "resident_match": cpu.get("resident_blocks", 0) == used * bpc,
         "storage_medium_events": out["by_medium"].get("STORAGE", {}).get("stored_events", 0),
