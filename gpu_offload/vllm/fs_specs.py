@@ -27,7 +27,8 @@ from typing import Sequence
 import numpy as np
 
 from tpu_offload.core.fs.format import HEADER_SIZE
-from tpu_offload.core.fs.layout import key_hex, published_stat
+from tpu_offload.core.fs.auth import FsAuth, Names
+from tpu_offload.core.fs.layout import published_stat
 from tpu_offload.core.keys import LayoutFingerprint
 
 from gpu_offload.vllm.compat import CPULoadStoreSpec
@@ -89,21 +90,24 @@ class FileView:
     every rank has its file, since every rank must load its shard.
     """
 
-    def __init__(self, root: str, fingerprints: Sequence[LayoutFingerprint], chunk_bytes: int):
+    def __init__(self, root: str, fingerprints: Sequence[LayoutFingerprint], chunk_bytes: int,
+                 secret: bytes | None = None):
         self.root = os.path.abspath(root)
-        self.ns_dirs = [os.path.join(self.root, fp.namespace()) for fp in fingerprints]
+        auth = FsAuth(secret) if secret else None  # the workers' tiers name files the same way
+        self.names = [Names(self.root, fp, auth) for fp in fingerprints]
+        self.ns_dirs = [n.ns_dir for n in self.names]
         self.file_bytes = HEADER_SIZE + chunk_bytes
         self.stats = 0  # stat calls made (tests, tuning)
 
     def contains(self, key: bytes) -> bool:
-        try:
-            khex = key_hex(key)
-        except ValueError:
-            return False
-        for ns in self.ns_dirs:
+        for names in self.names:
+            try:
+                khex = names.file_id(key).hex()
+            except ValueError:
+                return False
             self.stats += 1
             # Never os.stat: it follows a symlink planted at the key or on the way, and counts a FIFO.
-            st = published_stat(ns, khex)
+            st = published_stat(names.ns_dir, khex)
             if st is None or st.st_size != self.file_bytes:
                 return False
         return True

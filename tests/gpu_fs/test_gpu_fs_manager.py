@@ -42,8 +42,8 @@ def key(i: int) -> bytes:
     return make_offload_key(i.to_bytes(32, "big"), 0)
 
 
-def publish(root, cfg, rank: int, keys) -> None:
-    with FileTier(str(root), fingerprint(cfg, rank), CHUNK, capacity_bytes=None, threads=1) as tier:
+def publish(root, cfg, rank: int, keys, secret=None) -> None:
+    with FileTier(str(root), fingerprint(cfg, rank), CHUNK, capacity_bytes=None, threads=1, secret=secret) as tier:
         for k in keys:
             assert tier.submit_write(k, np.full(CHUNK, 7, np.uint8)) is not None
         tier.flush()
@@ -188,3 +188,14 @@ def test_file_view_never_follows_a_planted_path(tmp_path, cfg, plant):
         else:
             os.mkfifo(path)
     assert not FileView(str(root), [fingerprint(cfg, 0)], CHUNK).contains(key(9))
+
+
+def test_view_with_the_workers_secret_finds_their_files_and_only_with_it(tmp_path, cfg):
+    """With a secret the workers name files by keyed hashes: the scheduler's view must derive the same."""
+    secret = b"a-secret-of-32-bytes-0123456789ab"
+    publish(tmp_path, cfg, 0, [key(1)], secret=secret)
+    fps = [fingerprint(cfg, 0)]
+    assert FileView(str(tmp_path), fps, CHUNK, secret=secret).contains(key(1))
+    assert not FileView(str(tmp_path), fps, CHUNK, secret=secret).contains(key(2))
+    assert not FileView(str(tmp_path), fps, CHUNK).contains(key(1))
+    assert not FileView(str(tmp_path), fps, CHUNK, secret=b"another-secret-0123456789abcdef").contains(key(1))

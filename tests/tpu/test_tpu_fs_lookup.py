@@ -41,3 +41,12 @@ def test_lookup_counts_only_our_regular_files(tmp_path, plant):
         {"symlink_file": lambda: os.symlink(real, path), "fifo": lambda: os.mkfifo(path),
          "directory": lambda: os.mkdir(path)}[plant]()
     assert lookup.contains(KEY) is (plant == "none")
+
+
+def test_lookup_with_a_secret_names_files_like_the_workers_tier(tmp_path):
+    """With ``fs_secret`` the worker's tier names files by keyed hashes; the scheduler must derive the same."""
+    secret = b"a-secret-of-32-bytes-0123456789ab"
+    with FileTier(str(tmp_path), FP, CHUNK, capacity_bytes=None, threads=1, secret=secret) as tier:
+        assert tier.submit_write(KEY, np.full(CHUNK, 7, np.uint8)).wait(10)
+    assert FsLookup(OffloadConfig(shared_storage_path=str(tmp_path), fs_secret=secret), FP).contains(KEY)
+    assert not FsLookup(OffloadConfig(shared_storage_path=str(tmp_path)), FP).contains(KEY)

@@ -28,7 +28,8 @@ import numpy as np
 from tpu_offload.core.config import ConfigError, OffloadConfig
 from tpu_offload.core.fs import FileTier
 from tpu_offload.core.fs.journal import FileJournal
-from tpu_offload.core.fs.layout import key_hex, published_stat
+from tpu_offload.core.fs.auth import FsAuth, Names
+from tpu_offload.core.fs.layout import published_stat
 from tpu_offload.core.keys import ChunkKey, LayoutFingerprint
 
 log = logging.getLogger(__name__)
@@ -69,19 +70,22 @@ class FsLookup:
     def __init__(self, cfg: OffloadConfig, fp: LayoutFingerprint):
         self._root = os.path.abspath(cfg.shared_storage_path)
         self._fp = fp
-        self.ns_dir = os.path.join(self._root, fp.namespace())
+        self._auth = FsAuth(cfg.fs_secret) if cfg.fs_secret else None  # names as the worker's tier has them
+        self.names = Names(self._root, fp, self._auth)
+        self.ns_dir = self.names.ns_dir
         self._seen: set[ChunkKey] = set()
 
     def reset(self, salt: str) -> None:
         """Look only in the namespace salted with ``salt`` from now on."""
-        self.ns_dir = os.path.join(self._root, salted(self._fp, salt).namespace())
+        self.names = Names(self._root, salted(self._fp, salt), self._auth)
+        self.ns_dir = self.names.ns_dir
         self._seen.clear()
 
     def contains(self, key: ChunkKey) -> bool:
         if key in self._seen:
             return True
         # Never os.path.exists: it follows a symlink planted at the key or on the way, and counts a FIFO.
-        if published_stat(self.ns_dir, key_hex(key)) is not None:
+        if published_stat(self.ns_dir, self.names.file_id(key).hex()) is not None:
             self._seen.add(key)
             return True
         return False

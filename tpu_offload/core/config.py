@@ -175,6 +175,12 @@ def _abs_path(key: str) -> Callable[[Any], str]:
     return parse
 
 
+def _secret_env(v: Any) -> bytes:
+    from tpu_offload.core.fs.auth import check_secret
+
+    return check_secret(str(v).encode())
+
+
 # Public for the tpu-offload-fs CLI, which validates its flags the same way.
 parse_size = _bytes
 parse_number = _float
@@ -189,6 +195,7 @@ class _Setting:
     parse: Callable[[Any], Any]
     env: str | None = None
     keys: tuple[str, ...] = ()  # extra_config keys; the first is the canonical one
+    secret: bool = False  # its value never appears in a message
 
 
 _SETTINGS: tuple[_Setting, ...] = (
@@ -205,7 +212,7 @@ _SETTINGS: tuple[_Setting, ...] = (
     _Setting("host_memory_kind", _choice("pinned_host", "unpinned_host"), None, ("host_memory_kind",)),
     _Setting("use_unpinned_host", _bool, "TPU_OFFLOAD_USE_UNPINNED_HOST", ()),
     _Setting("skip_precompile", _bool, "TPU_OFFLOAD_SKIP_JAX_PRECOMPILE", ("skip_precompile",)),
-    _Setting("block_buckets", _int_list, "TPU_OFFLOAD_BLOCK_SIZE_BUCKETS", ("block_buckets",)),
+    _Setting("block_buckets", _int_list, "TPU_OFFLOAD_BLOCK_SIZE_BUCKETS", ("block_buckets",)),  # accepted; no effect
     _Setting("save_threads", _int(1, 256), "TPU_OFFLOAD_SAVE_THREADS", ("save_threads",)),
     _Setting("batched_save", _bool, "TPU_OFFLOAD_BATCHED_SAVE", ()),  # always batched; accepted
     _Setting("metrics_interval_s", _float(0.1), "TPU_OFFLOAD_METRICS_LOG_INTERVAL", ("metrics_interval_s",)),
@@ -222,7 +229,12 @@ _SETTINGS: tuple[_Setting, ...] = (
     _Setting("fs_fsync", _bool, "TPU_OFFLOAD_FS_FSYNC", ("fs_fsync",)),
     _Setting("fs_o_direct", _bool, "TPU_OFFLOAD_FS_O_DIRECT", ("fs_o_direct",)),
     _Setting("snapshot_path", _abs_path("snapshot_path"), "TPU_OFFLOAD_SNAPSHOT_PATH", ("snapshot_path",)),
+    # the file tier's secret: a path in JSON or env, the secret itself only in env (never in a JSON)
+    _Setting("fs_secret_file", _abs_path("fs_secret_file"), "TPU_OFFLOAD_FS_SECRET_FILE", ("fs_secret_file",)),
+    _Setting("fs_secret", _secret_env, "TPU_OFFLOAD_FS_SECRET", (), secret=True),
 )
+# Keys that would put the secret itself into a config JSON (logged, stored, shown in pod specs).
+_SECRET_KEYS = frozenset({"fs_secret", "secret", "fs_key", "fs_secret_key", "fs_hmac_key"})
 
 # vLLM's own OffloadingConnector keys travel in the same dict; we accept them
 # without interpreting them (vLLM does), so a strict check does not reject them.
@@ -270,6 +282,9 @@ class OffloadConfig:
     fs_fsync: bool = False
     fs_o_direct: bool = False
     snapshot_path: str | None = None
+    # With a secret the file tier signs every chunk and hides names (core/fs/auth.py).
+    fs_secret_file: str | None = None
+    fs_secret: bytes | None = dataclasses.field(default=None, repr=False, compare=False)
 
     # -------------------------------------------------------------------
     @classmethod
@@ -292,6 +307,7 @@ class OffloadConfig:
         if unpinned is not None and "host_memory_kind" not in values:
             values["host_memory_kind"] = "unpinned_host" if unpinned else "pinned_host"
         values.pop("batched_save", None)
+        _resolve_secret(values, from_env, from_json)
         return cls(**values)
 
     def resolve_num_chunks(self, chunk_bytes: int) -> int:
@@ -324,6 +340,26 @@ class OffloadConfig:
         return self.chunk_tokens // engine_block_size
 
 
+def _resolve_secret(values: dict[str, Any], from_env: dict[str, Any], from_json: dict[str, Any]) -> None:
+    """Read ``fs_secret_file`` now (one clear error at start); a file and an env secret conflict."""
+    path = values.get("fs_secret_file")
+    if path is None:
+        return
+    if values.get("fs_secret") is not None:
+        where = "kv_connector_extra_config key 'fs_secret_file'" if "fs_secret_file" in from_json \
+            else "environment variable TPU_OFFLOAD_FS_SECRET_FILE"
+        raise ConfigError(f"{where}={path!r} and environment variable TPU_OFFLOAD_FS_SECRET both give the file "
+                          "tier's secret; allowed: set only one")
+    from tpu_offload.core.fs.auth import read_secret_file
+
+    try:
+        values["fs_secret"] = read_secret_file(path)
+    except ValueError as e:
+        where = "kv_connector_extra_config key 'fs_secret_file'" if "fs_secret_file" in from_json \
+            else "environment variable TPU_OFFLOAD_FS_SECRET_FILE"
+        raise _fail(where, path, str(e)) from None
+
+
 def _fail(where: str, value: Any, allowed: str) -> ConfigError:
     return ConfigError(f"{where}: value {value!r} is not allowed; allowed: {allowed}")
 
@@ -340,6 +376,12 @@ def _parse_extra(extra: Mapping[str, Any]) -> dict[str, Any]:
     seen: dict[str, str] = {}
     for key, value in extra.items():
         setting = _BY_KEY.get(key)
+        if setting is None and str(key).lower() in _SECRET_KEYS:
+            raise ConfigError(
+                f"kv_connector_extra_config key {key!r} (value hidden) is not allowed: a secret never goes in "
+                "a config JSON. Allowed: 'fs_secret_file' (a path to a file holding it, e.g. a mounted "
+                "Kubernetes Secret) or the environment variable TPU_OFFLOAD_FS_SECRET"
+            )
         if setting is None:
             if key in ENGINE_KEYS:
                 continue
@@ -381,11 +423,13 @@ def _parse_env(env: Mapping[str, str]) -> dict[str, Any]:
                 f"environment variable {name}={value!r} is unknown"
                 f"{_did_you_mean(name, _BY_ENV)}. Allowed: {', '.join(sorted(_BY_ENV))}"
             )
+        shown = f"<hidden, {len(value)} characters>" if setting.secret else repr(value)
         try:
             parsed = setting.parse(value)
         except ValueError as e:
-            raise _fail(f"environment variable {name}", value, str(e)) from None
-        _claim(seen, setting.field, name, value, "environment")
+            msg = f"environment variable {name}: value {shown} is not allowed; allowed: {e}"
+            raise ConfigError(msg) from None
+        _claim(seen, setting.field, name, "<hidden>" if setting.secret else value, "environment")
         out[setting.field] = parsed
     _check_contradictions(seen, "environment")
     return out

@@ -25,8 +25,9 @@ from tpu_offload.core.fs import actions, layout, safedir
 from tpu_offload.core.fs.fileio import (
     O_DIRECT, aligned_empty, direct_ok, is_direct_refusal, read_all, write_all,
 )
+from tpu_offload.core.fs.auth import TenantKeys
 from tpu_offload.core.fs.format import (
-    HEADER_SIZE, HeaderError, check_header, pack_header, parse_header, payload_checksum,
+    FLAG_MAC, HEADER_SIZE, MAC_OFF, HeaderError, check_header, pack_header, parse_header, payload_checksum,
 )
 
 log = logging.getLogger("tpu_offload.fs")
@@ -58,8 +59,12 @@ class ChunkFiles:
         self.ns.close()
 
     # ---- write ---------------------------------------------------------
-    def write(self, key: bytes, khex: str, mv: memoryview, *, unless_size: int | None = None) -> os.stat_result | None:
+    def write(self, key: bytes, khex: str, mv: memoryview, *, unless_size: int | None = None,
+              tk: TenantKeys | None = None) -> os.stat_result | None:
         """Publish ``mv`` as the chunk ``key``; raises OSError (ELOOP/ENOTDIR: a symlink on the way).
+
+        ``key`` is what the header names (the file id with a secret); with
+        ``tk`` the header carries a MAC over itself and the payload.
 
         With ``unless_size``, a regular file of that size already published
         (maybe by another instance) is kept: its stat is returned and nothing
@@ -72,7 +77,8 @@ class ChunkFiles:
                 if st is not None and st.st_size == unless_size:
                     return st
             hdr = self._header_buf()
-            pack_header(hdr, self.digest, key, len(mv), payload_checksum(mv))
+            pack_header(hdr, self.digest, key, len(mv), payload_checksum(mv),
+                        None if tk is None else (lambda h: tk.mac(h, mv)))
             use_direct = self.direct and direct_ok(mv)
             tmp = layout.temp_name(khex)
             fd, use_direct = self._open_tmp(tmp, d, use_direct)
@@ -117,7 +123,7 @@ class ChunkFiles:
         raise OSError(errno.EIO, f"could not create {tmp}")
 
     # ---- read ----------------------------------------------------------
-    def read(self, khex: str, key: bytes, mv: memoryview) -> tuple[str, object]:
+    def read(self, khex: str, key: bytes, mv: memoryview, tk: TenantKeys | None = None) -> tuple[str, object]:
         """Fill ``mv`` from the file. Returns one of
 
         ``(HIT, None)``, ``(MISS, None)``, ``(UNSAFE, what)`` (a symlink, FIFO,
@@ -151,7 +157,7 @@ class ChunkFiles:
                                 use_direct = False
                                 continue
                             return ERROR, e
-                        reason = self._check(key, hdr, mv, n)
+                        reason = self._check(key, hdr, mv, n, tk)
                         if reason is not None:
                             return CORRUPT, (reason, _st.st_ino)
                     finally:
@@ -193,7 +199,7 @@ class ChunkFiles:
         with self._dir(khex) as d:
             return actions.quarantine(self.ns_dir, d, khex, ino, reason)
 
-    def _check(self, key: bytes, hdr: np.ndarray, mv: memoryview, n: int) -> str | None:
+    def _check(self, key: bytes, hdr: np.ndarray, mv: memoryview, n: int, tk: TenantKeys | None) -> str | None:
         if n < HEADER_SIZE:
             return "truncated"
         try:
@@ -207,6 +213,9 @@ class ChunkFiles:
             return "truncated"
         if payload_checksum(mv) != h.checksum:
             return "checksum"
+        if tk is not None:  # damage is caught above; this says whether one of our keys wrote it
+            if not h.flags & FLAG_MAC or not tk.mac_ok(memoryview(hdr)[:MAC_OFF], mv, h.mac):
+                return "mac"
         return None
 
     # ---- helpers -------------------------------------------------------

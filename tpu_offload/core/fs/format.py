@@ -12,19 +12,23 @@ Layout of the header (little-endian)::
     0   8s  magic  b"TPUOFFKV"
     8   H   format version
     10  H   header size (4096)
-    12  I   flags (0)
-    16  16s layout fingerprint digest
+    12  I   flags: 1 = MAC present
+    16  16s layout fingerprint digest (with a secret: a keyed tag of it)
     32  Q   payload length in bytes
     40  Q   xxh3-64 of the payload
     48  H   key length
-    50  ..  key bytes, zero padding
+    50  ..  key bytes (with a secret: the keyed file id), zero padding
+    4056 32s keyed BLAKE2b-256 of bytes [0, 4056) and the payload (flag 1; else zero)
     4088 Q  xxh3-64 of bytes [0, 4088)
+
+The xxh3 checksums catch damage; only the MAC (``auth``) says who wrote it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import struct
+from typing import Callable
 
 import xxhash
 
@@ -37,6 +41,9 @@ _FIXED = struct.Struct("<8sHHI16sQQH")
 _KEY_OFF = _FIXED.size
 _HCHK = struct.Struct("<Q")
 _HCHK_OFF = HEADER_SIZE - _HCHK.size
+MAC_BYTES = 32
+MAC_OFF = _HCHK_OFF - MAC_BYTES  # the MAC covers every header byte before it
+FLAG_MAC = 1
 _VERSION_AT = struct.Struct("<H")
 _ZERO = bytes(HEADER_SIZE)
 
@@ -56,6 +63,8 @@ class Header:
     key: bytes
     payload_len: int
     checksum: int
+    flags: int = 0
+    mac: bytes = b""
 
     @property
     def file_size(self) -> int:
@@ -66,8 +75,13 @@ def payload_checksum(data) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
 
-def pack_header(buf, digest: bytes, key: bytes, payload_len: int, checksum: int) -> None:
-    """Fill ``buf`` (a writable 4096-byte buffer, e.g. an aligned numpy row)."""
+def pack_header(buf, digest: bytes, key: bytes, payload_len: int, checksum: int,
+                seal: Callable[[memoryview], bytes] | None = None) -> None:
+    """Fill ``buf`` (a writable 4096-byte buffer, e.g. an aligned numpy row).
+
+    ``seal(header[:MAC_OFF])`` returns the MAC (it also covers the payload);
+    with it the MAC flag is set.
+    """
     if len(key) > MAX_KEY_BYTES or not key:
         raise ValueError(f"key of {len(key)} bytes; allowed 1..{MAX_KEY_BYTES}")
     if len(digest) != 16:
@@ -76,8 +90,14 @@ def pack_header(buf, digest: bytes, key: bytes, payload_len: int, checksum: int)
     if len(mv) != HEADER_SIZE:
         raise ValueError(f"header buffer must be {HEADER_SIZE} bytes, got {len(mv)}")
     mv[:] = _ZERO
-    _FIXED.pack_into(mv, 0, MAGIC, VERSION, HEADER_SIZE, 0, digest, payload_len, checksum, len(key))
+    flags = FLAG_MAC if seal is not None else 0
+    _FIXED.pack_into(mv, 0, MAGIC, VERSION, HEADER_SIZE, flags, digest, payload_len, checksum, len(key))
     mv[_KEY_OFF : _KEY_OFF + len(key)] = key
+    if seal is not None:
+        tag = seal(mv[:MAC_OFF])
+        if len(tag) != MAC_BYTES:
+            raise ValueError(f"MAC of {len(tag)} bytes; the header holds {MAC_BYTES}")
+        mv[MAC_OFF:_HCHK_OFF] = tag
     _HCHK.pack_into(mv, _HCHK_OFF, xxhash.xxh3_64_intdigest(mv[:_HCHK_OFF]))
 
 
@@ -103,11 +123,12 @@ def parse_header(buf) -> Header:
     (hchk,) = _HCHK.unpack_from(mv, _HCHK_OFF)
     if xxhash.xxh3_64_intdigest(mv[:_HCHK_OFF]) != hchk:
         raise HeaderError("header_checksum", "header bytes do not match their checksum")
-    _, _, hsize, _flags, digest, plen, chk, klen = _FIXED.unpack_from(mv, 0)
+    _, _, hsize, flags, digest, plen, chk, klen = _FIXED.unpack_from(mv, 0)
     if hsize != HEADER_SIZE or klen == 0 or klen > MAX_KEY_BYTES:
         raise HeaderError("header", f"header size {hsize}, key length {klen}")
     key = bytes(mv[_KEY_OFF : _KEY_OFF + klen])
-    return Header(version=version, digest=digest, key=key, payload_len=plen, checksum=chk)
+    return Header(version=version, digest=digest, key=key, payload_len=plen, checksum=chk, flags=flags,
+                  mac=bytes(mv[MAC_OFF:_HCHK_OFF]) if flags & FLAG_MAC else b"")
 
 
 def check_header(h: Header, digest: bytes, key: bytes, payload_len: int) -> str | None:

@@ -67,6 +67,9 @@ class FsMetrics:
         self.evicted = Counter("tpu_offload_fs_evicted_files", "Files evicted by the tier's byte budget", ln, registry=r)
         self.corrupt = Counter("tpu_offload_fs_corrupt_files", "Files rejected on read", [*ln, "reason"], registry=r)
         self.dropped = Counter("tpu_offload_fs_dropped_writes", "Writes not done", [*ln, "reason"], registry=r)
+        self.auth_failures = Counter("tpu_offload_fs_auth_failures",
+                                     "Files whose MAC failed (written without this tier's key): never served",
+                                     ln, registry=r)
         self._usage = _Usage(self.labels)
         r.register(self._usage)
 
@@ -100,6 +103,7 @@ class TierMetrics:
         self.read_latency = m.latency.labels(**lv, op="read")
         self.write_latency = m.latency.labels(**lv, op="write")
         self.evicted = m.evicted.labels(**lv)
+        self._auth = m.auth_failures.labels(**lv)
         self._ops: dict[tuple[str, str], object] = {}
 
     def op(self, op: str, result: str, n: int = 1) -> None:
@@ -107,6 +111,9 @@ class TierMetrics:
         if child is None:
             child = self._ops[(op, result)] = self._m.ops.labels(**self._lv, op=op, result=result)
         child.inc(n)
+
+    def auth_failure(self) -> None:
+        self._auth.inc()
 
     def corrupt(self, reason: str) -> None:
         self._m.corrupt.labels(**self._lv, reason=reason).inc()

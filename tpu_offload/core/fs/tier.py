@@ -21,6 +21,12 @@ Why it is built this way:
   followed if it is a symlink, a FIFO or device at a key is a miss, an
   unreadable subdirectory is skipped and counted, only our own names are
   ever deleted, and ages are judged on the file server's clock.
+* A checksum is not authentication: with a secret (``auth``) every file
+  carries a keyed MAC, names are keyed hashes, and a file that fails the MAC
+  is a miss counted as ``auth_failures``, never served and never deleted
+  (someone else made it). Without one the tier says once that it is
+  unauthenticated. The index is keyed by the on-disk id (the key itself
+  without a secret), since a rescan only sees names.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 
 from tpu_offload.core.fs import layout, safedir
+from tpu_offload.core.fs.auth import FsAuth, Names
 from tpu_offload.core.fs.chunkfile import CORRUPT, ERROR, HIT, MISS, UNSAFE, ChunkFiles
 from tpu_offload.core.fs.fileio import byte_view
 from tpu_offload.core.fs.format import HEADER_SIZE
@@ -58,6 +65,7 @@ log = logging.getLogger("tpu_offload.fs")
 
 _SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 _DENIED_ERRNOS = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
+_UNAUTH_WARNED = False  # once per process
 
 
 class CapacityError(ValueError):
@@ -89,6 +97,7 @@ class FileTier:
         rescan_interval_s: float = 60.0,
         readonly_retry_s: float = 30.0,
         touch_interval_s: float = 1.0,
+        secret: bytes | None = None,
     ):
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes}")
@@ -99,7 +108,10 @@ class FileTier:
         self.name = name
         self.root = os.path.abspath(root)
         self.fingerprint = fingerprint
-        self.ns_dir = os.path.join(self.root, fingerprint.namespace())
+        self.names = Names(self.root, fingerprint, FsAuth(secret) if secret else None)
+        self.ns_dir = self.names.ns_dir
+        self._tk = self.names.keys()  # None without a secret
+        self._key_of: dict[bytes, bytes] = {}  # file id -> chunk key, for the journal (with a secret)
         self.chunk_bytes = chunk_bytes
         self.file_bytes = HEADER_SIZE + chunk_bytes
         self.capacity_bytes = capacity_bytes
@@ -107,7 +119,7 @@ class FileTier:
         self.quarantine = quarantine
         self.rescan_interval_s = rescan_interval_s
         self.readonly_retry_s = readonly_retry_s
-        self.files = ChunkFiles(self.ns_dir, fingerprint.digest(), fsync=fsync, o_direct=o_direct, name=name)
+        self.files = ChunkFiles(self.ns_dir, self.names.digest, fsync=fsync, o_direct=o_direct, name=name)
         self._index = FileIndex(touch_interval_s)
         self._scanner = Rescanner(self.ns_dir, self._index, name=name, stale_tmp_s=stale_tmp_s, count=self._count,
                                   writable=lambda: self._state is TierState.RW)
@@ -129,6 +141,7 @@ class FileTier:
         self._m = fs_metrics.for_tier(name)
         self._workers: IOWorkers | None = None
         self.journal: FileJournal | None = None  # set by an adapter that publishes KV events
+        self._warn_unauthenticated()
         self._open_namespace()
         if self._state is not TierState.OFF:
             self._workers = IOWorkers(threads, name=f"{name}-io")
@@ -149,7 +162,7 @@ class FileTier:
                 cfg.shared_storage_path, fingerprint, chunk_bytes,
                 capacity_bytes=cfg.fs_capacity_bytes, threads=cfg.fs_threads,
                 queue_depth=cfg.fs_queue_depth, fsync=cfg.fs_fsync, o_direct=cfg.fs_o_direct,
-                metrics=metrics, **kw,
+                metrics=metrics, secret=cfg.fs_secret, **kw,
             )
         except CapacityError as e:  # checked (once) by the constructor, before it touches anything
             from tpu_offload.core.config import ConfigError
@@ -164,8 +177,39 @@ class FileTier:
     def state(self) -> TierState:
         return self._state
 
+    @property
+    def authenticated(self) -> bool:
+        return self._tk is not None
+
     def path_of(self, key: ChunkKey) -> str:
-        return layout.chunk_dir_and_path(self.ns_dir, layout.key_hex(key))[1]
+        return layout.chunk_dir_and_path(self.ns_dir, self._fid(key).hex())[1]
+
+    def _fid(self, key: bytes, remember: bool = False) -> bytes:
+        """The chunk's on-disk id (raises ValueError for a bad key).
+
+        ``remember``: the file will be in the index, so its removal must be
+        journaled under the key (with a secret the name cannot give it back).
+        """
+        layout.key_hex(key)
+        if self._tk is None:
+            return bytes(key)
+        fid = self._tk.file_id(key)
+        if remember:
+            self._key_of[fid] = bytes(key)
+        return fid
+
+    def _journal_removed(self, fid: bytes) -> None:
+        key = self._key_of.pop(fid, None) if self._tk is not None else fid
+        if key is not None and self.journal is not None:
+            self.journal.removed(key)
+
+    def _warn_unauthenticated(self) -> None:
+        global _UNAUTH_WARNED
+        if self._tk is None and not _UNAUTH_WARNED:
+            _UNAUTH_WARNED = True
+            logging.getLogger("tpu_offload.auth").warning("fs tier %s at %s is unauthenticated: anyone who can write the directory can publish "
+                        "KV this engine will serve, and file names are hashes of the tokens. Set fs_secret_file "
+                        "(or TPU_OFFLOAD_FS_SECRET) to sign chunks and hide names", self.name, self.root)
 
     def contains(self, key: ChunkKey) -> bool:
         """Index first; a stat finds files other processes wrote. No side effects.
@@ -175,12 +219,13 @@ class FileTier:
         """
         if self._state in (TierState.OFF, TierState.CLOSED):
             return False
-        if key in self._index:
-            return True
         try:
-            st = self.files.stat(layout.key_hex(key))
+            fid = self._fid(key)
         except ValueError:
             return False
+        if fid in self._index:
+            return True
+        st = self.files.stat(fid.hex())
         return st is not None and st.st_size == self.file_bytes
 
     # ---- writes --------------------------------------------------------
@@ -189,7 +234,7 @@ class FileTier:
         mv = byte_view(data)
         if len(mv) != self.chunk_bytes:
             raise ValueError(f"chunk of {len(mv)} bytes; this tier stores {self.chunk_bytes}")
-        layout.key_hex(key)  # validates the key before anything is queued
+        self._fid(key)  # validates the key before anything is queued
         with self._lock:
             if self._state is TierState.READ_ONLY and self._retry_at is not None \
                     and time.monotonic() >= self._retry_at:
@@ -229,21 +274,22 @@ class FileTier:
         if self._state is not TierState.RW:
             self._drop(self._state.value)
             return False
-        khex = layout.key_hex(key)
+        fid = self._fid(key, remember=True)
+        khex = fid.hex()
         t0 = time.perf_counter()
         try:
-            st = self.files.write(key, khex, mv, unless_size=self.file_bytes)
+            st = self.files.write(fid, khex, mv, unless_size=self.file_bytes, tk=self._tk)
         except OSError as e:
             self._write_error(e)
             return False
         if st is not None:  # someone (maybe another instance) already published it
-            self._index.add(key, st.st_size, disk_time=st.st_mtime)
+            self._index.add(fid, st.st_size, disk_time=st.st_mtime)
             self._count("writes_exist")
             self._m.op("write", "exists")
             self.touch(key)
             return True
         dt = time.perf_counter() - t0
-        self._index.add(key, self.file_bytes)
+        self._index.add(fid, self.file_bytes)
         self._count("writes_ok", 1, "bytes_written", len(mv))
         self._m.write_bytes.inc(len(mv))
         self._m.write_latency.observe(dt)
@@ -292,19 +338,20 @@ class FileTier:
         if len(mv) != self.chunk_bytes:
             raise ValueError(f"buffer of {len(mv)} bytes; this tier stores {self.chunk_bytes}")
         t0 = time.perf_counter()
-        khex = layout.key_hex(key)
-        outcome, detail = self.files.read(khex, key, mv)
+        fid = self._fid(key)
+        khex = fid.hex()
+        outcome, detail = self.files.read(khex, fid, mv, self._tk)
         if outcome is MISS:
-            return self._miss(key)
+            return self._miss(fid)
         if outcome is UNSAFE:
             self._count("read_not_regular")
             self._m.op("read", "not_regular")
-            return self._miss(key)
+            return self._miss(fid)
         if outcome is ERROR:
             return self._read_error(detail)
         if outcome is CORRUPT:
             reason, ino = detail
-            return self._reject(key, khex, ino, reason)
+            return self._reject(fid, khex, ino, reason)
         assert outcome is HIT
         self._m.read_latency.observe(time.perf_counter() - t0)
         self._m.read_bytes.inc(len(mv))
@@ -312,8 +359,10 @@ class FileTier:
         self._count("reads_ok", 1, "bytes_read", len(mv))
         if self._offload_metrics is not None:
             self._offload_metrics.loaded_chunks.labels(tier=self.name, **self._offload_metrics.labels).inc()
-        if key not in self._index:  # another instance wrote it: restamp its mtime too
-            self._index.add(key, self.file_bytes, disk_time=0.0)
+        if fid not in self._index:  # another instance wrote it: restamp its mtime too
+            self._index.add(fid, self.file_bytes, disk_time=0.0)
+        if self._tk is not None:
+            self._key_of[fid] = bytes(key)
         self.touch(key)
         return True
 
@@ -344,10 +393,10 @@ class FileTier:
             return False
         return True
 
-    def _miss(self, key: bytes) -> bool:
-        if key in self._index and self.journal is not None:
-            self.journal.removed(key)  # deleted under us (another instance's eviction, an admin)
-        self._index.remove(key)
+    def _miss(self, fid: bytes) -> bool:
+        if fid in self._index:
+            self._journal_removed(fid)  # deleted under us (another instance's eviction, an admin)
+        self._index.remove(fid)
         self._count("read_misses")
         self._m.op("read", "miss")
         return False
@@ -360,17 +409,26 @@ class FileTier:
             log.warning("fs tier %s: read failed (%s); treated as a miss", self.name, e)
         return False
 
-    def _reject(self, key: bytes, khex: str, ino: int, reason: str) -> bool:
+    def _reject(self, fid: bytes, khex: str, ino: int, reason: str) -> bool:
         """A file that must not be served: count it and take it out of sight."""
-        self._index.remove(key)
-        if self.journal is not None:
-            self.journal.removed(key)
+        self._index.remove(fid)
+        self._journal_removed(fid)
+        path = layout.chunk_dir_and_path(self.ns_dir, khex)[1]
+        if reason == "mac":  # valid checksums, wrong MAC: made by someone without our key. Not ours to delete.
+            self._count("auth_failures")
+            self._m.auth_failure()
+            self._m.op("read", "auth_failure")
+            if "mac" not in self._warned_errnos:
+                self._warned_errnos.add("mac")
+                log.warning("fs tier %s: %s fails its MAC (written without this tier's key); not served, "
+                            "left in place, counted in tpu_offload_fs_auth_failures_total", self.name, path)
+            return False
         self._count("corrupt", 1, f"corrupt_{reason}", 1)
         self._m.corrupt(reason)
         self._m.op("read", "corrupt")
         if self._offload_metrics is not None:
             self._offload_metrics.record_load_errors(1, tier=self.name)
-        log.warning("fs tier %s: rejected %s (%s)", self.name, self.path_of(key), reason)
+        log.warning("fs tier %s: rejected %s (%s)", self.name, path, reason)
         try:  # only that inode (not a fresh write since), never through a symlink
             if self.quarantine:
                 self.files.quarantine(khex, ino, reason)
@@ -385,10 +443,11 @@ class FileTier:
         """Mark as used: index now, file mtime (throttled) on an I/O thread."""
         if self._state in (TierState.OFF, TierState.CLOSED):
             return
-        if key in self._index and not self._index.touch(key):
+        fid = self._fid(key)
+        if fid in self._index and not self._index.touch(fid):
             return
         with self._lock:
-            self._touch_q[key] = None
+            self._touch_q[fid] = None
             if self._touch_scheduled or self._workers is None:
                 return
             try:
@@ -401,27 +460,28 @@ class FileTier:
         with self._lock:
             keys, self._touch_q = self._touch_q, {}
             self._touch_scheduled = False
-        for key in keys:
+        for fid in keys:
             try:
-                self.files.restamp(layout.key_hex(key))
+                self.files.restamp(fid.hex())
             except OSError:
                 pass  # evicted meanwhile, or another uid's file
 
     def keys_lru_order(self) -> list[bytes]:
+        """On-disk ids, least recent first (the chunk keys themselves without a secret)."""
         return self._index.keys_lru_order()
 
     # ---- capacity ------------------------------------------------------
     def _evict_to(self, budget: int) -> int:
         victims = self._index.pop_lru_until(budget)
         n = 0
-        for key, _size in victims:
+        for fid, _size in victims:
             try:
-                gone = self.files.unlink(layout.key_hex(key))
+                gone = self.files.unlink(fid.hex())
                 n += gone
-                if gone and self.journal is not None:
-                    self.journal.removed(key)
+                if gone:
+                    self._journal_removed(fid)
             except OSError as e:
-                log.debug("fs tier %s: evicting %s failed: %s", self.name, key.hex(), e)
+                log.debug("fs tier %s: evicting %s failed: %s", self.name, fid.hex(), e)
         if n:
             self._count("evicted", n)
             self._m.evicted.inc(n)
@@ -437,6 +497,9 @@ class FileTier:
         """Re-read the directory (see ``Rescanner``), then enforce the budget."""
         if not self._scanner.run(block):
             return  # another thread is scanning
+        if self._tk is not None and len(self._key_of) > 2 * len(self._index) + 1024:
+            idx = self._index
+            self._key_of = {f: k for f, k in list(self._key_of.items()) if f in idx}
         if self.capacity_bytes is not None and self._index.used_bytes > self.capacity_bytes:
             self._evict_to(self.capacity_bytes)
 

@@ -1,0 +1,215 @@
+"""Authenticated chunks and names that reveal nothing (a secret shared by the replicas of one tenant).
+
+Each attack is staged for real on the disk: another tenant rewrites a
+chunk's payload and fixes every public checksum, writes an unsigned file
+under the right name, or signs with its own secret; a lister computes the
+names of candidate prompts. Without a secret the first attack is served (the
+reason for this suite); with one, every forged file is a miss, counted in
+its own metric, left in place, and never served.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+
+import numpy as np
+import pytest
+import xxhash
+
+from fs_helpers import CHUNK, aligned, key, layout, payload
+from tpu_offload.core.config import ConfigError, OffloadConfig
+from tpu_offload.core.fs.auth import FsAuth, Names
+from tpu_offload.core.fs.chunkfile import ChunkFiles
+from tpu_offload.core.fs.format import HEADER_SIZE, parse_header
+
+SECRET = b"tenant-a-secret-0123456789abcdef"
+OTHER_SECRET = b"tenant-b-secret-0123456789abcdef"
+
+
+def _buf(i):
+    b = aligned()
+    b[:] = payload(i)
+    return b
+
+
+def _write(t, *idx):
+    for i in idx:
+        assert t.submit_write(key(i), _buf(i)).wait(30)
+
+
+def _forge_payload(path: str, evil: np.ndarray) -> None:
+    """What any tenant with write access can do: keep the public header, swap the payload, fix both xxh3s."""
+    with open(path, "rb") as f:
+        hdr = bytearray(f.read(HEADER_SIZE))
+    struct.pack_into("<Q", hdr, 40, xxhash.xxh3_64_intdigest(evil.tobytes()))
+    struct.pack_into("<Q", hdr, HEADER_SIZE - 8, xxhash.xxh3_64_intdigest(bytes(hdr[: HEADER_SIZE - 8])))
+    tmp = path + ".forging"
+    with open(tmp, "wb") as f:
+        f.write(bytes(hdr) + evil.tobytes())
+    os.rename(tmp, path)
+
+
+def _auth_failures(t) -> float:
+    return t.fs_metrics.registry.get_sample_value("tpu_offload_fs_auth_failures_total", {"tier": t.name}) or 0.0
+
+
+def _read(t, i):
+    out = aligned()
+    out[:] = 0xAB
+    return t.read_into(key(i), out), out
+
+
+def test_forged_payload_is_served_without_a_secret(root, make_tier):
+    """The attack itself: a checksum is not authentication (today's behaviour, kept without a secret)."""
+    t = make_tier(root)
+    _write(t, 1)
+    evil = payload(666)
+    _forge_payload(t.path_of(key(1)), evil)
+    ok, out = _read(t, 1)
+    assert ok and np.array_equal(out, evil)
+
+
+def test_forged_payload_is_a_miss_counted_and_left_in_place(root, make_tier):
+    t = make_tier(root, secret=SECRET)
+    _write(t, 1, 2)
+    path = t.path_of(key(1))
+    _forge_payload(path, payload(666))
+    ok, out = _read(t, 1)
+    assert not ok, "a forged chunk was served"
+    assert t.counters()["auth_failures"] == 1 and _auth_failures(t) == 1
+    assert "corrupt" not in t.counters(), "a forgery is not damage: counted on its own"
+    assert os.path.exists(path), "a file someone else made is not ours to delete"
+    assert _read(t, 2)[0], "the real chunks are still served"
+    assert not _read(t, 1)[0] and _auth_failures(t) == 2
+
+
+def test_unsigned_and_foreign_signed_files_are_refused(root, make_tier):
+    t = make_tier(root, secret=SECRET)
+    _write(t, 1, 2)
+    # Someone without the MAC key writes a well-formed file under the right name (header copied: no MAC).
+    unsigned = ChunkFiles(t.ns_dir, t.names.digest)
+    fid = bytes.fromhex(os.path.basename(t.path_of(key(1))))
+    unsigned.write(fid, fid.hex(), memoryview(payload(7)))
+    # Another tenant signs with its own secret, in our namespace, under our name.
+    other = FsAuth(OTHER_SECRET).tenant(layout().digest())
+    fid2 = bytes.fromhex(os.path.basename(t.path_of(key(2))))
+    ChunkFiles(t.ns_dir, t.names.digest).write(fid2, fid2.hex(), memoryview(payload(8)), tk=other)
+    unsigned.close()
+    assert not _read(t, 1)[0] and not _read(t, 2)[0]
+    assert t.counters()["auth_failures"] == 2
+
+
+def test_keys_are_per_tenant_salt():
+    """A chunk signed for one salt does not verify (and is not even named alike) for another."""
+    auth = FsAuth(SECRET)
+    a, b = auth.tenant(layout().digest(), b"salt-a"), auth.tenant(layout().digest(), b"salt-b")
+    assert a.file_id(key(1)) != b.file_id(key(1))
+    hdr, body = memoryview(bytes(4056)), memoryview(payload(1).tobytes())
+    assert a.mac_ok(hdr, body, a.mac(hdr, body)) and not b.mac_ok(hdr, body, a.mac(hdr, body))
+    assert auth.tenant(layout(model="x").digest()).file_id(key(1)) != auth.tenant(layout().digest()).file_id(key(1))
+
+
+def test_listing_and_headers_reveal_nothing(root, make_tier):
+    """A lister who computes the keys of candidate prompts finds none of them; headers hold no key."""
+    t = make_tier(root, secret=SECRET)
+    _write(t, *range(1, 9))
+    fp = layout()
+    ns = os.path.basename(t.ns_dir)
+    assert "llama" not in ns and fp.digest().hex() not in ns and ns != fp.namespace()
+    names = {f for _, _, files in os.walk(t.ns_dir) for f in files}
+    assert len(names) == 8
+    for i in range(1, 9):
+        assert key(i).hex() not in names
+        with open(t.path_of(key(i)), "rb") as f:
+            hdr = f.read(HEADER_SIZE)
+        assert bytes(key(i)) not in hdr and fp.digest() not in hdr
+        assert parse_header(hdr).mac
+    assert not os.path.exists(os.path.join(root, fp.namespace()))
+
+
+def test_replicas_with_one_secret_share_and_others_do_not(root, make_tier):
+    a = make_tier(root, secret=SECRET)
+    _write(a, 1)
+    b = make_tier(root, secret=SECRET)
+    ok, out = _read(b, 1)
+    assert ok and np.array_equal(out, payload(1))
+    c = make_tier(root, secret=OTHER_SECRET)
+    plain = make_tier(root)
+    assert not c.contains(key(1)) and not _read(c, 1)[0]
+    assert not plain.contains(key(1)) and not _read(plain, 1)[0]
+
+
+def test_lookups_name_files_like_the_tier(root, make_tier):
+    """The scheduler's read-only view derives the same names from the same secret."""
+    t = make_tier(root, secret=SECRET)
+    _write(t, 1)
+    n = Names(root, layout(), FsAuth(SECRET))
+    assert n.ns_dir == t.ns_dir
+    assert os.path.join(n.ns_dir, *_fan(n.file_id(key(1)).hex())) == t.path_of(key(1))
+    assert Names(root, layout()).ns_dir != t.ns_dir
+
+
+def _fan(h):
+    return h[0:2], h[2:4], h
+
+
+def test_no_secret_says_once_that_the_tier_is_unauthenticated(root, make_tier, caplog, monkeypatch):
+    from tpu_offload.core.fs import tier as tier_mod
+
+    monkeypatch.setattr(tier_mod, "_UNAUTH_WARNED", False)
+    with caplog.at_level(logging.WARNING, logger="tpu_offload.auth"):
+        make_tier(root)
+        make_tier(root)
+        make_tier(root, secret=SECRET)
+    msgs = [r.getMessage() for r in caplog.records if r.name == "tpu_offload.auth"]
+    assert len(msgs) == 1 and "unauthenticated" in msgs[0]
+
+
+# ---- configuration: the secret comes from a file or the environment, never from JSON ----
+
+
+def test_secret_from_a_file_or_the_environment(tmp_path, root, fp):
+    f = tmp_path / "secret"
+    f.write_bytes(SECRET + b"\n")
+    cfg = OffloadConfig.from_sources({"shared_storage_path": root, "fs_secret_file": str(f)}, env={})
+    assert cfg.fs_secret == SECRET and SECRET.decode() not in repr(cfg)
+    cfg2 = OffloadConfig.from_sources({"shared_storage_path": root}, env={"TPU_OFFLOAD_FS_SECRET": SECRET.decode()})
+    assert cfg2.fs_secret == SECRET
+    from tpu_offload.core.fs import FileTier
+
+    t = FileTier.from_config(cfg, fp, CHUNK)
+    try:
+        assert t.authenticated
+    finally:
+        t.close()
+
+
+@pytest.mark.parametrize("extra,env,needle", [
+    ({"fs_secret": SECRET.decode()}, {}, "never goes in a config JSON"),
+    ({}, {"TPU_OFFLOAD_FS_SECRET": "short"}, "TPU_OFFLOAD_FS_SECRET: value <hidden"),
+    ({"fs_secret_file": "/nonexistent/secret"}, {}, "'fs_secret_file': value '/nonexistent/secret'"),
+    ({"fs_secret_file": "relative/secret"}, {}, "an absolute path"),
+])
+def test_bad_secret_settings_name_key_and_allowed_and_never_echo_the_secret(extra, env, needle):
+    with pytest.raises(ConfigError) as e:
+        OffloadConfig.from_sources(extra, env=env)
+    msg = str(e.value)
+    assert needle in msg and "allowed" in msg.lower()
+    assert SECRET.decode() not in msg and "short" not in msg
+
+
+def test_a_secret_file_and_a_secret_in_env_conflict(tmp_path):
+    f = tmp_path / "secret"
+    f.write_bytes(SECRET)
+    with pytest.raises(ConfigError, match="set only one"):
+        OffloadConfig.from_sources({"fs_secret_file": str(f)}, env={"TPU_OFFLOAD_FS_SECRET": SECRET.decode()})
+
+
+def test_a_fifo_as_secret_file_is_refused_without_blocking(tmp_path):
+    p = tmp_path / "fifo"
+    os.mkfifo(p)
+    with pytest.raises(ConfigError, match="regular file"):
+        OffloadConfig.from_sources({"fs_secret_file": str(p)}, env={})
+
