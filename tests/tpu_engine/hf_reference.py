@@ -13,9 +13,9 @@ class Greedy:
 
 def greedy(model_dir: str, prompts: list[list[int]], max_tokens: int) -> list[Greedy]:
     import torch
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
     out = []
     with torch.no_grad():
         for prompt in prompts:

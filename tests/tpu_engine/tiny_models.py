@@ -1,11 +1,12 @@
-"""Random-weight Llama checkpoints written at test time: no download.
+"""Random-weight Llama and Qwen3 checkpoints written at test time: no download.
 
 Each shape exists to put one engine path under test:
 
 * ``KV4``: 8 query heads over 4 KV heads, so TP 1, 2 and 4 shard whole KV
   heads (the common case);
 * ``KV1``: 4 query heads over 1 KV head, so at TP >= 2 tpu-inference
-  replicates the KV head on every shard (what Llama-3-8B does at TP 8).
+  replicates the KV head on every shard (what Llama-3-8B does at TP 8);
+* ``QWEN3``: a second architecture (``Qwen3ForCausalLM``), as ``KV4``.
 
 head_dim is 128 so the engine takes its default RPA v3 cache layout (the
 layout a real TPU deployment of these models uses). The weights use a wide
@@ -18,6 +19,8 @@ OpenAI server can serve the model too; tests pass token ids.
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 
 from gpu_offload.testing.tiny_model import TinyLlama as _TinyLlama
 
@@ -52,5 +55,33 @@ def write_tokenizer(path: str, vocab_size: int) -> None:
     fast.save_pretrained(path)
 
 
+@dataclasses.dataclass(frozen=True)
+class TinyQwen3(TinyLlama):
+    """A random Qwen3 (per-head q/k RMS norms): another class in vLLM's model
+    registry and in tpu-inference's, the family the tpu-v7 guide serves."""
+
+    def write(self, path: str, dtype: str) -> str:
+        marker = os.path.join(path, "tiny_qwen3.json")
+        spec = json.dumps({**dataclasses.asdict(self), "dtype": dtype}, sort_keys=True)
+        if not (os.path.exists(marker) and open(marker).read() == spec):
+            import torch
+            from transformers import Qwen3Config, Qwen3ForCausalLM
+
+            torch.manual_seed(self.seed)
+            cfg = Qwen3Config(
+                hidden_size=self.hidden_size, num_hidden_layers=self.num_layers,
+                num_attention_heads=self.num_heads, num_key_value_heads=self.num_kv_heads, head_dim=self.head_dim,
+                intermediate_size=self.intermediate_size, vocab_size=self.vocab_size,
+                max_position_embeddings=self.max_position, initializer_range=self.init_range,
+                tie_word_embeddings=False, torch_dtype=dtype,
+            )
+            Qwen3ForCausalLM(cfg).to(getattr(torch, dtype)).save_pretrained(path, safe_serialization=True)
+            with open(marker, "w") as f:
+                f.write(spec)
+        write_tokenizer(path, self.vocab_size)
+        return path
+
+
 KV4 = TinyLlama(name="kv4", num_heads=8, num_kv_heads=4)
 KV1 = TinyLlama(name="kv1", num_heads=4, num_kv_heads=1)
+QWEN3 = TinyQwen3(name="qwen3", num_heads=8, num_kv_heads=4)
