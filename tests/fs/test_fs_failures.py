@@ -177,14 +177,29 @@ def test_permission_denied_namespace_is_off(root, make_tier):
 
 
 def test_permission_denied_files_read_as_misses(root, make_tier):
-    """Listable namespace, 0640 root-owned files: reads fail EACCES, writes are refused."""
+    """Our directories, a root-owned 0600 file in them: the read fails EACCES, a miss; the file stays."""
+    w = make_tier(root)
+    assert w.submit_write(key(1), _buf(1)).wait(10)
+    for dirpath, _, _ in os.walk(root):
+        os.chmod(dirpath, 0o755)
+        if dirpath != root:
+            os.chown(dirpath, 65534, 65534)
+    out = _as_nobody(root)
+    assert out["state"] == "rw"
+    assert out["contains"] is True and out["read"] is False and out["write"] is True
+    assert out["counters"]["read_errors"] == 1
+    assert len(out["warnings"]) == 1  # the first failed read
+    assert os.path.exists(w.path_of(key(1))), "a file we cannot read is not ours to delete"
+
+
+def test_a_namespace_another_uid_owns_is_not_adopted(root, make_tier):
+    """Listable, but root's: nobody's tier turns off (one warning naming the owner) and touches nothing."""
     w = make_tier(root)
     assert w.submit_write(key(1), _buf(1)).wait(10)
     for dirpath, _, _ in os.walk(root):
         os.chmod(dirpath, 0o755)
     out = _as_nobody(root)
-    assert out["state"] == "read_only"
-    assert out["contains"] is True and out["read"] is False and out["write"] is False
-    assert out["counters"]["read_errors"] == 1 and out["counters"]["dropped_read_only"] == 1
-    assert len(out["warnings"]) == 2  # going read-only, and the first failed read
-    assert os.path.exists(w.path_of(key(1))), "a file we cannot read is not ours to delete"
+    assert out["state"] == "off"
+    assert out["contains"] is False and out["read"] is False and out["write"] is False
+    assert len(out["warnings"]) == 1 and "owned by uid 0" in out["warnings"][0]
+    assert os.path.exists(w.path_of(key(1)))

@@ -85,19 +85,21 @@ def test_paths_never_leave_the_namespace():
 
 
 @pytest.mark.parametrize("umask", [0o000, 0o077, 0o022])
-def test_modes_do_not_depend_on_the_umask(root, make_tier, umask):
+@pytest.mark.parametrize("dir_mode,file_mode", [(0o700, 0o600), (0o750, 0o640)])
+def test_modes_do_not_depend_on_the_umask(root, make_tier, umask, dir_mode, file_mode):
+    """Ours alone by default (another uid cannot even list the names); 0750 lets a group read."""
     old = os.umask(umask)
     try:
-        t = make_tier(root)
+        t = make_tier(root, dir_mode=dir_mode)
         assert t.submit_write(key(1), payload(1)).wait(10)
         assert t.flush(10)
     finally:
         os.umask(old)
     path = t.path_of(key(1))
-    assert stat.S_IMODE(os.stat(path).st_mode) == 0o640
+    assert stat.S_IMODE(os.stat(path).st_mode) == file_mode
     d = os.path.dirname(path)
     while d != root:
-        assert stat.S_IMODE(os.stat(d).st_mode) == 0o750, d
+        assert stat.S_IMODE(os.stat(d).st_mode) == dir_mode, d
         d = os.path.dirname(d)
 
 
@@ -111,3 +113,15 @@ def test_file_is_header_then_payload(root, make_tier, fp):
     assert h.key == key(5) and h.digest == fp.digest()
     assert np.array_equal(raw[HEADER_SIZE:], data)
     assert h.checksum == payload_checksum(data)
+
+
+@pytest.mark.parametrize("value,ok", [("0750", 0o750), ("700", 0o700), (0o750, 0o750), ("0777", None),
+                                      ("0755", None), ("rwx", None)])
+def test_dir_mode_setting(value, ok):
+    from tpu_offload.core.config import ConfigError, OffloadConfig
+
+    if ok is not None:
+        assert OffloadConfig.from_sources({"fs_dir_mode": value}, env={}).fs_dir_mode == ok
+        return
+    with pytest.raises(ConfigError, match=r"'fs_dir_mode': value .* allowed: '0700'"):
+        OffloadConfig.from_sources({"fs_dir_mode": value}, env={})

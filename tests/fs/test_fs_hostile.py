@@ -151,8 +151,8 @@ def test_rescan_never_blocks_touch_or_reads(root, make_tier, monkeypatch):
     reached, release = threading.Event(), threading.Event()
     real_walk = fslayout.walk_namespace
 
-    def gated_walk(ns_dir, out, pause_every=0):
-        return iter(_Gated(list(real_walk(ns_dir, out, pause_every)), reached, release))
+    def gated_walk(ns_dir, out, *args):
+        return iter(_Gated(list(real_walk(ns_dir, out, *args)), reached, release))
 
     monkeypatch.setattr(fslayout, "walk_namespace", gated_walk)
     scanner = threading.Thread(target=t.rescan)
@@ -443,3 +443,62 @@ def test_capacity_below_one_chunk_is_refused(root, fp):
         FileTier.from_config(cfg, fp, CHUNK)
     with pytest.raises(ValueError, match="smaller than one chunk file"):
         FileTier(root, fp, CHUNK, capacity_bytes=FILE - 1)
+
+
+# ---- 7. directories we did not make, hardlinks, trailing bytes -------------------
+
+
+@pytest.mark.parametrize("owner,mode", [(65534, 0o777), (65534, 0o700), (0, 0o777), (0, 0o770)])
+def test_a_namespace_made_by_someone_else_or_writable_by_others_is_never_adopted(root, make_tier, owner, mode):
+    """Another tenant creates our namespace first (sticky world-writable root) and plants a chunk."""
+    planter = make_tier(root)  # writes a valid chunk the way any tenant could
+    _write(planter, 1)
+    planter.close()
+    for dirpath, _, _ in os.walk(planter.ns_dir):
+        os.chown(dirpath, owner, owner)
+        os.chmod(dirpath, mode)
+    t = make_tier(root)
+    assert t.state is TierState.OFF
+    assert not t.contains(key(1)) and t.read_into(key(1), aligned()) is False
+    assert t.submit_write(key(2), _buf(2)) is None
+    assert os.path.exists(planter.path_of(key(1))), "not ours: left alone"
+
+
+def test_a_fanout_directory_of_another_uid_is_not_used(root, make_tier):
+    t = make_tier(root, capacity_bytes=8 * FILE)
+    _write(t, 1)
+    d = os.path.dirname(t.path_of(key(1)))
+    os.chown(d, 65534, 65534)  # as if another uid had made it (and put key(1)'s file there)
+    t2 = make_tier(root)
+    assert not t2.contains(key(1)) and t2.read_into(key(1), aligned()) is False
+    assert t2.counters()["read_not_regular"] == 1
+    ticket = t2.submit_write(key(1), _buf(1))
+    assert ticket is not None and ticket.wait(10) is False and t2.counters()["dropped_unsafe_path"] == 1
+    assert key(1) not in t2.keys_lru_order(), "a rescan indexed a file in a directory that is not ours"
+    _write(t2, OTHER)  # other fan-out directories still work
+
+
+def test_a_hardlinked_chunk_is_not_served_and_its_other_name_never_restamped(root, make_tier, outside):
+    t = make_tier(root, touch_interval_s=0)
+    _write(t, 1)
+    far = os.path.join(outside, "linked")
+    os.link(t.path_of(key(1)), far)
+    old = time.time() - 7200
+    os.utime(far, (old, old))
+    t2 = make_tier(root, touch_interval_s=0)
+    assert not t2.contains(key(1))
+    assert t2.read_into(key(1), aligned()) is False
+    t2.touch(key(1))
+    t2.flush(10)
+    assert os.stat(far).st_mtime == pytest.approx(old, abs=1), "restamped a file outside the root"
+    assert key(1) not in t2.keys_lru_order()
+
+
+def test_a_chunk_with_trailing_bytes_is_not_served(root, make_tier):
+    t = make_tier(root)
+    _write(t, 1)
+    with open(t.path_of(key(1)), "ab") as f:
+        f.write(b"junk")
+    out = aligned()
+    assert t.read_into(key(1), out) is False
+    assert t.counters()["corrupt_length"] == 1

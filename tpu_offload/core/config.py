@@ -175,6 +175,22 @@ def _abs_path(key: str) -> Callable[[Any], str]:
     return parse
 
 
+def _dir_mode(v: Any) -> int:
+    allowed = "'0700' (owner only, files 0600) or '0750' (group may read, files 0640)"
+    if isinstance(v, bool):
+        raise ValueError(allowed)
+    if isinstance(v, int):
+        n = v
+    else:
+        try:
+            n = int(str(v).strip(), 8)
+        except ValueError:
+            raise ValueError(allowed) from None
+    if n not in (0o700, 0o750):
+        raise ValueError(allowed)
+    return n
+
+
 def _secret_env(v: Any) -> bytes:
     from tpu_offload.core.fs.auth import check_secret
 
@@ -229,6 +245,7 @@ _SETTINGS: tuple[_Setting, ...] = (
     _Setting("fs_fsync", _bool, "TPU_OFFLOAD_FS_FSYNC", ("fs_fsync",)),
     _Setting("fs_o_direct", _bool, "TPU_OFFLOAD_FS_O_DIRECT", ("fs_o_direct",)),
     _Setting("snapshot_path", _abs_path("snapshot_path"), "TPU_OFFLOAD_SNAPSHOT_PATH", ("snapshot_path",)),
+    _Setting("fs_dir_mode", _dir_mode, "TPU_OFFLOAD_FS_DIR_MODE", ("fs_dir_mode",)),
     # the file tier's secret: a path in JSON or env, the secret itself only in env (never in a JSON)
     _Setting("fs_secret_file", _abs_path("fs_secret_file"), "TPU_OFFLOAD_FS_SECRET_FILE", ("fs_secret_file",)),
     _Setting("fs_secret", _secret_env, "TPU_OFFLOAD_FS_SECRET", (), secret=True),
@@ -285,6 +302,8 @@ class OffloadConfig:
     # With a secret the file tier signs every chunk and hides names (core/fs/auth.py).
     fs_secret_file: str | None = None
     fs_secret: bytes | None = dataclasses.field(default=None, repr=False, compare=False)
+    # Directories the file tier creates: 0o700 (files 0o600) or 0o750 (files 0o640, a group may read).
+    fs_dir_mode: int = 0o700
 
     # -------------------------------------------------------------------
     @classmethod

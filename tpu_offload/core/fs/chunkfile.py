@@ -37,15 +37,17 @@ HIT, MISS, ERROR, CORRUPT, UNSAFE = "hit", "miss", "error", "corrupt", "unsafe"
 
 class ChunkFiles:
     def __init__(self, ns_dir: str, digest: bytes, *, fsync: bool = False, o_direct: bool = False,
-                 name: str = "fs", recheck_s: float = 1.0):
+                 name: str = "fs", recheck_s: float = 1.0, dir_mode: int = layout.DIR_MODE,
+                 owner: int | None = None):
         self.ns_dir = ns_dir
-        self.ns = safedir.HeldDir(ns_dir, mode=layout.DIR_MODE, recheck_s=recheck_s)
+        self.ns = safedir.HeldDir(ns_dir, mode=dir_mode, recheck_s=recheck_s, owner=owner)
+        self.file_mode = layout.file_mode(dir_mode)
         self.digest = digest
         self.fsync = fsync
         self.direct = bool(o_direct) and O_DIRECT != 0
         self.name = name
         self._tls = threading.local()
-        self._fchmod = layout.umask_strips(layout.FILE_MODE)
+        self._fchmod = layout.umask_strips(self.file_mode)
         # Test seam: called with the temp path once the payload is written and
         # before the rename publishes it (a test kills the writer there).
         self.before_publish: Callable[[str], None] | None = None
@@ -74,7 +76,7 @@ class ChunkFiles:
         with self._dir(khex, create=True) as d:
             if unless_size is not None:
                 st = safedir.lstat_regular(khex, d)
-                if st is not None and st.st_size == unless_size:
+                if st is not None and st.st_size == unless_size and st.st_nlink == 1:
                     return st
             hdr = self._header_buf()
             pack_header(hdr, self.digest, key, len(mv), payload_checksum(mv),
@@ -85,7 +87,7 @@ class ChunkFiles:
             try:
                 try:
                     if self._fchmod:  # the umask would strip bits of 0640
-                        os.fchmod(fd, layout.FILE_MODE)
+                        os.fchmod(fd, self.file_mode)
                     try:
                         write_all(fd, [memoryview(hdr), mv])
                     except OSError as e:
@@ -113,7 +115,7 @@ class ChunkFiles:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         for _ in range(2):
             try:
-                return os.open(tmp, flags | (O_DIRECT if use_direct else 0), layout.FILE_MODE, dir_fd=d), use_direct
+                return os.open(tmp, flags | (O_DIRECT if use_direct else 0), self.file_mode, dir_fd=d), use_direct
             except OSError as e:
                 if not (use_direct and is_direct_refusal(e)):
                     raise
@@ -148,6 +150,9 @@ class ChunkFiles:
                             use_direct = False
                             continue
                         return ERROR, e
+                    if _st.st_nlink > 1:  # also linked from elsewhere (maybe outside the root): not ours
+                        os.close(fd)
+                        return UNSAFE, "hardlink"
                     try:
                         try:
                             n = read_all(fd, [memoryview(hdr), mv])
@@ -157,7 +162,7 @@ class ChunkFiles:
                                 use_direct = False
                                 continue
                             return ERROR, e
-                        reason = self._check(key, hdr, mv, n, tk)
+                        reason = self._check(key, hdr, mv, n, tk, _st.st_size)
                         if reason is not None:
                             return CORRUPT, (reason, _st.st_ino)
                     finally:
@@ -176,14 +181,16 @@ class ChunkFiles:
         """The published file's stat, or None: absent, or not a regular file reached without symlinks."""
         try:
             with self._dir(khex) as d:
-                return safedir.lstat_regular(khex, d)
+                st = safedir.lstat_regular(khex, d)
         except OSError:
             return None
+        return st if st is not None and st.st_nlink == 1 else None
 
     def restamp(self, khex: str) -> None:
         """Set the file's mtime to now (the shared recency clock); never through a symlink."""
         with self._dir(khex) as d:
-            if safedir.lstat_regular(khex, d) is not None:
+            st = safedir.lstat_regular(khex, d)
+            if st is not None and st.st_nlink == 1:  # a hardlink's inode is shared with a path outside
                 os.utime(khex, dir_fd=d, follow_symlinks=False)
 
     def unlink(self, khex: str, ino: int | None = None) -> bool:
@@ -199,7 +206,8 @@ class ChunkFiles:
         with self._dir(khex) as d:
             return actions.quarantine(self.ns_dir, d, khex, ino, reason)
 
-    def _check(self, key: bytes, hdr: np.ndarray, mv: memoryview, n: int, tk: TenantKeys | None) -> str | None:
+    def _check(self, key: bytes, hdr: np.ndarray, mv: memoryview, n: int, tk: TenantKeys | None,
+               size: int) -> str | None:
         if n < HEADER_SIZE:
             return "truncated"
         try:
@@ -209,8 +217,10 @@ class ChunkFiles:
         reason = check_header(h, self.digest, key, len(mv))
         if reason is not None:
             return reason
-        if n < HEADER_SIZE + len(mv):
+        if n < HEADER_SIZE + len(mv) or size < HEADER_SIZE + len(mv):
             return "truncated"
+        if size > HEADER_SIZE + len(mv):  # trailing bytes: not the file we wrote
+            return "length"
         if payload_checksum(mv) != h.checksum:
             return "checksum"
         if tk is not None:  # damage is caught above; this says whether one of our keys wrote it

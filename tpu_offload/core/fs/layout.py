@@ -26,8 +26,13 @@ from typing import Callable, Iterator
 from tpu_offload.core.fs import safedir
 from tpu_offload.core.fs.format import MAX_KEY_BYTES
 
-DIR_MODE = 0o750
-FILE_MODE = 0o640
+DIR_MODE = 0o700  # ours alone by default; 0o750 (files 0o640) by the fs_dir_mode setting
+FILE_MODE = 0o600
+
+
+def file_mode(dir_mode: int) -> int:
+    """Files get the directory's read bits (0700 -> 0600, 0750 -> 0640)."""
+    return dir_mode & 0o640
 TMP_PREFIX = ".tmp."
 QUARANTINE = "quarantine"
 _HEX = frozenset(string.hexdigits.lower())
@@ -75,9 +80,10 @@ def published_stat(ns_dir: str, khex: str) -> os.stat_result | None:
     a, b, _ = chunk_relpath(khex)
     try:
         with safedir.dir_at(ns_dir, (a, b)) as d:
-            return safedir.lstat_regular(khex, d)
+            st = safedir.lstat_regular(khex, d)
     except OSError:
         return None
+    return st if st is not None and st.st_nlink == 1 else None  # a hardlink also lives elsewhere: not ours
 
 
 def is_chunk_name(name: str) -> bool:
@@ -185,9 +191,10 @@ class Pacer:
 class _Walk:
     """One directory walk: records what cannot be read instead of raising."""
 
-    def __init__(self, out: NamespaceScan, pace: Callable[[], None] | None):
+    def __init__(self, out: NamespaceScan, pace: Callable[[], None] | None, owner: int | None = None):
         self.out = out
         self.pace = pace
+        self.owner = owner
 
     def listing(self, parent_fd: int, name: str, path: str) -> tuple[int, list[os.DirEntry]] | None:
         """(fd, entries) of a subdirectory, or None (gone, not a directory, unreadable)."""
@@ -201,6 +208,13 @@ class _Walk:
             else:
                 self.out.unreadable.append((path, e.strerror or str(e)))
             return None
+        if self.owner is not None:
+            try:
+                safedir.check_ours(os.fstat(fd), self.owner)
+            except OSError:
+                os.close(fd)
+                self.out.foreign.append(path)  # another uid's, or writable by others: not ours
+                return None
         try:
             return fd, self.entries(fd)
         except OSError as e:
@@ -239,8 +253,8 @@ def _found(name: str, st: os.stat_result, parent: str, dirs: tuple[str, ...]) ->
                  dirs, st.st_mtime_ns)
 
 
-def walk_namespace(ns_dir: str, out: NamespaceScan,
-                   pace: Callable[[], None] | None = None) -> Iterator[tuple[str, os.stat_result, tuple[str, str]]]:
+def walk_namespace(ns_dir: str, out: NamespaceScan, pace: Callable[[], None] | None = None,
+                   owner: int | None = None) -> Iterator[tuple[str, os.stat_result, tuple[str, str]]]:
     """Yield (name, stat, fan-out dirs) per chunk file; temps, quarantined,
     foreign and unreadable entries go to ``out``.
 
@@ -249,9 +263,10 @@ def walk_namespace(ns_dir: str, out: NamespaceScan,
     only if the namespace directory itself cannot be listed; anything below
     that cannot be read is skipped and listed in ``out.unreadable``.
     Symlinks are never followed (they count as foreign). ``pace`` (e.g. a
-    ``Pacer``) is called once per file.
+    ``Pacer``) is called once per file. With ``owner`` (the tier's uid), a
+    fan-out directory that is not ours and a hardlinked file are foreign.
     """
-    w = _Walk(out, pace)
+    w = _Walk(out, pace, owner)
     try:
         fd = safedir.open_base(ns_dir, listing=True)
     except FileNotFoundError:
@@ -292,7 +307,11 @@ def walk_namespace(ns_dir: str, out: NamespaceScan,
                                 if (f := w.found(e, p2, dirs)) is not None:
                                     out.temps.append(f)
                             elif is_chunk_name(e.name) and chunk_relpath(e.name)[:2] == dirs:
-                                if (st := w.stat(e, p2)) is not None:
+                                if (st := w.stat(e, p2)) is None:
+                                    pass
+                                elif owner is not None and st.st_nlink > 1:
+                                    out.foreign.append(f"{p2}{os.sep}{e.name}")
+                                else:
                                     yield e.name, st, dirs
                             else:
                                 out.foreign.append(f"{p2}{os.sep}{e.name}")

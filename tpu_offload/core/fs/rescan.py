@@ -27,8 +27,9 @@ log = logging.getLogger("tpu_offload.fs")
 
 class Rescanner:
     def __init__(self, ns_dir: str, index: FileIndex, *, name: str, stale_tmp_s: float,
-                 count: Callable[..., None], writable: Callable[[], bool]):
+                 count: Callable[..., None], writable: Callable[[], bool], owner: int | None = None):
         self.ns_dir = ns_dir
+        self.owner = owner  # fan-out directories of another uid and hardlinked files are not indexed
         self.index = index
         self.name = name
         self.stale_tmp_s = stale_tmp_s
@@ -51,7 +52,7 @@ class Rescanner:
                 pace = layout.Pacer()  # the engine thread must get the GIL while we walk
                 self.index.adopt(
                     ((bytes.fromhex(name), st.st_size, self._clamp(name, st, dirs, now))
-                     for name, st, dirs in layout.walk_namespace(self.ns_dir, scan, pace)),
+                     for name, st, dirs in layout.walk_namespace(self.ns_dir, scan, pace, self.owner)),
                     pace,
                 )
             except BaseException:

@@ -11,7 +11,10 @@ regular: a FIFO cannot block the opener and a symlink is never followed.
 Walks use ``O_PATH`` fds, which need search permission only, like a path.
 
 The root itself, and the path to it, is the operator's choice and may
-contain symlinks; the namespace directory under it may not.
+contain symlinks; the namespace directory under it may not. A directory
+below the root that another uid owns, or that group or others can write,
+was not made by us: another tenant could plant or swap files in it, so it is
+never adopted (``NotOurs``, a miss or a dropped write, like a symlink).
 """
 
 from __future__ import annotations
@@ -51,8 +54,22 @@ def _kind(mode: int) -> str:
     return "non-regular file"
 
 
+class NotOurs(OSError):
+    """A directory owned by another uid, or writable by group or others: not ours to use."""
+
+    def __init__(self, what: str, st: os.stat_result, uid: int):
+        super().__init__(errno.EPERM, f"{what} is owned by uid {st.st_uid} with mode {stat.S_IMODE(st.st_mode):o}; "
+                                      f"this process (uid {uid}) only uses directories it owns that group and "
+                                      "others cannot write")
+
+
+def check_ours(st: os.stat_result, uid: int, what: str = "directory") -> None:
+    if st.st_uid != uid or st.st_mode & 0o022:
+        raise NotOurs(what, st, uid)
+
+
 def is_unsafe(e: OSError) -> bool:
-    return isinstance(e, NotRegular) or e.errno in UNSAFE_ERRNOS
+    return isinstance(e, (NotRegular, NotOurs)) or e.errno in UNSAFE_ERRNOS
 
 
 def open_base(path: str, *, listing: bool = False) -> int:
@@ -87,8 +104,11 @@ def walk(base: str, names: Sequence[str], *, create: bool = False, mode: int = 0
 
 
 def walk_at(dir_fd: int, names: Sequence[str], *, create: bool = False, mode: int = 0o750,
-            listing: bool = False) -> int:
-    """Like ``walk`` from an open directory fd, which stays open (``names`` not empty)."""
+            listing: bool = False, check=None) -> int:
+    """Like ``walk`` from an open directory fd, which stays open (``names`` not empty).
+
+    ``check(fd, name)`` vets each directory opened (raises ``NotOurs``).
+    """
     if not names:
         raise ValueError("walk_at needs at least one name")
     last = _LIST if listing else _WALK
@@ -106,6 +126,8 @@ def walk_at(dir_fd: int, names: Sequence[str], *, create: bool = False, mode: in
             if fd != dir_fd:
                 os.close(fd)
             fd = nfd
+            if check is not None:
+                check(fd, name)
     except BaseException:
         if fd != dir_fd:
             os.close(fd)
@@ -231,10 +253,12 @@ class HeldDir:
     runs against a reused fd number.
     """
 
-    def __init__(self, path: str, *, mode: int = 0o750, recheck_s: float = 1.0):
+    def __init__(self, path: str, *, mode: int = 0o750, recheck_s: float = 1.0, owner: int | None = None):
         self.path = path
         self.mode = mode
         self.recheck_s = recheck_s
+        self.owner = owner  # a uid: every directory walked must be its own (``check_ours``)
+        self._vetted: set[tuple[int, int]] = set()  # (dev, ino) of fan-out directories found ours
         self._lock = threading.Lock()
         self._cur: _Held | None = None
         self._next_check = 0.0
@@ -245,13 +269,25 @@ class HeldDir:
         for retry in (False, True):
             h = self._acquire(create)
             try:
-                return walk_at(h.fd, names, create=create, mode=self.mode, listing=listing)
+                return walk_at(h.fd, names, create=create, mode=self.mode, listing=listing,
+                               check=None if self.owner is None else self._vet)
             except OSError as e:
                 if retry or not self._stale(h, e):
                     raise
             finally:
                 self._release(h)
         raise AssertionError("unreachable")
+
+    def _vet(self, fd: int, name: str) -> None:
+        """One fstat per directory; an inode found ours is remembered (only we can rename in our directories)."""
+        st = os.fstat(fd)
+        ident = (st.st_dev, st.st_ino)
+        if ident in self._vetted:
+            return
+        check_ours(st, self.owner, f"directory {name!r} under {self.path}")
+        if len(self._vetted) > 200_000:
+            self._vetted.clear()
+        self._vetted.add(ident)
 
     @contextlib.contextmanager
     def dir_at(self, names: Sequence[str], *, create: bool = False) -> Iterator[int]:
@@ -291,7 +327,14 @@ class HeldDir:
             h = self._cur
             if h is None or self._closed:
                 h = _Held(walk(self.path, (), create=create, mode=self.mode))
-                h.ident = _ident(os.fstat(h.fd))
+                st = os.fstat(h.fd)
+                if self.owner is not None:
+                    try:
+                        check_ours(st, self.owner, f"namespace directory {self.path}")
+                    except NotOurs:
+                        os.close(h.fd)
+                        raise
+                h.ident = _ident(st)
                 if self._closed:
                     h.retired = True  # a straggler after close: used once, then closed
                 else:

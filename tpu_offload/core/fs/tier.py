@@ -98,6 +98,7 @@ class FileTier:
         readonly_retry_s: float = 30.0,
         touch_interval_s: float = 1.0,
         secret: bytes | None = None,
+        dir_mode: int = layout.DIR_MODE,
     ):
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes}")
@@ -105,6 +106,10 @@ class FileTier:
             raise CapacityError(capacity_bytes, HEADER_SIZE + chunk_bytes)
         if queue_depth < 1:
             raise ValueError(f"queue_depth must be >= 1, got {queue_depth}")
+        if dir_mode not in (0o700, 0o750):
+            raise ValueError(f"dir_mode {dir_mode:o}; allowed: 0700 or 0750")
+        self.dir_mode = dir_mode
+        self._uid = os.geteuid()  # every directory we use must be this uid's (``safedir.check_ours``)
         self.name = name
         self.root = os.path.abspath(root)
         self.fingerprint = fingerprint
@@ -119,10 +124,11 @@ class FileTier:
         self.quarantine = quarantine
         self.rescan_interval_s = rescan_interval_s
         self.readonly_retry_s = readonly_retry_s
-        self.files = ChunkFiles(self.ns_dir, self.names.digest, fsync=fsync, o_direct=o_direct, name=name)
+        self.files = ChunkFiles(self.ns_dir, self.names.digest, fsync=fsync, o_direct=o_direct, name=name,
+                                dir_mode=dir_mode, owner=self._uid)
         self._index = FileIndex(touch_interval_s)
         self._scanner = Rescanner(self.ns_dir, self._index, name=name, stale_tmp_s=stale_tmp_s, count=self._count,
-                                  writable=lambda: self._state is TierState.RW)
+                                  writable=lambda: self._state is TierState.RW, owner=self._uid)
         self._lock = threading.RLock()  # state, counters, in-flight writes
         self._inflight: dict[bytes, Future] = {}
         self._writes = 0
@@ -162,7 +168,7 @@ class FileTier:
                 cfg.shared_storage_path, fingerprint, chunk_bytes,
                 capacity_bytes=cfg.fs_capacity_bytes, threads=cfg.fs_threads,
                 queue_depth=cfg.fs_queue_depth, fsync=cfg.fs_fsync, o_direct=cfg.fs_o_direct,
-                metrics=metrics, secret=cfg.fs_secret, **kw,
+                metrics=metrics, secret=cfg.fs_secret, dir_mode=cfg.fs_dir_mode, **kw,
             )
         except CapacityError as e:  # checked (once) by the constructor, before it touches anything
             from tpu_offload.core.config import ConfigError
@@ -506,7 +512,7 @@ class FileTier:
     # ---- state ---------------------------------------------------------
     def _open_namespace(self) -> None:
         try:
-            layout.make_dirs(self.ns_dir)
+            layout.make_dirs(self.ns_dir, self.dir_mode)
         except OSError as e:
             if not os.path.isdir(self.ns_dir):
                 self._to_off(e)
@@ -514,6 +520,11 @@ class FileTier:
             self._to_read_only(e)
         if os.path.islink(self.ns_dir):  # never followed: whoever made it, it is not ours
             self._to_off(OSError(errno.ELOOP, "the namespace directory is a symlink"))
+            return
+        try:  # another tenant may have made it first (a sticky world-writable root): never adopted
+            safedir.check_ours(os.lstat(self.ns_dir), self._uid, f"namespace directory {self.ns_dir}")
+        except OSError as e:
+            self._to_off(e)
             return
         try:
             st = os.statvfs(self.ns_dir)
