@@ -61,11 +61,11 @@ def test_evict_lru_by_last_access_with_budget(capsys, root, aged):
     t, access_age, foreign, old_tmp, young_tmp = aged
     code, rep = _cli(capsys, "evict", root, "--budget", str(10 * FILE), "--high", "90", "--low", "50", "--json")
     assert code == 0 and rep["reached_low"] and rep["triggered"]
-    # 11 files of FILE bytes (10 ours + the foreign one); down to 5 FILE: 6 deleted.
-    assert rep["evicted_files"] == 6 and rep["skipped_not_ours"] == 1 and rep["temps_removed"] == 1
+    # 10 files of ours (the foreign one is not counted); down to 5 FILE: 5 deleted.
+    assert rep["evicted_files"] == 5 and rep["not_ours"] == 1 and rep["temps_removed"] == 1
     by_age = sorted(access_age, key=access_age.get)  # newest first
     kept = [i for i in range(10) if os.path.exists(t.path_of(key(i)))]
-    assert sorted(kept) == sorted(by_age[:4]), (kept, by_age)
+    assert sorted(kept) == sorted(by_age[:5]), (kept, by_age)
     assert os.path.exists(foreign), "files without our magic are never deleted"
     assert not os.path.exists(old_tmp) and os.path.exists(young_tmp)
 
@@ -77,13 +77,21 @@ def test_evict_below_high_does_nothing(capsys, root, aged):
 
 
 def test_evict_dry_run_and_unreachable_low(capsys, root, aged):
+    import subprocess
+
     code, rep = _cli(capsys, "evict", root, "--budget", str(FILE), "--low", "10", "--dry-run", "--json")
-    assert code == 1 and not rep["reached_low"]  # even deleting all ours leaves the foreign file
-    assert rep["evicted_files"] == 10 and rep["dry_run"]
+    assert code == 0 and rep["reached_low"]  # the foreign file is not counted: deleting all ours is enough
+    assert rep["evicted_files"] == 10 and rep["dry_run"] and rep["not_ours"] == 1
     assert len(fslayout.scan_namespace(aged[0].ns_dir).chunks) == 11, "dry run deletes nothing"
-    code, text = _cli(capsys, "evict", root, "--budget", str(FILE), "--low", "10")
+    stuck = aged[0].path_of(key(0))  # the most recent: deleted last, and it cannot be
+    if subprocess.run(["chattr", "+i", stuck], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i is not supported here")
+    try:
+        code, text = _cli(capsys, "evict", root, "--budget", str(FILE), "--low", "10")
+    finally:
+        subprocess.run(["chattr", "-i", stuck], check=True)
     assert code == 1 and "could not reach the low mark" in text
-    assert len(fslayout.scan_namespace(aged[0].ns_dir).chunks) == 1
+    assert len(fslayout.scan_namespace(aged[0].ns_dir).chunks) == 2  # the stuck one and the foreign one
 
 
 def test_evict_races_vanished_and_touched(root, make_tier):
@@ -154,8 +162,11 @@ def test_verify_reports_quarantines_and_deletes(capsys, root, make_tier):
     assert code == 0 and "3 ok, 0 bad" in out
     with open(t.path_of(key(4)), "r+b") as f:
         f.write(b"X")  # breaks the magic
-    code, _ = _cli(capsys, "verify", root, "--delete")
-    assert code == 1 and not os.path.exists(t.path_of(key(4)))
+    code, out = _cli(capsys, "verify", root, "--delete", "--json")
+    assert code == 1 and [r for _, r in out["bad"]] == [admin.NOT_OURS]
+    assert os.path.exists(t.path_of(key(4))), "a file without our magic is reported, never deleted"
+    code, out = _cli(capsys, "verify", root, "--quarantine", "--json")
+    assert code == 1 and os.path.exists(t.path_of(key(4))), "nor moved"
 
 
 def test_exit_codes_and_module_entry_point(capsys, root, make_tier):

@@ -305,17 +305,20 @@ def test_evict_deletes_only_our_magic_files_and_our_temps(root, make_tier):
     os.link(t.path_of(key(0)), ours_q)
     swap = os.path.join(d, ".tmp.notes.txt.swp")  # an editor's swap file
     ours_tmp = os.path.join(d, fslayout.temp_name(key(0).hex()))
-    for p in (swap, ours_tmp):
+    empty_tmp = os.path.join(d, fslayout.temp_name(key(1).hex()))  # a writer killed before its first byte
+    named_like_ours = os.path.join(d, fslayout.temp_name(key(2).hex()))  # our name, someone else's bytes
+    for p, body in ((swap, b"x"), (ours_tmp, MAGIC + b"x"), (empty_tmp, b""), (named_like_ours, b"x")):
         with open(p, "wb") as f:
-            f.write(b"x")
+            f.write(body)
     old = time.time() - 86400
-    for p in (theirs_q, ours_q, swap, ours_tmp):
+    for p in (theirs_q, ours_q, swap, ours_tmp, empty_tmp, named_like_ours):
         os.utime(p, (old, old))
     rep = admin.evict(root, budget_bytes=FILE, high_pct=1, low_pct=1, tmp_age_s=600)
-    assert rep.temps_removed == 1 and not os.path.exists(ours_tmp)
+    assert rep.temps_removed == 2 and not os.path.exists(ours_tmp) and not os.path.exists(empty_tmp)
+    assert os.path.exists(named_like_ours), "a file named like our temps without our magic is not ours"
     assert os.path.exists(swap), "an editor's .tmp.* file is not ours"
     assert os.path.exists(theirs_q), "a quarantined file without our magic is not ours"
-    assert not os.path.exists(ours_q) and rep.skipped_not_ours == 1
+    assert not os.path.exists(ours_q) and rep.not_ours == 2
     assert rep.evicted_files == 5  # our quarantined copy and our 4 chunks
 
 
@@ -502,3 +505,54 @@ def test_a_chunk_with_trailing_bytes_is_not_served(root, make_tier):
     out = aligned()
     assert t.read_into(key(1), out) is False
     assert t.counters()["corrupt_length"] == 1
+
+
+# ---- 8. the budget counts only our bytes ---------------------------------------
+
+
+def _sparse(path, size, head=b"", age=86400):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(head)
+        f.truncate(size)
+    old = time.time() - age  # by default oldest of all: first in line for any eviction
+    os.utime(path, (old, old))
+
+
+def test_a_sparse_foreign_file_never_makes_evict_delete_everyones_chunks(root, make_tier):
+    """Tenant B's own namespace holds one sparse 1 TiB file without our magic: A's chunks are not evicted."""
+    t = make_tier(root)
+    _write(t, *range(8))
+    theirs = os.path.join(root, "tenant-b-namespace", "ab", "cd", "abcd" * 8)
+    _sparse(theirs, 1 << 40)
+    for _ in range(2):  # every cron run
+        rep = admin.evict(root, budget_bytes=100 * FILE)
+        assert not rep.triggered and rep.evicted_files == 0 and rep.not_ours == 1
+    assert all(os.path.exists(t.path_of(key(i))) for i in range(8))
+    assert os.path.exists(theirs)
+
+
+def test_a_sparse_chunk_in_the_namespace_counts_at_its_allocated_bytes(root, make_tier):
+    """One sparse chunk-named file with our magic (1 TiB apparent) must not make a rescan evict the real chunks."""
+    t = make_tier(root, capacity_bytes=10 * FILE)
+    _write(t, *range(8))
+    name = "ee" * 36
+    _sparse(os.path.join(t.ns_dir, "ee", "ee", name), 1 << 40, MAGIC, age=0)  # the most recent: evicted last
+    t.rescan()
+    assert all(os.path.exists(t.path_of(key(i))) for i in range(8)), "real chunks were evicted"
+    assert t.usage()["used_bytes"] <= 9 * FILE
+    rep = admin.evict(root, budget_bytes=10 * FILE)
+    assert not rep.triggered and rep.used_before <= 9 * FILE
+
+
+def test_the_tier_never_evicts_a_file_without_our_magic(root, make_tier):
+    t = make_tier(root, capacity_bytes=3 * FILE)
+    theirs = os.path.join(t.ns_dir, "ee", "ee", "ee" * 36)
+    _sparse(theirs, FILE, b"NOTOURS!" * 8)
+    with open(theirs, "r+b") as f:  # fully allocated, so it counts like a chunk and is LRU-first
+        f.write(b"x" * FILE)
+    os.utime(theirs, (time.time() - 86400,) * 2)
+    t.rescan()
+    _write(t, 1, 2, 3, 4)
+    t.flush(10)
+    assert os.path.exists(theirs), "the tier deleted a file without our magic"

@@ -14,6 +14,7 @@ from fs_helpers import CHUNK, FILE, aligned, key, mounted, payload
 from tpu_offload.core.config import OffloadConfig
 from tpu_offload.core.fs import FileTier, TierState
 from tpu_offload.core.fs import layout as fslayout
+from tpu_offload.core.fs.format import MAGIC
 from tpu_offload.core.metrics import OffloadMetrics
 
 
@@ -220,12 +221,14 @@ def test_stale_temps_are_removed_at_start_young_ones_kept(root, make_tier, fp):
     d = os.path.dirname(a.path_of(key(1)))
     old_tmp = os.path.join(d, fslayout.temp_name("deadbeef"))  # our own naming: only those are reaped
     young_tmp = os.path.join(d, fslayout.temp_name("deadbeef"))
-    for p in (old_tmp, young_tmp):
+    theirs = os.path.join(d, fslayout.temp_name("deadbeef"))  # our naming, not our bytes: not ours
+    for p, body in ((old_tmp, MAGIC + b"partial"), (young_tmp, MAGIC + b"partial"), (theirs, b"their data")):
         with open(p, "wb") as f:
-            f.write(b"partial")
-    os.utime(old_tmp, (time.time() - 3600, time.time() - 3600))
+            f.write(body)
+    for p in (old_tmp, theirs):
+        os.utime(p, (time.time() - 3600, time.time() - 3600))
     b = make_tier(root, stale_tmp_s=600)
-    assert not os.path.exists(old_tmp) and os.path.exists(young_tmp)
+    assert not os.path.exists(old_tmp) and os.path.exists(young_tmp) and os.path.exists(theirs)
     assert b.counters()["stale_temps_removed"] == 1
     assert b.keys_lru_order() == [key(1)]
 

@@ -10,8 +10,10 @@ and ``tpu-offload-fs`` can never disagree on what they may delete or restamp.
 from __future__ import annotations
 
 import os
+import struct
 
 from tpu_offload.core.fs import layout, safedir
+from tpu_offload.core.fs.format import HEADER_SIZE, MAGIC
 
 FUTURE_SLACK_S = 2.0  # mtime granularity and clock jitter: not "the future" yet
 
@@ -48,6 +50,54 @@ def unlink_found(ns_dir: str, f: layout.Found) -> bool:
     try:
         with safedir.dir_at(ns_dir, f.dirs) as d:
             return safedir.unlink_if(f.name, d, f.ino, f.mtime_ns)
+    except OSError:
+        return False
+
+
+_PLEN = struct.Struct("<Q")
+_PLEN_OFF = 32  # payload length in the header (format.py)
+
+
+def ours_at(d: int, name: str, blocks: int | None = None) -> int | None:
+    """Bytes a file of ours counts for, or None if it is not ours.
+
+    Ours: a regular file that starts with our magic, or an empty one (a
+    writer killed before its first byte). It counts at its allocated size,
+    capped at header plus the payload its header declares, so a sparse or
+    padded file can never make the budget look full.
+    """
+    try:
+        fd, st = safedir.open_regular(name, d)
+    except OSError:
+        return None
+    try:
+        if st.st_size == 0:
+            return 0
+        head = os.pread(fd, _PLEN_OFF + _PLEN.size, 0)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if head[: len(MAGIC)] != MAGIC:
+        return None
+    cap = HEADER_SIZE + (_PLEN.unpack_from(head, _PLEN_OFF)[0] if len(head) == _PLEN_OFF + _PLEN.size else 0)
+    return min(st.st_blocks * 512 if blocks is None else blocks, cap)
+
+
+def ours(ns_dir: str, f: layout.Found) -> int | None:
+    """``ours_at`` for a scanned file (None also when it vanished or cannot be reached)."""
+    try:
+        with safedir.dir_at(ns_dir, f.dirs) as d:
+            return ours_at(d, f.name, f.blocks)
+    except OSError:
+        return None
+
+
+def unlink_temp_if_ours(ns_dir: str, f: layout.Found) -> bool:
+    """Remove a scanned temp file only if it is ours (magic, or empty) and unchanged; True if we did."""
+    try:
+        with safedir.dir_at(ns_dir, f.dirs) as d:
+            return ours_at(d, f.name) is not None and safedir.unlink_if(f.name, d, f.ino, f.mtime_ns)
     except OSError:
         return False
 

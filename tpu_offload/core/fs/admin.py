@@ -6,9 +6,13 @@ did it", a changed inode or mtime is "someone used it, keep it"). Eviction is
 LRU by last access: the tier restamps a file's mtime whenever it is read or
 re-offered, so mtime is the shared recency clock (atime is not used: it
 depends on mount options and any reader, ``verify`` included, moves it).
-Only regular files carrying our magic are deleted (quarantined ones too),
-plus temp files named by our own pattern and older than the given age on
-the file server's clock (a writer may still be filling a younger one).
+Only regular files carrying our magic are counted and deleted (quarantined
+ones too), each at its allocated size capped at the header plus the payload
+it declares (a sparse 1 TiB file must not make every chunk look over
+budget); temp files named by our own pattern count and go only when ours
+(our magic, or empty) and older than the given age on the file server's
+clock (a writer may still be filling a younger one). ``verify`` reports
+files without our magic and never deletes or moves them.
 Nothing is followed or deleted through a symlink, and a subdirectory that
 cannot be read is skipped and reported, never fatal.
 """
@@ -28,6 +32,7 @@ from tpu_offload.core.fs.layout import Found, NamespaceScan
 import xxhash
 
 _VERIFY_BLOCK = 8 << 20
+NOT_OURS = "magic (not ours: reported, never deleted or moved)"
 
 
 @dataclasses.dataclass
@@ -45,6 +50,7 @@ class EvictReport:
     skipped_vanished: int = 0
     skipped_recently_used: int = 0
     skipped_not_ours: int = 0
+    not_ours: int = 0  # files without our magic: not counted, never touched
     future_mtimes_clamped: int = 0
     clock: str = "server"  # whose clock judged ages: "server" (a probe file's mtime) or "local"
     unreadable: list[str] = dataclasses.field(default_factory=list)  # "path: why", skipped
@@ -123,18 +129,19 @@ def evict(
     if budget_bytes is not None and budget_bytes <= 0:
         raise ValueError(f"budget_bytes={budget_bytes!r}; allowed: > 0, or None for the filesystem")
     scans = scan_root(root, namespace)
-    temps_removed = clamped = 0
+    temps_removed = clamped = not_ours = 0
     clock = "server"
     for s in scans:
         srv = None if dry_run else actions.server_now(s.path)
         if srv is None:
             clock = "local"
         now = srv if srv is not None else time.time()
+        not_ours += _keep_ours(s)  # first: someone else's file is never restamped, counted or deleted
         clamped += _clamp_future(s, now, dry_run)
         keep = []
         for t in s.temps:
             # Without the server's clock (read-only, dry run) a temp's age cannot be trusted.
-            if now - t.mtime > tmp_age_s and (dry_run or (srv is not None and actions.unlink_found(s.path, t))):
+            if now - t.mtime > tmp_age_s and (dry_run or (srv is not None and actions.unlink_temp_if_ours(s.path, t))):
                 temps_removed += 1
             else:
                 keep.append(t)
@@ -145,7 +152,7 @@ def evict(
     else:
         mode, (total, used) = "statvfs", _fs_usage(root)
     rep = EvictReport(mode, total, used, used, int(total * high_pct / 100), int(total * low_pct / 100),
-                      temps_removed=temps_removed, future_mtimes_clamped=clamped, clock=clock,
+                      temps_removed=temps_removed, future_mtimes_clamped=clamped, clock=clock, not_ours=not_ours,
                       unreadable=_unreadable(scans), dry_run=dry_run)
     if used < rep.high_bytes:
         return rep
@@ -164,11 +171,32 @@ def evict(
         elif outcome == "foreign":
             rep.skipped_not_ours += 1
         else:
-            freed = f.size if mode == "budget" else f.blocks
+            freed = f.size if mode == "budget" else min(f.blocks, f.size)
             rep.evicted_files += 1
             rep.evicted_bytes += freed
             rep.used_after -= freed
     return rep
+
+
+def _keep_ours(s: NamespaceScan) -> int:
+    """Drop files that are not ours (no magic) from a scan; ours count at ``actions.ours`` bytes.
+
+    ``Found.size`` becomes those bytes (what the budget counts and an
+    eviction frees); foreign files are listed in ``s.foreign`` and never touched.
+    """
+    dropped = 0
+    for group in ("chunks", "quarantined", "temps"):
+        keep = []
+        for f in getattr(s, group):
+            n = actions.ours(s.path, f)
+            if n is None:
+                s.foreign.append(f.path)
+                dropped += 1
+                continue
+            f.size = n
+            keep.append(f)
+        setattr(s, group, keep)
+    return dropped
 
 
 def _delete_if_unchanged(ns_dir: str, f: Found, dry_run: bool) -> str:
@@ -259,6 +287,8 @@ def verify_file(dir_fd: int, name: str, expect_digest: bytes | None, expect_name
         return f"not_regular ({e.kind})"
     with open(fd, "rb", buffering=0) as fh:
         hdr = fh.read(HEADER_SIZE)
+        if hdr[: len(MAGIC)] != MAGIC and hdr:
+            return NOT_OURS
         if len(hdr) < HEADER_SIZE:
             return "truncated"
         try:
@@ -312,7 +342,7 @@ def verify(root: str, namespace: str | None = None, action: str = "report") -> V
                     if reason is None:
                         continue
                     rep.bad.append((f.path, reason))
-                    if not reason.startswith(("not_regular", "unreadable")):
+                    if not reason.startswith(("not_regular", "unreadable", NOT_OURS)):
                         _act(action, s.path, d, f, reason)
             except FileNotFoundError:
                 rep.vanished += 1

@@ -193,10 +193,16 @@ class ChunkFiles:
             if st is not None and st.st_nlink == 1:  # a hardlink's inode is shared with a path outside
                 os.utime(khex, dir_fd=d, follow_symlinks=False)
 
-    def unlink(self, khex: str, ino: int | None = None) -> bool:
-        """Remove the regular file (that inode, if given); True if we did. Symlinks are never removed."""
+    def unlink(self, khex: str, ino: int | None = None, ours: bool = False) -> bool:
+        """Remove the regular file (that inode, if given); True if we did. Symlinks are never removed.
+
+        ``ours``: only if it starts with our magic (an eviction; a rejected
+        file was just read and judged).
+        """
         try:
             with self._dir(khex) as d:
+                if ours and actions.ours_at(d, khex) is None:
+                    return False
                 return safedir.unlink_if(khex, d, ino)
         except FileNotFoundError:
             return False
@@ -204,6 +210,8 @@ class ChunkFiles:
     def quarantine(self, khex: str, ino: int, reason: str) -> bool:
         """Move the file (that inode only) to ``<namespace>/quarantine/``."""
         with self._dir(khex) as d:
+            if actions.ours_at(d, khex) is None:
+                return False  # not ours (no magic): not ours to move either
             return actions.quarantine(self.ns_dir, d, khex, ino, reason)
 
     def _check(self, key: bytes, hdr: np.ndarray, mv: memoryview, n: int, tk: TenantKeys | None,

@@ -141,7 +141,8 @@ def _evict_text(r: admin.EvictReport) -> str:
     verb = "would evict" if r.dry_run else "evicted"
     return (f"{head}\n{verb} {r.evicted_files} files ({_gib(r.evicted_bytes)}), now {_gib(r.used_after)}; "
             f"{r.temps_removed} stale temps removed ({r.clock} clock); skipped: {r.skipped_vanished} vanished, "
-            f"{r.skipped_recently_used} used meanwhile, {r.skipped_not_ours} without our magic"
+            f"{r.skipped_recently_used} used meanwhile, {r.skipped_not_ours} without our magic; "
+            f"{r.not_ours} files without our magic not counted"
             + ("" if r.reached_low else "\nWARNING: could not reach the low mark"))
 
 

@@ -27,9 +27,13 @@ log = logging.getLogger("tpu_offload.fs")
 
 class Rescanner:
     def __init__(self, ns_dir: str, index: FileIndex, *, name: str, stale_tmp_s: float,
-                 count: Callable[..., None], writable: Callable[[], bool], owner: int | None = None):
+                 count: Callable[..., None], writable: Callable[[], bool], owner: int | None = None,
+                 file_bytes: int | None = None):
         self.ns_dir = ns_dir
         self.owner = owner  # fan-out directories of another uid and hardlinked files are not indexed
+        # A file counts at its allocated size, capped at one chunk file: a sparse 1 TiB file
+        # with a chunk's name must not make the budget evict every real chunk.
+        self.file_bytes = file_bytes
         self.index = index
         self.name = name
         self.stale_tmp_s = stale_tmp_s
@@ -51,7 +55,7 @@ class Rescanner:
                 now = srv if srv is not None else self.index.now()
                 pace = layout.Pacer()  # the engine thread must get the GIL while we walk
                 self.index.adopt(
-                    ((bytes.fromhex(name), st.st_size, self._clamp(name, st, dirs, now))
+                    ((bytes.fromhex(name), self._bytes(st), self._clamp(name, st, dirs, now))
                      for name, st, dirs in layout.walk_namespace(self.ns_dir, scan, pace, self.owner)),
                     pace,
                 )
@@ -61,13 +65,19 @@ class Rescanner:
             for t in scan.temps:
                 # Ages on the server's clock: our clock may run ahead of the writer's.
                 # Without it (read-only) we cannot judge an age, and could not delete anyway.
-                if srv is not None and srv - t.mtime > self.stale_tmp_s and actions.unlink_found(self.ns_dir, t):
+                # Only ours (our magic, or empty): someone else's file named like our temps stays.
+                if srv is not None and srv - t.mtime > self.stale_tmp_s and \
+                        actions.unlink_temp_if_ours(self.ns_dir, t):
                     self._count("stale_temps_removed")
             self._note_unreadable(scan.unreadable)
             self.last = time.monotonic()
         finally:
             self._lock.release()
         return True
+
+    def _bytes(self, st: os.stat_result) -> int:
+        n = min(st.st_size, st.st_blocks * 512)
+        return n if self.file_bytes is None else min(n, self.file_bytes)
 
     def server_now(self) -> float | None:
         """The file server's clock (a probe file's mtime); also re-aims the index's clock."""

@@ -128,7 +128,8 @@ class FileTier:
                                 dir_mode=dir_mode, owner=self._uid)
         self._index = FileIndex(touch_interval_s)
         self._scanner = Rescanner(self.ns_dir, self._index, name=name, stale_tmp_s=stale_tmp_s, count=self._count,
-                                  writable=lambda: self._state is TierState.RW, owner=self._uid)
+                                  writable=lambda: self._state is TierState.RW, owner=self._uid,
+                                  file_bytes=self.file_bytes)
         self._lock = threading.RLock()  # state, counters, in-flight writes
         self._inflight: dict[bytes, Future] = {}
         self._writes = 0
@@ -439,7 +440,7 @@ class FileTier:
             if self.quarantine:
                 self.files.quarantine(khex, ino, reason)
             else:
-                self.files.unlink(khex, ino)
+                self.files.unlink(khex, ino, ours=True)  # without our magic it is someone else's: left alone
         except OSError:
             pass  # gone already, or not ours to delete: still a miss
         return False
@@ -482,7 +483,7 @@ class FileTier:
         n = 0
         for fid, _size in victims:
             try:
-                gone = self.files.unlink(fid.hex())
+                gone = self.files.unlink(fid.hex(), ours=True)
                 n += gone
                 if gone:
                     self._journal_removed(fid)
