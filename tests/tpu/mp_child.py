@@ -8,6 +8,7 @@ real ``OffloadWorker`` and answers JSON commands on stdin with its reports.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -56,7 +57,7 @@ def main():
     slab = worker.engine.slabs[0][0]
     reply({"ready": True, "process_count": jax.process_count(),
            "local_shards": len(slab.addressable_shards), "global_devices": len(slab.sharding.device_set),
-           "local_block_elems": sorted({s.data.shape[3] for s in slab.addressable_shards})})
+           "local_block_elems": sorted({math.prod(s.data.shape[3:]) for s in slab.addressable_shards})})
     for line in sys.stdin:
         cmd = json.loads(line)
         meta = OffloadMetadata(loads=[LoadOp(**x) for x in cmd.get("loads", [])],

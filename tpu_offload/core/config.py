@@ -228,7 +228,7 @@ _SETTINGS: tuple[_Setting, ...] = (
     _Setting("host_memory_kind", _choice("pinned_host", "unpinned_host"), None, ("host_memory_kind",)),
     _Setting("use_unpinned_host", _bool, "TPU_OFFLOAD_USE_UNPINNED_HOST", ()),
     _Setting("skip_precompile", _bool, "TPU_OFFLOAD_SKIP_JAX_PRECOMPILE", ("skip_precompile",)),
-    _Setting("block_buckets", _int_list, "TPU_OFFLOAD_BLOCK_SIZE_BUCKETS", ("block_buckets",)),  # accepted; no effect
+    _Setting("block_buckets", _int_list, "TPU_OFFLOAD_BLOCK_SIZE_BUCKETS", ("block_buckets",)),  # accepted; no effect  # accepted; no effect
     _Setting("save_threads", _int(1, 256), "TPU_OFFLOAD_SAVE_THREADS", ("save_threads",)),
     _Setting("batched_save", _bool, "TPU_OFFLOAD_BATCHED_SAVE", ()),  # always batched; accepted
     _Setting("metrics_interval_s", _float(0.1), "TPU_OFFLOAD_METRICS_LOG_INTERVAL", ("metrics_interval_s",)),

@@ -6,6 +6,5 @@ Imported only on the worker side (it imports jax); the scheduler side and
 
 from tpu_offload.jax_backend.engine import LoadChunk, StoreChunk, TransferEngine
 from tpu_offload.jax_backend.layout import KVLayout, LayerGroup
-from tpu_offload.jax_backend.programs import make_buckets, pick_bucket
 
-__all__ = ["KVLayout", "LayerGroup", "LoadChunk", "StoreChunk", "TransferEngine", "make_buckets", "pick_bucket"]
+__all__ = ["KVLayout", "LayerGroup", "LoadChunk", "StoreChunk", "TransferEngine"]

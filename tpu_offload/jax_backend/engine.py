@@ -25,7 +25,7 @@ import numpy as np
 
 from tpu_offload.jax_backend import hostview
 from tpu_offload.jax_backend.layout import KVLayout
-from tpu_offload.jax_backend.programs import Programs, ints, make_buckets, pick_bucket
+from tpu_offload.jax_backend.programs import Programs, ints
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,6 @@ class TransferEngine:
         blocks_per_chunk: int,
         staging_blocks: int,
         memory_kind: str = "pinned_host",
-        extra_buckets: tuple[int, ...] = (),
         checksums: bool = False,
         max_slab_bytes: int = DEFAULT_MAX_SLAB_BYTES,
         hbm_check: Callable[[int, int], None] | None = None,
@@ -80,7 +79,7 @@ class TransferEngine:
         rows = (self.rows_per_slab,) * n_full + ((rest,) if rest else ())
         self.programs = Programs(
             layout, staging_blocks=self.staging_blocks, blocks_per_chunk=blocks_per_chunk,
-            slab_rows=rows, memory_kind=memory_kind, buckets=make_buckets(self.staging_blocks, extra_buckets),
+            slab_rows=rows, memory_kind=memory_kind,
         )
         if hbm_check is not None:
             hbm_check(self.staging_device_bytes, self.programs.scratch_bytes())
@@ -88,7 +87,6 @@ class TransferEngine:
         self.slabs = self.programs.alloc_slabs()
         self.valid = np.zeros(num_slots, dtype=bool)
         self.checksums = np.zeros(num_slots, dtype=np.uint64) if checksums else None
-        self._oob = layout.num_blocks  # scatter index that writes nothing
 
     # ---- public ----------------------------------------------------------
     @property
@@ -116,11 +114,19 @@ class TransferEngine:
             return False
         return True
 
-    def load(self, kv_caches: list, chunks: Sequence[LoadChunk]) -> tuple[list, jax.Array | None]:
-        """Host slots -> paged blocks. Returns the new caches (the old ones are donated)."""
+    def load(self, kv_caches: list, chunks: Sequence[LoadChunk],
+             on_pass: Callable[[list], None] | None = None) -> tuple[list, jax.Array | None]:
+        """Host slots -> paged blocks. Returns the new caches (the old ones are donated).
+
+        ``on_pass(caches)`` gets the new caches after every pass: a pass donates
+        the caches it was given, so if a later pass raises, the caller must
+        already hold the earlier pass's output, not the donated arrays.
+        """
         done = None
         for part in _split(chunks, self.staging_chunks):
             kv_caches, done = self._load_pass(kv_caches, part)
+            if on_pass is not None:
+                on_pass(kv_caches)
         return kv_caches, done
 
     def store(self, kv_caches: list, chunks: Sequence[StoreChunk]) -> jax.Array | None:
@@ -165,26 +171,24 @@ class TransferEngine:
         return order, row[order], bounds.astype(np.int32)
 
     def _load_pass(self, kv_caches, part: Sequence[LoadChunk]):
-        c = self.staging_chunks
+        c, n = self.staging_chunks, self.staging_blocks
         order, rows, bounds = self._slab_order([x.slot for x in part])
-        ids = np.full(len(part) * self.bpc, -1, dtype=np.int64)
+        dst = np.full(len(part) * self.bpc, -1, dtype=np.int64)
         for pos, i in enumerate(order):  # chunk i goes to staging chunk position pos
-            ids[pos * self.bpc : (pos + 1) * self.bpc] = part[i].blocks
-        n = pick_bucket(self.programs.buckets, len(ids))
-        scatter_ids = np.arange(self._oob, self._oob + n, dtype=np.int64)  # distinct, all dropped
-        keep = ids >= 0
-        scatter_ids[: len(ids)][keep] = ids[keep]
+            dst[pos * self.bpc : (pos + 1) * self.bpc] = part[i].blocks
+        keep = np.flatnonzero(dst >= 0)  # -1: already computed, not written
         self.staging, _ = self.programs.load()(
             self.staging, self.slabs, ints(rows, c, 0), ints(np.arange(len(part)), c, 0), bounds
         )
-        grouped, done = self.programs.scatter(n)(self._grouped(kv_caches), self.staging, scatter_ids.astype(np.int32))
+        grouped, done = self.programs.scatter()(self._grouped(kv_caches), self.staging, ints(dst[keep], n, 0),
+                                               ints(keep, n, 0), ints([len(keep)], 1, 0))
         return self._ungroup(grouped, kv_caches), done
 
     def _store_pass(self, kv_caches, part: Sequence[StoreChunk]):
-        c = self.staging_chunks
+        c, n = self.staging_chunks, self.staging_blocks
         ids = np.concatenate([np.asarray(x.blocks, dtype=np.int32) for x in part])
-        n = pick_bucket(self.programs.buckets, len(ids))
-        self.staging = self.programs.gather(n)(self._grouped(kv_caches), self.staging, ints(ids, n, 0))
+        self.staging = self.programs.gather()(self._grouped(kv_caches), self.staging, ints(ids, n, 0),
+                                              ints([len(ids)], 1, 0))
         order, rows, bounds = self._slab_order([x.slot for x in part])
         self.slabs, done = self.programs.store()(self.slabs, self.staging, ints(rows, c, 0), ints(order, c, 0), bounds)
         return done

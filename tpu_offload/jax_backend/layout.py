@@ -5,13 +5,15 @@ tpu-inference keeps one ``jax.Array`` per attention layer, shaped
 and sharded with KV heads over the model axis. Layers of one shape form a
 group (hybrid models have several).
 
-Our buffers (staging, host slabs) hold, per device, its own bytes of each
-block flattened to one vector (a "piece"), so every device, and every host
-process, only ever touches its own head shards and no transfer program needs
-a collective. When TP exceeds the model's KV heads, tpu-inference repeats
-each head over ``replicas`` consecutive shards of the head axes; those
-devices then hold identical bytes, so each keeps only a ``1/replicas`` slice
-and the host tier holds every distinct head once (the model's real KV size).
+Our buffers (staging, host slabs) hold, per device, its own shard of each
+block in the cache's native block shape and dtype (a "piece"), so every
+device, and every host process, only ever touches its own head shards and the
+TPU compiler moves whole tiles (no relayout, no bits reinterpretation: both
+made it copy every layer's whole cache on TPU7x). When TP exceeds the
+model's KV heads, tpu-inference repeats each head over ``replicas``
+consecutive shards of the head axes; those devices then hold identical
+bytes, so each keeps only a ``1/replicas`` slice of the block's tokens and
+the host tier holds every distinct head once (the model's real KV size).
 
 Every program is compiled against ``program_mesh``: the cache mesh's devices
 and axis names with ``AxisType.Auto`` axes. tpu-inference builds Auto meshes,
@@ -19,10 +21,6 @@ and axis names with ``AxisType.Auto`` axes. tpu-inference builds Auto meshes,
 Manual ones; a compiled program accepts arrays from any of them (same devices,
 same layout), and its outputs that go back to the runner carry the cache's own
 sharding, so the runner never sees a foreign mesh.
-
-Data moves as raw bits (a same-width unsigned dtype): XLA:CPU rewrites bf16
-updates into f32 over the whole operand, which breaks in-place donation; bits
-cost nothing to reinterpret on any backend.
 """
 
 from __future__ import annotations
@@ -35,15 +33,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-_BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 HEAD_DIM = 1  # index of the KV-head dimension in block_shape (cache dim 2), in every layout we accept
-
-
-def bits_dtype(dtype) -> np.dtype:
-    itemsize = np.dtype(dtype).itemsize
-    if itemsize not in _BITS:
-        raise ValueError(f"unsupported KV dtype {dtype} ({itemsize} bytes per element)")
-    return np.dtype(_BITS[itemsize])
+TOKEN_DIM = 0  # replicas split a block along its tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,10 +52,6 @@ class LayerGroup:
     head_axes: tuple[str, ...]  # mesh axes of the KV-head dimension
     head_shards: int  # product of their sizes
     replicas: int = 1  # consecutive head shards holding identical bytes
-
-    @property
-    def bits(self) -> np.dtype:
-        return bits_dtype(self.dtype)
 
     @property
     def local_elems(self) -> int:
@@ -95,11 +82,21 @@ class LayerGroup:
         """One device's share of a block in our buffers."""
         return self.piece * np.dtype(self.dtype).itemsize * len(self.layers)
 
+    @property
+    def piece_shape(self) -> tuple[int, ...]:
+        """One device's piece of a block: its shard, its replica's slice of the tokens."""
+        return (self.local_block_shape[TOKEN_DIM] // self.replicas, *self.local_block_shape[1:])
+
+    @property
+    def global_piece_shape(self) -> tuple[int, ...]:
+        """The pieces of all devices as one array, laid out like the cache's block."""
+        return (self.block_shape[TOKEN_DIM] // self.replicas, *self.block_shape[1:])
+
     def staging_shape(self, blocks: int) -> tuple[int, ...]:
-        return (blocks, len(self.layers), self.width)
+        return (blocks, len(self.layers), *self.global_piece_shape)
 
     def slab_shape(self, rows: int, blocks_per_chunk: int) -> tuple[int, ...]:
-        return (rows, blocks_per_chunk, len(self.layers), self.width)
+        return (rows, blocks_per_chunk, len(self.layers), *self.global_piece_shape)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,7 +154,8 @@ class KVLayout:
 
     @staticmethod
     def staging_spec(g: LayerGroup) -> tuple:
-        return (None, None, g.shard_axes or None)
+        """(block, layer, *the cache's spec for a block's own dims)."""
+        return (None, None, *g.cache_spec[1:])
 
     def replicated(self) -> NamedSharding:
         return self.sharding()
@@ -212,11 +210,10 @@ def _group(mesh: Mesh, key: tuple, layers: tuple, sharding: NamedSharding, num_b
         shard_axes += axes
     head_axes = _axes(spec[1 + HEAD_DIM]) if len(spec) > 1 + HEAD_DIM else ()
     head_shards = math.prod(mesh.shape[a] for a in head_axes)
-    local_elems = math.prod(local)
-    if head_replicas > 1 and (head_shards % head_replicas or local_elems % head_replicas):
+    if head_replicas > 1 and (head_shards % head_replicas or local[TOKEN_DIM] % head_replicas):
         raise ValueError(
             f"KV heads repeated {head_replicas} times do not fit the cache layout: {head_shards} head shards over "
-            f"mesh axes {head_axes}, {local_elems} elements per device and block")
+            f"mesh axes {head_axes}, {local[TOKEN_DIM]} tokens per device and block")
     return LayerGroup(
         layers=layers, block_shape=block_shape, dtype=dtype, cache_spec=spec, cache_sharding=sharding,
         local_block_shape=tuple(local), shard_axes=tuple(shard_axes),
