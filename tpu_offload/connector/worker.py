@@ -102,8 +102,9 @@ class OffloadWorker:
         known = self._free_hbm is not None or any(memory.device_hbm(d) for d in local)  # CPU reports none
         kw = {} if self._max_slab_bytes is None else {"max_slab_bytes": self._max_slab_bytes}
         local_share = sum(d.process_index == self._pidx for d in layout.mesh.devices.flat) / layout.mesh.devices.size
+        memory.check_memory_kind(cfg.host_memory_kind, local)
         memory.check_host_fits(int(self.s.num_slots * layout.block_bytes * self.s.blocks_per_chunk * local_share),
-                               self.s.num_slots, available=self._free_host)
+                               self.s.num_slots, available=self._free_host, margin=cfg.host_memory_margin)
         self.engine = TransferEngine(
             layout, num_slots=self.s.num_slots, blocks_per_chunk=self.s.blocks_per_chunk,
             staging_blocks=self.s.staging_blocks, memory_kind=cfg.host_memory_kind,

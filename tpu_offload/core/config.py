@@ -191,6 +191,27 @@ def _dir_mode(v: Any) -> int:
     return n
 
 
+def _margin(v: Any) -> int | float:
+    """A fraction of host memory (a float; ``0.1`` or ``'10%'``) or a size (an int, bytes)."""
+    allowed = "a fraction of host memory below 1 (e.g. 0.1 or '10%'), a size such as '16GiB', or 0 for none"
+    if isinstance(v, bool) or not isinstance(v, (int, float, str)):
+        raise ValueError(allowed)
+    text = v.strip() if isinstance(v, str) else v
+    try:
+        f = float(text[:-1]) / 100 if isinstance(text, str) and text.endswith("%") else float(text)
+    except (ValueError, OverflowError):
+        f = None  # a size with a unit, or nothing valid
+    if f is not None:
+        if not math.isfinite(f) or f < 0 or (f >= 1 and (not f.is_integer() or str(text).endswith("%"))):
+            raise ValueError(allowed)
+        if f < 1:
+            return float(f)
+    try:
+        return _bytes(v)
+    except ValueError:
+        raise ValueError(allowed) from None
+
+
 def _secret_env(v: Any) -> bytes:
     from tpu_offload.core.fs.auth import check_secret
 
@@ -227,6 +248,7 @@ _SETTINGS: tuple[_Setting, ...] = (
     _Setting("sync_load", _bool, "TPU_OFFLOAD_SYNC_LOAD", ("sync_load",)),
     _Setting("host_memory_kind", _choice("pinned_host", "unpinned_host"), None, ("host_memory_kind",)),
     _Setting("use_unpinned_host", _bool, "TPU_OFFLOAD_USE_UNPINNED_HOST", ()),
+    _Setting("host_memory_margin", _margin, "TPU_OFFLOAD_HOST_MEMORY_MARGIN", ("host_memory_margin",)),
     _Setting("skip_precompile", _bool, "TPU_OFFLOAD_SKIP_JAX_PRECOMPILE", ("skip_precompile",)),
     _Setting("block_buckets", _int_list, "TPU_OFFLOAD_BLOCK_SIZE_BUCKETS", ("block_buckets",)),  # accepted; no effect  # accepted; no effect
     _Setting("save_threads", _int(1, 256), "TPU_OFFLOAD_SAVE_THREADS", ("save_threads",)),
@@ -281,6 +303,9 @@ class OffloadConfig:
     decode_save: bool = False
     sync_load: bool = False
     host_memory_kind: str = "pinned_host"
+    # Host memory the tier must leave for the engine and the rest of the host: a fraction
+    # (float) of the host's memory (or its cgroup limit, if smaller), or bytes (int).
+    host_memory_margin: int | float = 0.05
     skip_precompile: bool = False
     block_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     save_threads: int = 1
