@@ -58,8 +58,18 @@ def main():
     reply({"ready": True, "process_count": jax.process_count(),
            "local_shards": len(slab.addressable_shards), "global_devices": len(slab.sharding.device_set),
            "local_block_elems": sorted({math.prod(s.data.shape[3:]) for s in slab.addressable_shards})})
+    launched = []  # slots of every load this process launched (hosts must launch the same lists)
+    load = worker.engine.load
+
+    def recording_load(caches, chunks, **kw):
+        launched.append([c.slot for c in chunks])
+        return load(caches, chunks, **kw)
+
+    worker.engine.load = recording_load
     for line in sys.stdin:
         cmd = json.loads(line)
+        if cmd.get("invalidate") and jax.process_index() in cmd["invalidate_on"]:
+            worker.engine.valid[cmd["invalidate"]] = False  # this host lost those bytes
         meta = OffloadMetadata(loads=[LoadOp(**x) for x in cmd.get("loads", [])],
                                stores=[StoreOp(**x) for x in cmd.get("stores", [])])
         if cmd["op"] == "store":
@@ -86,6 +96,7 @@ def main():
                 for src, dst in cmd["expect"]
             )
         reply({"report": report.to_dict() if report else None, "ok": ok, "pid": jax.process_index(),
+               "launched": launched[-1] if launched else None,
                "finished_sending": sorted(sending), "finished_recving": sorted(recving)})
     worker.shutdown()
 

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client import CollectorRegistry
 
-from tpu_offload.connector.metadata import OffloadReport
+from tpu_offload.connector.metadata import LoadOp, OffloadReport
 from tpu_offload.connector.metrics import ConnectorMetrics
 from tpu_offload.connector.scheduler import OffloadScheduler
 from tpu_offload.connector.settings import Settings
@@ -177,6 +177,20 @@ def test_chunk_loadable_only_after_every_process_reported(tiny_model_dir):
         assert sched.manager.stats().pinned_chunks == 3
         sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=OffloadReport.coerce(replies[1]["report"])))
         assert sched.manager.stats().pinned_chunks == 0
+        # One host lost a chunk's bytes: both hosts still launch the load with the same chunk list
+        # (a host that skipped it alone would launch a different program than its peer and, with
+        # collectives, stall it); only that host reports the chunk, so its blocks are recomputed.
+        slots = meta.loads[0].slots
+        op = LoadOp(op_id=99, req_id="c", slots=slots, blocks=[13, 14, 15], async_load=False, last=True)
+        cmd = {"op": "load", "loads": [dataclasses.asdict(op)], "invalidate": slots[1], "invalidate_on": [1],
+               "expect": [[3, 13], [7, 15]]}
+        for c in children:
+            c.send(cmd)
+        replies = sorted((c.recv() for c in children), key=lambda r: r["pid"])
+        assert replies[0]["launched"] == replies[1]["launched"] == slots
+        assert all(r["ok"] for r in replies)
+        failed = [{(op, pidx): list(bad) for op, pidx, bad in OffloadReport.coerce(r["report"]).loads} for r in replies]
+        assert failed[0] == {(99, 0): []} and failed[1] == {(99, 1): [slots[1]]}, failed
         for c in children:
             c.send({"op": "exit"})
     finally:

@@ -316,3 +316,30 @@ def test_replicas_must_fit_the_layout(mesh):
     caches = replicated_caches(mesh, jnp.bfloat16, kv_heads=2)
     with pytest.raises(ValueError, match="repeated 3 times"):
         KVLayout.from_caches(caches, head_replicas=3)
+
+
+def test_failed_later_pass_leaves_live_caches(mesh):
+    """A load bigger than staging runs in passes, each donating the caches it gets. When pass 2
+    fails, the caller must already hold pass 1's output (live, with pass 1's blocks), not the
+    donated arrays it started with."""
+    caches = make_caches(mesh, jnp.float32, seed=7)
+    ref = [bits(c) for c in caches]
+    eng = TransferEngine(KVLayout.from_caches(caches), num_slots=8, blocks_per_chunk=1, staging_blocks=2)
+    eng.store(caches, [StoreChunk(s, [s]) for s in range(4)]).block_until_ready()
+    eng.complete_store(range(4), True)
+    scatter, calls = eng.programs.scatter(), []
+
+    def failing_second_pass(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("transfer failed")
+        return scatter(*args)
+
+    eng.programs._cache[("scatter",)] = failing_second_pass
+    held = {}
+    with pytest.raises(RuntimeError, match="transfer failed"):
+        eng.load(caches, [LoadChunk(s, [20 + s]) for s in range(4)], on_pass=lambda c: held.update(caches=c))
+    got = [bits(c) for c in held["caches"]]  # pass 1 donated the caches it got (on TPU); its output is live
+    for layer in range(LAYERS):
+        for s in range(2):
+            assert np.array_equal(got[layer][20 + s], ref[layer][s])

@@ -158,24 +158,35 @@ class OffloadWorker:
         chunks: list[LoadChunk] = []
         bad: dict[int, list[int]] = {}
         bpc = self.s.blocks_per_chunk
+        lockstep = jax.process_count() > 1  # every host must launch the same programs on the same lists
         for op in meta.loads:
             for i, slot in enumerate(op.slots):
                 blocks = op.blocks[i * bpc : (i + 1) * bpc]
-                if slot >= 0 and self.engine.check_loadable(slot):
+                ok = slot >= 0 and self.engine.check_loadable(slot)
+                if ok or (lockstep and slot >= 0):
+                    # A host that cannot serve a chunk still loads it (and reports its blocks as
+                    # errors, so they are recomputed): a host that skipped it alone would launch a
+                    # different program than its peers and stall their collectives.
                     chunks.append(LoadChunk(slot, blocks))
-                else:
+                if not ok:
                     bad.setdefault(op.op_id, []).append(slot)
                     self._load_errors.update(b for b in blocks if b >= 0)
         nbytes = len(chunks) * self.engine.chunk_bytes
         done = None
         if chunks:
             try:
-                self.runner.kv_caches, done = self.engine.load(self.runner.kv_caches, chunks)
+                # Each pass donates the caches it is given: the runner holds every pass's output
+                # at once, so a later pass that fails leaves it with live caches, never donated ones.
+                self.runner.kv_caches, done = self.engine.load(self.runner.kv_caches, chunks,
+                                                               on_pass=self._hand_back)
             except Exception:  # dispatch failed: nothing was written
                 log.exception("tpu_offload: load dispatch failed; %d chunks will be recomputed", len(chunks))
                 self._fail_loads(meta.loads, bad)
                 done = None
         self._flights.append(_Flight(done, "load", list(meta.loads), bad, nbytes, time.perf_counter()))
+
+    def _hand_back(self, caches: list) -> None:
+        self.runner.kv_caches = caches
 
     def wait_for_save(self, meta: OffloadMetadata) -> None:
         if not isinstance(meta, OffloadMetadata) or meta is self._saved_meta:
