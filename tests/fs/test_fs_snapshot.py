@@ -7,6 +7,7 @@ import logging
 import os
 
 import numpy as np
+import pytest
 
 from fs_helpers import key, layout, payload, run_child
 from tpu_offload.core.fs import restore_host_tier, snapshot_host_tier
@@ -131,3 +132,117 @@ def test_core_fs_imports_neither_jax_nor_torch():
     )
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"
+
+
+# ---- a snapshot on a shared volume is not trusted -----------------------------------
+
+
+def _craft(path, **change):
+    """Edit the index and make it self-consistent again (its xxh3 is unkeyed: anyone can)."""
+    from tpu_offload.core.fs.snapshot import _index_digest
+
+    file = os.path.join(path, "index.json")
+    with open(file) as f:
+        index = json.load(f)
+    for k, v in change.items():
+        if v is None:
+            index.pop(k, None)
+        else:
+            index[k] = v
+    index.pop("index_mac", None)
+    index["index_xxh3"] = _index_digest(index)
+    with open(file, "w") as f:
+        json.dump(index, f)
+    return index
+
+
+def _saved(tmp_path, **kw):
+    mgr, pool, keys = _host_tier()
+    path = str(tmp_path / "snap")
+    snapshot_host_tier(mgr, pool, path, layout(), **kw)
+    return path, keys
+
+
+
+@pytest.mark.parametrize("change", [
+    {"keys": ["zz"] * 6},                       # not hex
+    {"keys": None},                            # a missing field
+    {"slots": None},
+    {"checksums": ["x"] * 6},
+    {"data_offset": "0"},
+    {"chunk_bytes": None},
+    {"keys": [key(1).hex()] * 6},              # one key six times
+])
+def test_a_malformed_index_is_a_cold_start_with_a_warning(tmp_path, caplog, change):
+    path, _ = _saved(tmp_path)
+    _craft(path, **change)
+    with caplog.at_level(logging.WARNING, logger="tpu_offload.fs"):
+        assert restore_host_tier(path, layout(), 8, CB) is None
+    assert any("starting cold" in r.getMessage() for r in caplog.records)
+
+
+def test_data_outside_the_snapshot_directory_is_never_read(tmp_path):
+    """``"data": "<absolute path>"`` would read any file into the host tier."""
+    path, keys = _saved(tmp_path)
+    outside = tmp_path / "outside.npy"
+    with open(os.path.join(path, "chunks.npy"), "rb") as f:
+        outside.write_bytes(f.read())  # a readable file with the right rows: only the path is wrong
+    for data in (str(outside), "../outside.npy", "sub/chunks.npy"):
+        _craft(path, data=data)
+        assert restore_host_tier(path, layout(), 8, CB) is None, data
+
+
+def test_a_fifo_or_symlink_at_the_index_never_hangs_or_is_followed(tmp_path):
+    import threading
+
+    path, _ = _saved(tmp_path)
+    real = os.path.join(path, "index.json")
+    os.rename(real, str(tmp_path / "elsewhere.json"))
+    os.symlink(str(tmp_path / "elsewhere.json"), real)
+    assert restore_host_tier(path, layout(), 8, CB) is None, "a symlinked index was followed"
+    os.unlink(real)
+    os.mkfifo(real)
+    box = {}
+    th = threading.Thread(target=lambda: box.setdefault("r", restore_host_tier(path, layout(), 8, CB)), daemon=True)
+    th.start()
+    th.join(10)
+    assert not th.is_alive(), "restore hung on a FIFO at index.json"
+    assert box["r"] is None
+
+
+def test_a_signed_index_needs_the_same_secret(tmp_path):
+    secret = b"a-secret-of-32-bytes-0123456789ab"
+    path, keys = _saved(tmp_path, secret=secret)
+    got = restore_host_tier(path, layout(), 8, CB, secret=secret)
+    assert got is not None and set(k for k, _ in got[0].items_lru_order()) == set(keys)
+    assert restore_host_tier(path, layout(), 8, CB, secret=b"another-secret-0123456789abcdef") is None
+    _craft(path, slots=list(range(6)))  # self-consistent again, but unsigned
+    assert restore_host_tier(path, layout(), 8, CB, secret=secret) is None
+
+
+def test_the_tpu_index_rejects_malformed_and_unsigned_indexes(tmp_path):
+    from tpu_offload.connector.snapshot import INDEX, load_index, save_index
+
+    secret = b"a-secret-of-32-bytes-0123456789ab"
+    mgr, _, keys = _host_tier()
+    path = str(tmp_path / "tpu")
+    save_index(path, "abc", layout(), mgr, secret=secret)
+    assert load_index(path, layout(), 8, secret)[0] == "abc"
+    assert load_index(path, layout(), 8, b"another-secret-0123456789abcdef") is None
+    file = os.path.join(path, INDEX)
+    with open(file) as f:
+        body = json.load(f)
+    for change in ({"snapshot_id": None}, {"keys": ["zz"] * 6}, {"slots": [99] * 6}, {"keys": 5}):
+        b = dict(body)
+        b.pop("index_mac")
+        for k, v in change.items():
+            if v is None:
+                b.pop(k)
+            else:
+                b[k] = v
+        with open(file, "w") as f:
+            json.dump(b, f)
+        assert load_index(path, layout(), 8) is None, change
+    os.unlink(file)
+    os.mkfifo(file)
+    assert load_index(path, layout(), 8) is None

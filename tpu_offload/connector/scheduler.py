@@ -101,7 +101,7 @@ class OffloadScheduler:
         if cfg.snapshot_path and fingerprint is not None:
             from tpu_offload.connector.snapshot import new_id, restore_scheduler
 
-            self.restored_id = restore_scheduler(cfg.snapshot_path, fingerprint, self.manager)
+            self.restored_id = restore_scheduler(cfg.snapshot_path, fingerprint, self.manager, cfg.fs_secret)
             self.snapshot_id = new_id()
             self._slot_of.update(self.manager.items_lru_order())
 
@@ -504,7 +504,8 @@ class OffloadScheduler:
         from tpu_offload.connector.snapshot import save_index
 
         try:
-            n = save_index(cfg.snapshot_path, self.snapshot_id, self._fp, self.manager, self._quarantine)
+            n = save_index(cfg.snapshot_path, self.snapshot_id, self._fp, self.manager, self._quarantine,
+                           secret=cfg.fs_secret)
             log.info("tpu_offload: saved the index of %d host chunks to %s", n, cfg.snapshot_path)
         except Exception:
             log.exception("tpu_offload: could not save the host-tier index to %s", cfg.snapshot_path)

@@ -7,7 +7,10 @@ then failed to save its slabs must not pair its new index with the old
 slabs), sends both in every step's metadata, and the workers save their
 slabs under the new id. A worker whose restored slabs carry an id other
 than the restored index's drops them when the first metadata arrives, so an index without matching slabs only costs load errors
-(recomputed), never wrong KV. Keys are hex; nothing is pickled.
+(recomputed), never wrong KV. Keys are hex; nothing is pickled. The index
+is read like a chunk (no symlink, no FIFO), every field is checked (anything
+malformed is a cold start with one warning), and with the file tier's secret
+it is signed (``index_mac``).
 """
 
 from __future__ import annotations
@@ -17,6 +20,10 @@ import logging
 import os
 import secrets
 
+import hmac
+
+from tpu_offload.core.fs.auth import FsAuth
+from tpu_offload.core.fs.format import MAX_KEY_BYTES
 from tpu_offload.core.fs.snapshot import SnapshotPathError, is_snapshot_json, read_json
 from tpu_offload.core.keys import ChunkKey, LayoutFingerprint
 from tpu_offload.core.lru import LRUChunkManager
@@ -33,8 +40,13 @@ def new_id() -> str:
     return secrets.token_hex(8)
 
 
+def _mac(body: dict, secret: bytes) -> str:
+    return FsAuth(secret).index_mac(json.dumps({k: v for k, v in body.items() if k != "index_mac"},
+                                               sort_keys=True).encode())
+
+
 def save_index(path: str, snapshot_id: str, fp: LayoutFingerprint, manager: LRUChunkManager,
-               skip: set = frozenset()) -> int:
+               skip: set = frozenset(), secret: bytes | None = None) -> int:
     """Ready chunks with their slots, least recent first; published by rename. Returns the count."""
     items = [(k, s) for k, s in manager.items_lru_order() if k not in skip]
     body = {
@@ -42,6 +54,8 @@ def save_index(path: str, snapshot_id: str, fp: LayoutFingerprint, manager: LRUC
         "fingerprint_digest": fp.digest().hex(), "num_slots": manager.num_chunks,
         "keys": [bytes(k).hex() for k, _ in items], "slots": [int(s) for _, s in items],
     }
+    if secret:
+        body["index_mac"] = _mac(body, secret)
     os.makedirs(path, exist_ok=True)
     target = os.path.join(path, INDEX)
     if os.path.lexists(target) and not is_snapshot_json(target, FORMAT):  # never overwrite someone's file
@@ -61,7 +75,8 @@ def save_index(path: str, snapshot_id: str, fp: LayoutFingerprint, manager: LRUC
     return len(items)
 
 
-def load_index(path: str, fp: LayoutFingerprint, num_slots: int) -> tuple[str, list[tuple[ChunkKey, int]]] | None:
+def load_index(path: str, fp: LayoutFingerprint, num_slots: int,
+               secret: bytes | None = None) -> tuple[str, list[tuple[ChunkKey, int]]] | None:
     """(snapshot id, items) if the index fits this layout and tier; else None (one warning)."""
     file = os.path.join(path, INDEX)
     body = read_json(file, "tpu_offload: snapshot index")
@@ -74,22 +89,40 @@ def load_index(path: str, fp: LayoutFingerprint, num_slots: int) -> tuple[str, l
         problem = "another model or KV layout (fingerprint differs)"
     elif body.get("num_slots") != num_slots:
         problem = f"{body.get('num_slots')} host slots, this tier has {num_slots}"
-    elif len(body.get("keys", ())) != len(body.get("slots", ())):
+    elif secret and not (isinstance(body.get("index_mac"), str)
+                         and hmac.compare_digest(body["index_mac"], _mac(body, secret))):
+        problem = "index MAC missing or wrong (not signed with this secret)"
+    elif not isinstance(body.get("snapshot_id"), str) or not isinstance(body.get("keys"), list) \
+            or not isinstance(body.get("slots"), list) or len(body["keys"]) != len(body["slots"]):
         problem = "inconsistent index"
     if problem:
         log.warning("tpu_offload: snapshot index %s rejected: %s; starting cold", file, problem)
         return None
     try:
-        items = [(ChunkKey(bytes.fromhex(h)), int(s)) for h, s in zip(body["keys"], body["slots"])]
+        items = [(ChunkKey(_key(h)), _slot(s, num_slots)) for h, s in zip(body["keys"], body["slots"])]
     except (TypeError, ValueError) as e:
         log.warning("tpu_offload: snapshot index %s rejected (%s); starting cold", file, e)
         return None
-    return str(body["snapshot_id"]), items
+    return body["snapshot_id"], items
 
 
-def restore_scheduler(path: str, fp: LayoutFingerprint, manager: LRUChunkManager) -> str:
+def _key(h) -> bytes:
+    k = bytes.fromhex(h) if isinstance(h, str) else None
+    if not k or len(k) > MAX_KEY_BYTES:
+        raise ValueError(f"key {h!r} is not hex of 1..{MAX_KEY_BYTES} bytes")
+    return k
+
+
+def _slot(s, num_slots: int) -> int:
+    if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < num_slots:
+        raise ValueError(f"slot {s!r} is not in [0, {num_slots})")
+    return s
+
+
+def restore_scheduler(path: str, fp: LayoutFingerprint, manager: LRUChunkManager,
+                      secret: bytes | None = None) -> str:
     """Refill ``manager`` from the index; returns the restored snapshot's id ("" if cold)."""
-    found = load_index(path, fp, manager.num_chunks)
+    found = load_index(path, fp, manager.num_chunks, secret)
     if found is None:
         return ""
     snapshot_id, items = found

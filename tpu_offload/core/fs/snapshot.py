@@ -11,14 +11,24 @@ the torch (GPU) backend whose installs have no jax; the host slab is a plain
 numpy array anyway, so ``.npy`` + JSON is as portable and needs nothing
 more. Rows are streamed from and into slot views, so neither save nor
 restore holds a second copy of the slab.
+
+The snapshot directory may sit on a shared volume, so restore trusts
+nothing in it: the index and the data are opened like chunks (no symlink
+followed, never blocking on a FIFO, regular files only), ``data`` must be
+a bare file name inside the directory, every field is type- and
+range-checked (anything malformed is a cold start with one warning, never
+an exception), and with a secret the index carries a keyed MAC
+(``index_mac``) that must verify.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hmac
 import json
 import logging
 import os
+import re
 import secrets
 import shutil
 import stat
@@ -26,7 +36,10 @@ import stat
 import numpy as np
 import xxhash
 
+from tpu_offload.core.fs import safedir
+from tpu_offload.core.fs.auth import FsAuth
 from tpu_offload.core.fs.fileio import read_all
+from tpu_offload.core.fs.format import MAX_KEY_BYTES
 from tpu_offload.core.fs.layout import DIR_MODE, FILE_MODE, make_dirs
 from tpu_offload.core.keys import ChunkKey, LayoutFingerprint
 from tpu_offload.core.lru import LRUChunkManager
@@ -36,14 +49,38 @@ from tpu_offload.core.pool import HostChunkPool
 log = logging.getLogger("tpu_offload.fs")
 
 
-def read_json(file: str, what: str) -> dict | None:
-    """A snapshot's JSON, or None: absent is a cold start, unreadable one warning."""
+MAX_JSON_BYTES = 1 << 30
+
+
+def open_safe(file: str) -> int:
+    """fd of a regular file at ``file``: its last component never followed if a symlink, a FIFO never waited on.
+
+    Raises FileNotFoundError, ``safedir.NotRegular`` or OSError.
+    """
+    parent, name = os.path.split(os.path.abspath(file))
+    d = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # the operator's path: may hold symlinks
     try:
-        with open(file) as f:
-            return json.load(f)
+        return safedir.open_regular(name, d)[0]
+    finally:
+        os.close(d)
+
+
+def read_json(file: str, what: str) -> dict | None:
+    """A snapshot's JSON, or None: absent is a cold start; a symlink, FIFO, huge or unreadable file one warning."""
+    try:
+        fd = open_safe(file)
     except FileNotFoundError:
         return None
-    except (OSError, ValueError) as e:
+    except OSError as e:
+        log.warning("%s %s unreadable (%s); starting cold", what, file, e)
+        return None
+    try:
+        with open(fd, "rb") as f:
+            raw = f.read(MAX_JSON_BYTES + 1)
+        if len(raw) > MAX_JSON_BYTES:
+            raise ValueError(f"larger than {MAX_JSON_BYTES} bytes")
+        return json.loads(raw)
+    except (OSError, ValueError, RecursionError) as e:
         log.warning("%s %s unreadable (%s); starting cold", what, file, e)
         return None
 
@@ -84,9 +121,9 @@ def check_replaceable(path: str, is_ours=None) -> None:
 def is_snapshot_json(file: str, fmt: str) -> bool:
     """Does ``file`` hold a JSON object of format ``fmt``? (quietly: only to recognise our own files)"""
     try:
-        with open(file) as f:
-            body = json.load(f)
-    except (OSError, ValueError):
+        with open(open_safe(file), "rb") as f:
+            body = json.loads(f.read(MAX_JSON_BYTES))
+    except (OSError, ValueError, RecursionError):
         return False
     return isinstance(body, dict) and body.get("format") == fmt
 
@@ -102,9 +139,13 @@ DATA = "chunks.npy"
 
 
 def snapshot_host_tier(
-    manager: LRUChunkManager, pool: HostChunkPool, path: str, fingerprint: LayoutFingerprint
+    manager: LRUChunkManager, pool: HostChunkPool, path: str, fingerprint: LayoutFingerprint,
+    *, secret: bytes | None = None,
 ) -> int:
     """Write every ready, valid chunk to ``path``; returns how many were saved.
+
+    With ``secret`` (the file tier's) the index is signed; restore then
+    needs the same secret.
 
     ``path`` must be absent, an empty directory, or a snapshot this code
     wrote: anything else there (a symlink, a file, someone's directory) is
@@ -148,6 +189,8 @@ def snapshot_host_tier(
             "checksums": sums,
         }
         index["index_xxh3"] = _index_digest(index)
+        if secret:
+            index["index_mac"] = _index_mac(index, secret)
         with open(os.path.join(tmp, INDEX), "w") as f:
             os.fchmod(f.fileno(), FILE_MODE)
             json.dump(index, f)
@@ -168,6 +211,7 @@ def restore_host_tier(
     *,
     enable_events: bool = True,
     medium: Medium = Medium.CPU,
+    secret: bytes | None = None,
 ) -> tuple[LRUChunkManager, HostChunkPool] | None:
     """A manager and pool holding the snapshot's chunks, or None if unusable.
 
@@ -175,7 +219,7 @@ def restore_host_tier(
     refused whole (None, one warning). A row whose checksum fails is left
     out. When the new tier is smaller, the most recent chunks are kept.
     """
-    index = _load_index(path, fingerprint, chunk_bytes)
+    index = _load_index(path, fingerprint, chunk_bytes, secret)
     if index is None:
         return None
     keys = [ChunkKey(bytes.fromhex(h)) for h in index["keys"]]
@@ -188,7 +232,7 @@ def restore_host_tier(
     good, bad = [], []
     offset = index["data_offset"] + first * chunk_bytes
     try:
-        fd = os.open(os.path.join(path, index["data"]), os.O_RDONLY | os.O_CLOEXEC)
+        fd = open_safe(os.path.join(path, index["data"]))  # a bare name (checked): inside ``path``
         try:
             for i, (key, slot) in enumerate(zip(alloc.keys, alloc.slots), start=first):
                 row = pool.row(int(slot))
@@ -212,32 +256,74 @@ def restore_host_tier(
     return manager, pool
 
 
-def _load_index(path: str, fingerprint: LayoutFingerprint, chunk_bytes: int) -> dict | None:
+def _load_index(path: str, fingerprint: LayoutFingerprint, chunk_bytes: int,
+                secret: bytes | None = None) -> dict | None:
     index = read_json(os.path.join(path, INDEX), "host snapshot index")
     if index is None:
         return None
-    problem = None
-    if not isinstance(index, dict) or index.get("format") != FORMAT:
-        problem = "not a host-tier snapshot"
-    elif index.get("version") != VERSION:
-        problem = f"format version {index.get('version')}, expected {VERSION}"
-    elif index.get("index_xxh3") != _index_digest(index):
-        problem = "index checksum mismatch"
-    elif index["fingerprint_digest"] != fingerprint.digest().hex():
-        problem = f"layout {index['fingerprint']} differs from {dataclasses.asdict(fingerprint)}"
-    elif index["chunk_bytes"] != chunk_bytes:
-        problem = f"chunk size {index['chunk_bytes']}, expected {chunk_bytes}"
-    elif not (len(index["keys"]) == len(index["checksums"]) == index["num_chunks"]):
-        problem = "inconsistent index"
+    try:
+        problem = _index_problem(index, fingerprint, chunk_bytes, secret)
+    except (TypeError, ValueError, KeyError, AttributeError, RecursionError) as e:  # a shape no check foresaw
+        problem = f"malformed ({type(e).__name__}: {e})"
     if problem:
         log.warning("host snapshot %s rejected: %s; starting cold", path, problem)
         return None
     return index
 
 
+_HEX16 = re.compile(r"^[0-9a-f]{16}$")
+_KEY_HEX = re.compile(r"^(?:[0-9a-f]{2}){1,%d}$" % MAX_KEY_BYTES)
+
+
+def _is_int(v, lo: int = 0) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= lo
+
+
+def _index_problem(index, fingerprint: LayoutFingerprint, chunk_bytes: int, secret: bytes | None) -> str | None:
+    """Why the index must not be used, or None. Every field the restore reads is checked here."""
+    if not isinstance(index, dict) or index.get("format") != FORMAT:
+        return "not a host-tier snapshot"
+    if index.get("version") != VERSION:
+        return f"format version {index.get('version')!r}, expected {VERSION}"
+    if index.get("index_xxh3") != _index_digest(index):
+        return "index checksum mismatch"
+    if secret:
+        mac = index.get("index_mac")
+        if not isinstance(mac, str) or not hmac.compare_digest(mac, _index_mac(index, secret)):
+            return "index MAC missing or wrong (not signed with this secret)"
+    if index.get("fingerprint_digest") != fingerprint.digest().hex():
+        return "another model or KV layout (fingerprint differs)"
+    if index.get("chunk_bytes") != chunk_bytes:
+        return f"chunk size {index.get('chunk_bytes')!r}, expected {chunk_bytes}"
+    data = index.get("data")
+    if not isinstance(data, str) or data in ("", ".", "..") or os.sep in data or "\0" in data \
+            or (os.altsep and os.altsep in data):
+        return f"data {data!r} is not a bare file name inside the snapshot directory"
+    keys, sums, slots, n = index.get("keys"), index.get("checksums"), index.get("slots"), index.get("num_chunks")
+    if not (_is_int(n) and isinstance(keys, list) and isinstance(sums, list) and isinstance(slots, list)
+            and len(keys) == len(sums) == len(slots) == n):
+        return "inconsistent index"
+    if not _is_int(index.get("data_offset")):
+        return f"data_offset {index.get('data_offset')!r}"
+    if not all(isinstance(k, str) and _KEY_HEX.match(k) for k in keys):
+        return "a key that is not hex of 1..%d bytes" % MAX_KEY_BYTES
+    if len(set(keys)) != len(keys):
+        return "a key listed twice"
+    if not all(isinstance(c, str) and _HEX16.match(c) for c in sums):
+        return "a checksum that is not 16 hex digits"
+    if not all(_is_int(s) for s in slots):
+        return "a slot that is not an integer >= 0"
+    return None
+
+
 def _index_digest(index: dict) -> str:
-    body = {k: v for k, v in index.items() if k != "index_xxh3"}
+    body = {k: v for k, v in index.items() if k not in ("index_xxh3", "index_mac")}
     return format(xxhash.xxh3_64_intdigest(json.dumps(body, sort_keys=True).encode()), "016x")
+
+
+def _index_mac(index: dict, secret: bytes) -> str:
+    body = {k: v for k, v in index.items() if k != "index_mac"}
+    return FsAuth(secret).index_mac(json.dumps(body, sort_keys=True).encode())
 
 
 def _publish_dir(tmp: str, path: str) -> None:
