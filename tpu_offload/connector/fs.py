@@ -53,6 +53,38 @@ def fingerprint(vllm_config, kv_cache_config, blocks_per_chunk: int) -> LayoutFi
     )
 
 
+def reset_salt(cfg: OffloadConfig, previous: str) -> str:
+    """The namespace salt after a reset: shared by every replica that resets to the same epoch.
+
+    Derived from the content of ``fs_reset_epoch_file`` (the operator writes
+    e.g. the weights version there before resetting), so replicas that reset
+    together keep sharing files. Without the file, if it cannot be read, or
+    if it did not change since the last reset (reusing the salt would serve
+    KV of the old weights), a random salt: safe, but this replica shares no
+    files with the others until they restart.
+    """
+    import hashlib
+    import uuid
+
+    path = cfg.fs_reset_epoch_file
+    why = "fs_reset_epoch_file is not set"
+    if path:
+        try:
+            with open(path, "rb") as f:
+                epoch = f.read(4097).strip()
+            if not epoch or len(epoch) > 4096:
+                raise ValueError(f"{len(epoch)} bytes; allowed 1..4096")
+            salt = "epoch-" + hashlib.blake2b(epoch, digest_size=16, person=b"tpuoff-reset").hexdigest()
+            if salt != previous:
+                return salt
+            why = f"{path} did not change since the last reset"
+        except (OSError, ValueError) as e:
+            why = f"{path} unreadable ({e})"
+    log.warning("tpu_offload: cache reset: %s; the file tier moves to a random namespace, so this replica "
+                "shares no files with others until they restart", why)
+    return uuid.uuid4().hex
+
+
 def salted(fp: LayoutFingerprint, salt: str) -> LayoutFingerprint:
     """The namespace after a reset: KV written before it (old weights) is never found again."""
     return fp if not salt else dataclasses.replace(fp, cache_salt=f"{fp.cache_salt}reset:{salt}")
@@ -150,7 +182,8 @@ class FsMover:
         old, self.tier = self.tier, FileTier.from_config(self._cfg, salted(self._fp, salt), self._nbytes,
                                                          self._metrics)
         self.tier.journal, old.journal = old.journal, None  # the old namespace is retracted as a whole
-        threading.Thread(target=old.close, kwargs={"timeout": 60}, name="tpu-offload-fs-close", daemon=True).start()
+        # KV of the old weights is never read again: its files go, or every reset would leak a namespace.
+        threading.Thread(target=old.retire, kwargs={"timeout": 60}, name="tpu-offload-fs-retire", daemon=True).start()
 
     # ---- writes ------------------------------------------------------------
     def write(self, key: ChunkKey, slot: int) -> None:

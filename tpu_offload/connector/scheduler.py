@@ -488,7 +488,10 @@ class OffloadScheduler:
             st.keys.clear()
             if st.request.num_computed_tokens > 0 or st.finishing:
                 st.stale = True
-        self.reset_salt = uuid.uuid4().hex
+        from tpu_offload.connector.fs import reset_salt
+
+        self.reset_salt = reset_salt(self.s.config, self.reset_salt) if self._fs_lookup is not None \
+            else uuid.uuid4().hex
         if self._fs_lookup is not None:
             self._fs_lookup.reset(self.reset_salt)
         if self.snapshot_id:

@@ -250,7 +250,7 @@ _SETTINGS: tuple[_Setting, ...] = (
     _Setting("use_unpinned_host", _bool, "TPU_OFFLOAD_USE_UNPINNED_HOST", ()),
     _Setting("host_memory_margin", _margin, "TPU_OFFLOAD_HOST_MEMORY_MARGIN", ("host_memory_margin",)),
     _Setting("skip_precompile", _bool, "TPU_OFFLOAD_SKIP_JAX_PRECOMPILE", ("skip_precompile",)),
-    _Setting("block_buckets", _int_list, "TPU_OFFLOAD_BLOCK_SIZE_BUCKETS", ("block_buckets",)),  # accepted; no effect  # accepted; no effect
+    _Setting("block_buckets", _int_list, "TPU_OFFLOAD_BLOCK_SIZE_BUCKETS", ("block_buckets",)),  # accepted; no effect
     _Setting("save_threads", _int(1, 256), "TPU_OFFLOAD_SAVE_THREADS", ("save_threads",)),
     _Setting("batched_save", _bool, "TPU_OFFLOAD_BATCHED_SAVE", ()),  # always batched; accepted
     _Setting("metrics_interval_s", _float(0.1), "TPU_OFFLOAD_METRICS_LOG_INTERVAL", ("metrics_interval_s",)),
@@ -268,6 +268,8 @@ _SETTINGS: tuple[_Setting, ...] = (
     _Setting("fs_o_direct", _bool, "TPU_OFFLOAD_FS_O_DIRECT", ("fs_o_direct",)),
     _Setting("snapshot_path", _abs_path("snapshot_path"), "TPU_OFFLOAD_SNAPSHOT_PATH", ("snapshot_path",)),
     _Setting("fs_dir_mode", _dir_mode, "TPU_OFFLOAD_FS_DIR_MODE", ("fs_dir_mode",)),
+    _Setting("fs_reset_epoch_file", _abs_path("fs_reset_epoch_file"), "TPU_OFFLOAD_FS_RESET_EPOCH_FILE",
+             ("fs_reset_epoch_file",)),
     # the file tier's secret: a path in JSON or env, the secret itself only in env (never in a JSON)
     _Setting("fs_secret_file", _abs_path("fs_secret_file"), "TPU_OFFLOAD_FS_SECRET_FILE", ("fs_secret_file",)),
     _Setting("fs_secret", _secret_env, "TPU_OFFLOAD_FS_SECRET", (), secret=True),
@@ -329,6 +331,9 @@ class OffloadConfig:
     fs_secret: bytes | None = dataclasses.field(default=None, repr=False, compare=False)
     # Directories the file tier creates: 0o700 (files 0o600) or 0o750 (files 0o640, a group may read).
     fs_dir_mode: int = 0o700
+    # A file the operator rewrites before each reset_prefix_cache (e.g. with the weights version): replicas
+    # that reset together derive the same file-tier namespace from it and keep sharing.
+    fs_reset_epoch_file: str | None = None
 
     # -------------------------------------------------------------------
     @classmethod

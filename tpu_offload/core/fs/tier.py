@@ -614,6 +614,25 @@ class FileTier:
         self.files.close()
         self.fs_metrics.remove_tier(self.name, self.usage)
 
+    def retire(self, timeout: float | None = None) -> int:
+        """Finish queued I/O, delete every file of ours this tier knows, close. Returns files deleted.
+
+        For a namespace nobody will read again (the KV of weights replaced by
+        a reset): left behind, each reset would leak a budget's worth of disk
+        that no tier evicts. Only files with our magic go.
+        """
+        if self._state is TierState.CLOSED:
+            return 0
+        if self._workers is not None:
+            self._workers.drain(timeout)
+        try:
+            self._scanner.run(block=True)  # what other instances wrote there too
+        except OSError:
+            pass
+        n = self._evict_to(0) if self._state is not TierState.OFF else 0
+        self.close(timeout)
+        return n
+
     def __enter__(self) -> "FileTier":
         return self
 
