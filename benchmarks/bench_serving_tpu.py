@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -55,6 +56,8 @@ def start(name: str, model: str, blocks: int, host_bytes: int, w, work: Path, ar
         "JAX_PLATFORMS": "cpu", "SKIP_JAX_PRECOMPILE": "1",
         "VLLM_PLUGINS": "", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
     }
+    if os.environ.get("TPU_ENGINE_VLLM_KERNELS"):  # a forced kernel build (tests/tpu_engine/vllm_kernels.py)
+        env["TPU_ENGINE_VLLM_KERNELS"] = os.environ["TPU_ENGINE_VLLM_KERNELS"]
     # The engine core is its own process: our connector's Prometheus series reach the API
     # server's /metrics only through prometheus_client's multiprocess mode.
     if args.multiproc_metrics:
