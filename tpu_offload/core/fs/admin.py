@@ -141,7 +141,9 @@ def evict(
         keep = []
         for t in s.temps:
             # Without the server's clock (read-only, dry run) a temp's age cannot be trusted.
-            if now - t.mtime > tmp_age_s and (dry_run or (srv is not None and actions.unlink_temp_if_ours(s.path, t))):
+            # A temp whose writer ran on this host (pid namespace) and is gone goes at once.
+            gone = now - t.mtime > tmp_age_s or layout.temp_writer_dead(t.name)
+            if gone and (dry_run or (srv is not None and actions.unlink_temp_if_ours(s.path, t))):
                 temps_removed += 1
             else:
                 keep.append(t)

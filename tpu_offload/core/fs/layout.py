@@ -14,10 +14,12 @@ it is a symlink.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 import os
 import re
 import secrets
+import socket
 import stat
 import string
 import time
@@ -37,7 +39,8 @@ TMP_PREFIX = ".tmp."
 QUARANTINE = "quarantine"
 _HEX = frozenset(string.hexdigits.lower())
 # Our names only: ``temp_name`` and the tier's/CLI's quarantine renames.
-_TMP_RE = re.compile(r"^\.tmp\.(?:[0-9a-f]{1,16}|probe|clock)\.[0-9]+\.[0-9a-f]{8}\.[0-9]+$")
+# ``.tmp.<key16>.<pid>.<host tag>.<token>.<n>``; names without the host tag are from older versions.
+_TMP_RE = re.compile(r"^\.tmp\.(?:[0-9a-f]{1,16}|probe|clock)\.([0-9]+)\.(?:([0-9a-f]{8})\.)?[0-9a-f]{8}\.[0-9]+$")
 _QUAR_RE = re.compile(r"^[0-9a-f]{2,%d}\.[a-z_]{1,32}\.[0-9]+$" % (2 * MAX_KEY_BYTES))
 
 
@@ -94,9 +97,45 @@ _TMP_TOKEN = secrets.token_hex(4)  # per process: pids repeat across hosts shari
 _tmp_seq = itertools.count()
 
 
+def _host_tag() -> str:
+    """8 hex digits naming this kernel boot and pid namespace: where a temp's pid means something.
+
+    Two writers with one tag see the same pids, so ``kill(pid, 0)`` tells
+    whether a temp's writer still lives; any other tag (another host, pod,
+    or boot) is never judged by pid.
+    """
+    parts = [socket.gethostname()]
+    for path in ("/proc/sys/kernel/random/boot_id", "/proc/self/ns/pid"):
+        try:
+            parts.append(str(os.stat(path).st_ino) if path.endswith("pid") else open(path).read().strip())
+        except OSError:
+            parts.append(secrets.token_hex(8))  # unknown: a tag nobody else has, so no temp is judged by pid
+    return hashlib.blake2b("|".join(parts).encode(), digest_size=4).hexdigest()
+
+
+HOST_TAG = _host_tag()
+
+
 def temp_name(khex: str) -> str:
     """Unique without a syscall per write (O_EXCL still guards a collision)."""
-    return f"{TMP_PREFIX}{khex[:16]}.{os.getpid()}.{_TMP_TOKEN}.{next(_tmp_seq)}"
+    return f"{TMP_PREFIX}{khex[:16]}.{os.getpid()}.{HOST_TAG}.{_TMP_TOKEN}.{next(_tmp_seq)}"
+
+
+def temp_writer_dead(name: str) -> bool:
+    """Is ``name`` a temp of ours whose writer ran in this pid namespace and is gone? (Then reap it now.)"""
+    m = _TMP_RE.match(name)
+    if m is None or m.group(2) != HOST_TAG:
+        return False
+    pid = int(m.group(1))
+    if pid == os.getpid() or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False  # alive (EPERM: another user's), or cannot tell
+    return False
 
 
 def umask_strips(mode: int) -> bool:

@@ -42,6 +42,7 @@ class Rescanner:
         self._lock = threading.Lock()
         self.last = 0.0  # time.monotonic() of the last completed scan
         self.unreadable: list[tuple[str, str]] = []  # (path, why) skipped by the last scan
+        self.temp_bytes = 0  # writes in progress (anyone's) the last scan saw: they count in the budget
 
     def run(self, block: bool) -> bool:
         """Re-read the directory into the index; False if another thread was scanning (and not ``block``)."""
@@ -62,13 +63,19 @@ class Rescanner:
             except BaseException:
                 self.index.abort_rebuild()
                 raise
+            temp_bytes = 0
             for t in scan.temps:
                 # Ages on the server's clock: our clock may run ahead of the writer's.
                 # Without it (read-only) we cannot judge an age, and could not delete anyway.
+                # A writer of this host (pid namespace) that is gone: its temp goes now.
                 # Only ours (our magic, or empty): someone else's file named like our temps stays.
-                if srv is not None and srv - t.mtime > self.stale_tmp_s and \
-                        actions.unlink_temp_if_ours(self.ns_dir, t):
-                    self._count("stale_temps_removed")
+                stale = srv is not None and srv - t.mtime > self.stale_tmp_s
+                dead = not stale and srv is not None and layout.temp_writer_dead(t.name)
+                if (stale or dead) and actions.unlink_temp_if_ours(self.ns_dir, t):
+                    self._count("stale_temps_removed" if stale else "dead_temps_removed")
+                else:
+                    temp_bytes += self._bytes_of(t.size, t.blocks)
+            self.temp_bytes = temp_bytes
             self._note_unreadable(scan.unreadable)
             self.last = time.monotonic()
         finally:
@@ -76,7 +83,10 @@ class Rescanner:
         return True
 
     def _bytes(self, st: os.stat_result) -> int:
-        n = min(st.st_size, st.st_blocks * 512)
+        return self._bytes_of(st.st_size, st.st_blocks * 512)
+
+    def _bytes_of(self, size: int, allocated: int) -> int:
+        n = min(size, allocated)
         return n if self.file_bytes is None else min(n, self.file_bytes)
 
     def server_now(self) -> float | None:

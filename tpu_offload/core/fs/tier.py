@@ -97,6 +97,7 @@ class FileTier:
         rescan_interval_s: float = 60.0,
         readonly_retry_s: float = 30.0,
         touch_interval_s: float = 1.0,
+        rescan_bytes: int | None = None,
         secret: bytes | None = None,
         dir_mode: int = layout.DIR_MODE,
     ):
@@ -123,6 +124,12 @@ class FileTier:
         self.queue_depth = queue_depth
         self.quarantine = quarantine
         self.rescan_interval_s = rescan_interval_s
+        # Rescan also after this many bytes written: N writers sharing one budget then stay within
+        # budget + N * rescan_bytes (plus writes in flight) between rescans; see docs/fs-tier.md.
+        if rescan_bytes is None and capacity_bytes is not None:
+            rescan_bytes = max(HEADER_SIZE + chunk_bytes, capacity_bytes // 16)
+        self.rescan_bytes = rescan_bytes
+        self._written_since_scan = 0
         self.readonly_retry_s = readonly_retry_s
         self.files = ChunkFiles(self.ns_dir, self.names.digest, fsync=fsync, o_direct=o_direct, name=name,
                                 dir_mode=dir_mode, owner=self._uid)
@@ -297,6 +304,7 @@ class FileTier:
             return True
         dt = time.perf_counter() - t0
         self._index.add(fid, self.file_bytes)
+        self._written_since_scan += self.file_bytes
         self._count("writes_ok", 1, "bytes_written", len(mv))
         self._m.write_bytes.inc(len(mv))
         self._m.write_latency.observe(dt)
@@ -325,13 +333,19 @@ class FileTier:
     def _after_write(self) -> None:
         if self.capacity_bytes is None:
             return
-        if time.monotonic() - self._scanner.last >= self.rescan_interval_s:
+        if time.monotonic() - self._scanner.last >= self.rescan_interval_s or \
+                (self.rescan_bytes is not None and self._written_since_scan >= self.rescan_bytes):
             try:
                 self._rescan(block=False)  # picks up what other instances wrote
             except OSError as e:
                 log.debug("fs tier %s: rescan failed: %s", self.name, e)
-        if self._index.used_bytes > self.capacity_bytes:
-            self._evict_to(self.capacity_bytes)
+        self._enforce_budget()
+
+    def _enforce_budget(self) -> None:
+        """Chunk files plus the temps (writes in progress) the last scan saw, within the budget."""
+        budget = self.capacity_bytes - self._scanner.temp_bytes
+        if self._index.used_bytes > budget:
+            self._evict_to(max(0, budget))
 
     # ---- reads ---------------------------------------------------------
     def read_into(self, key: ChunkKey, out: np.ndarray) -> bool:
@@ -502,13 +516,15 @@ class FileTier:
 
     def _rescan(self, block: bool) -> None:
         """Re-read the directory (see ``Rescanner``), then enforce the budget."""
+        written = self._written_since_scan
         if not self._scanner.run(block):
             return  # another thread is scanning
+        self._written_since_scan -= written
         if self._tk is not None and len(self._key_of) > 2 * len(self._index) + 1024:
             idx = self._index
             self._key_of = {f: k for f, k in list(self._key_of.items()) if f in idx}
-        if self.capacity_bytes is not None and self._index.used_bytes > self.capacity_bytes:
-            self._evict_to(self.capacity_bytes)
+        if self.capacity_bytes is not None:
+            self._enforce_budget()
 
     # ---- state ---------------------------------------------------------
     def _open_namespace(self) -> None:
