@@ -238,7 +238,8 @@ class HostTransferEngine:
             job.slots = plan.slots.copy()
             if self.fs is not None:
                 job.keys = getattr(dst_spec, "keys", None)
-                self.fs.before_overwrite(job.slots.tolist(), job.keys, getattr(dst_spec, "evicted", ()))
+                self.fs.before_overwrite(job.slots.tolist(), job.keys, getattr(dst_spec, "evicted", ()),
+                                         getattr(dst_spec, "salt", b""))
             self.pool.valid[plan.slots] = False  # stale until this write completes
             if self._forced_store_failures > 0:
                 self._forced_store_failures -= 1
@@ -259,7 +260,7 @@ class HostTransferEngine:
             if promote is not None and promote.any() and slots.min(initial=0) >= 0:
                 idx = np.flatnonzero(promote)
                 p = self.fs.start_promotion(slots[idx].tolist(), [src_spec.keys[i] for i in idx],
-                                            getattr(src_spec, "evicted", ()))
+                                            getattr(src_spec, "evicted", ()), getattr(src_spec, "salt", b""))
                 self._promoting_slots.update(p.slots)
                 self._deferred.append(_DeferredLoad(job_id, src_spec, dst_spec, expedited, p))
                 return True

@@ -111,6 +111,7 @@ class FileLink:
         self._lock = threading.Lock()
         self._tickets: list[WriteTicket | None] = [None] * n  # writes reading a slot
         self._slot_key: list[bytes | None] = [None] * n
+        self._slot_salt: list[bytes] = [b""] * n  # the request's cache_salt: the tenant keys of its file
         self._key_slot: dict[bytes, int] = {}
         self._dirty: dict[int, float] = {}  # write-back: slot -> when its store completed, oldest first
         self.stats = FileStats()
@@ -131,7 +132,7 @@ class FileLink:
 
     # ---- hooks of the transfer engine ------------------------------------
     def before_overwrite(self, slots: Sequence[int], keys: Sequence[bytes] | None,
-                         evicted: Sequence[bytes] = ()) -> None:
+                         evicted: Sequence[bytes] = (), salt: bytes = b"") -> None:
         """Slots are about to receive new bytes (a store or a promotion).
 
         Evicted dirty chunks are written back first (write_back), then writes
@@ -152,6 +153,7 @@ class FileLink:
                     tickets[slot] = None
                 self._dirty.pop(slot, None)
                 self._assign(slot, keys[i] if keys is not None else None)
+                self._slot_salt[slot] = salt
 
     def after_store(self, slots: Sequence[int]) -> None:
         """A store into ``slots`` completed (they are valid): write-through now,
@@ -169,20 +171,21 @@ class FileLink:
                 key = self._slot_key[slot]
                 if key is None:
                     continue
-                t = self.tier.submit_write(key, self.pool.row(slot))
+                t = self.tier.submit_write(key, self.pool.row(slot), self._slot_salt[slot])
                 if t is None:
                     self.stats.writes_dropped += 1
                 else:
                     self._tickets[slot] = t
                     self.stats.writes += 1
 
-    def start_promotion(self, slots: list[int], keys: list[bytes], evicted: Sequence[bytes] = ()) -> Promotion:
+    def start_promotion(self, slots: list[int], keys: list[bytes], evicted: Sequence[bytes] = (),
+                        salt: bytes = b"") -> Promotion:
         """Queue the reads that fill ``slots``; the slots are invalid until they land."""
-        self.before_overwrite(slots, keys, evicted)
+        self.before_overwrite(slots, keys, evicted, salt)
         self.pool.valid[slots] = False
         p = Promotion(slots)
         for i, (slot, key) in enumerate(zip(slots, keys)):
-            if not self.tier.submit_read(key, self.pool.row(slot), lambda ok, i=i: p.done(i, ok)):
+            if not self.tier.submit_read(key, self.pool.row(slot), lambda ok, i=i: p.done(i, ok), salt):
                 p.done(i, False)
         return p
 
@@ -241,7 +244,7 @@ class FileLink:
                 if key is None or not self.pool.valid[slot]:
                     del self._dirty[slot]
                     continue
-                ticket = self.tier.submit_write(key, self.pool.row(slot))
+                ticket = self.tier.submit_write(key, self.pool.row(slot), self._slot_salt[slot])
                 if ticket is None:
                     if self.tier.state is TierState.RW:  # queue full: try again next round
                         self.stats.lag_deferred += 1
@@ -289,7 +292,7 @@ class FileLink:
             return
         row = self.ring.row(i)
         np.copyto(row, self.pool.row(slot))
-        t = self.tier.submit_write(key, row)
+        t = self.tier.submit_write(key, row, self._slot_salt[slot])
         if t is None:
             self.stats.writes_dropped += 1
             return

@@ -35,12 +35,18 @@ from gpu_offload.vllm.compat import CPULoadStoreSpec
 
 
 class HostStoreSpec(CPULoadStoreSpec):
-    """Host slots of a store, with their chunk keys and this allocation's evictions."""
+    """Host slots of a store, with their chunk keys, the request's ``cache_salt`` and this allocation's evictions.
 
-    def __init__(self, slots: Sequence[int], keys: Sequence[bytes], evicted: Sequence[bytes] = ()):
+    ``salt``: with the file tier's secret, the tenant whose keys name and
+    sign the files (``core/fs/auth.py``); b"" without a salt.
+    """
+
+    def __init__(self, slots: Sequence[int], keys: Sequence[bytes], evicted: Sequence[bytes] = (),
+                 salt: bytes = b""):
         super().__init__(slots)
         self.keys = list(keys)
         self.evicted = list(evicted)
+        self.salt = salt
 
 
 class HostLoadSpec(CPULoadStoreSpec):
@@ -48,11 +54,13 @@ class HostLoadSpec(CPULoadStoreSpec):
 
     def __init__(
         self, slots: Sequence[int], keys: Sequence[bytes], promote: Sequence[bool], evicted: Sequence[bytes] = (),
+        salt: bytes = b"",
     ):
         super().__init__(slots)
         self.keys = list(keys)
         self.promote = np.asarray(promote, dtype=bool)
         self.evicted = list(evicted)
+        self.salt = salt
 
 
 def fingerprint(config, rank: int) -> LayoutFingerprint:
@@ -99,10 +107,11 @@ class FileView:
         self.file_bytes = HEADER_SIZE + chunk_bytes
         self.stats = 0  # stat calls made (tests, tuning)
 
-    def contains(self, key: bytes) -> bool:
+    def contains(self, key: bytes, salt: bytes = b"") -> bool:
+        """``salt``: the request's ``cache_salt`` (names differ per tenant with a secret)."""
         for names in self.names:
             try:
-                khex = names.file_id(key).hex()
+                khex = names.file_id(key, salt).hex()
             except ValueError:
                 return False
             self.stats += 1

@@ -22,6 +22,10 @@ vLLM 0.32's connector asserts ``TransferResult.success``, has no
 * File-tier KV events. Each worker ships its file tier's journal in the
   worker metadata (``build_connector_worker_meta``); the scheduler side hands
   it to our manager, which publishes ``STORAGE`` events (``file_events``).
+* Tenant salts. vLLM's ``ReqContext`` does not carry the request's
+  ``cache_salt``; with the file tier's secret our manager needs it (files are
+  named and signed per tenant), so the context factory of vLLM's offloading
+  scheduler is wrapped to store it (``RequestSalt``).
 * One engine per process. vLLM keeps one worker-side connector per process;
   a second engine in the same process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
   would register its KV caches on the first engine's connector, and its
@@ -37,7 +41,7 @@ from __future__ import annotations
 from gpu_offload._log import get_logger
 from gpu_offload.vllm.compat import OffloadingConnector
 from gpu_offload.vllm.file_events import FileTierWorkerMetadata
-from gpu_offload.vllm.manager import HostTierManager
+from gpu_offload.vllm.manager import HostTierManager, RequestSalt
 from gpu_offload.vllm.worker import HostOffloadWorker
 
 logger = get_logger(__name__)
@@ -194,8 +198,34 @@ def _install(name: str, make, wrap: bool) -> bool:
     return True
 
 
+def _install_request_salt() -> bool:
+    """Wrap the offloading scheduler's ``_create_req_context`` to keep the request's ``cache_salt``."""
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading import scheduler as sched
+    except ImportError:  # pragma: no cover - another vLLM layout
+        return False
+    orig = getattr(sched, "_create_req_context", None)
+    if orig is None or getattr(orig, _MARK, False):
+        return orig is not None
+
+    def create_req_context(req):
+        ctx = orig(req)
+        salt = getattr(req, "cache_salt", None)
+        if salt and hasattr(ctx, "set_state"):
+            ctx.set_state(RequestSalt(str(salt).encode()))
+        return ctx
+
+    create_req_context.__wrapped__ = orig
+    setattr(create_req_context, _MARK, True)
+    sched._create_req_context = create_req_context
+    return True
+
+
 def install() -> bool:
     """Install every hook (idempotent). True when load-error reporting is ours."""
+    if not _install_request_salt():
+        logger.warning("could not hook vLLM's request contexts: with fs_secret, every request's files use "
+                       "the deployment's keys (cache_salt is not applied to file names and MACs)")
     ok = _install("get_block_ids_with_load_errors", _get_block_ids_with_load_errors, wrap=False)
     if ok:
         _install("get_transfer_results", _get_transfer_results, wrap=True) \

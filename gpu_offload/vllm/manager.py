@@ -15,6 +15,10 @@ misses (so vLLM recomputes instead of reloading them forever) and are never
 loaded again; their slots return when the LRU evicts them, since nothing
 touches them any more. Done here, over the core index's public API.
 
+Tenants: with the file tier's secret, files are named and signed with keys
+derived from the request's ``cache_salt`` (``hooks`` puts it in the
+``ReqContext``); it travels to the workers in the specs (``salt``).
+
 File tier (``files``, a read-only ``FileView``): a lookup falls through from
 host to files. ``prepare_load`` gives a file-resident chunk a host slot
 (store + complete + pin in the core index, so it is pinned like any load)
@@ -116,7 +120,7 @@ class HostTierManager(ManagerCompat, OffloadingManager):
         if key in self._forgotten:
             return LookupResult.MISS
         state = self._lru.lookup(key)
-        if state is Lookup.MISS and self.files is not None and self.files.contains(key):
+        if state is Lookup.MISS and self.files is not None and self.files.contains(key, request_salt(req_context)):
             return LookupResult.HIT  # prepare_load promotes it
         return _LOOKUP[state]
 
@@ -133,13 +137,14 @@ class HostTierManager(ManagerCompat, OffloadingManager):
             return CPULoadStoreSpec(slots.tolist())
         lookup = self._lru.lookup
         in_files = [lookup(k) is Lookup.MISS for k in keys]
+        salt = request_salt(req_context)
         if not any(in_files):
             slots = self._lru.prepare_load(keys)
             self._count_hits(len(keys), 0)
-            return HostLoadSpec(slots.tolist(), keys, in_files)
-        return self._prepare_promotion(keys, in_files)
+            return HostLoadSpec(slots.tolist(), keys, in_files, salt=salt)
+        return self._prepare_promotion(keys, in_files, salt)
 
-    def _prepare_promotion(self, keys: list, in_files: list[bool]) -> HostLoadSpec:
+    def _prepare_promotion(self, keys: list, in_files: list[bool], salt: bytes = b"") -> HostLoadSpec:
         """Pin the host chunks first (so making room cannot evict them), then
         give each file chunk a slot: allocate, mark ready, pin."""
         host_keys = [k for k, f in zip(keys, in_files) if not f]
@@ -169,7 +174,7 @@ class HostTierManager(ManagerCompat, OffloadingManager):
             logger.warning("file tier: no free host slot for %d chunk(s); they will be recomputed",
                            len(file_keys) - len(placed))
         self._count_hits(len(host_keys), len(placed))
-        return HostLoadSpec(slots, keys, in_files, evicted)
+        return HostLoadSpec(slots, keys, in_files, evicted, salt=salt)
 
     def _count_hits(self, host: int, files: int) -> None:
         self.hit_chunks += host
@@ -198,7 +203,8 @@ class HostTierManager(ManagerCompat, OffloadingManager):
         if self._forgotten and alloc.evicted:
             self._forgotten.difference_update(alloc.evicted)
         slots = alloc.slots.tolist()
-        spec = CPULoadStoreSpec(slots) if self.files is None else HostStoreSpec(slots, alloc.keys, alloc.evicted)
+        spec = CPULoadStoreSpec(slots) if self.files is None else \
+            HostStoreSpec(slots, alloc.keys, alloc.evicted, salt=request_salt(req_context))
         return PrepareStoreOutput(
             keys_to_store=list(alloc.keys),
             store_spec=spec,
@@ -315,6 +321,16 @@ class HostTierManager(ManagerCompat, OffloadingManager):
     def _ignore(self, what: str, key: bytes) -> None:
         self.ignored_completions += 1
         logger.warning("%s for a chunk this index does not track (reset?): %s", what, bytes(key).hex()[:16])
+
+
+class RequestSalt(bytes):
+    """A request's ``cache_salt``, kept in its ``ReqContext`` state (``hooks``)."""
+
+
+def request_salt(req_context) -> bytes:
+    get = getattr(req_context, "get_state", None)
+    salt = get(RequestSalt) if get is not None else None
+    return bytes(salt) if salt else b""
 
 
 def _dec(counts: dict, key) -> bool:

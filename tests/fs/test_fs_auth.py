@@ -213,3 +213,19 @@ def test_a_fifo_as_secret_file_is_refused_without_blocking(tmp_path):
     with pytest.raises(ConfigError, match="regular file"):
         OffloadConfig.from_sources({"fs_secret_file": str(p)}, env={})
 
+
+
+def test_a_tier_names_and_signs_each_request_salt_apart(root, make_tier):
+    t = make_tier(root, secret=SECRET)
+    assert t.submit_write(key(1), _buf(1), b"tenant-a").wait(30)
+    out = aligned()
+    assert t.read_into(key(1), out, b"tenant-a") and np.array_equal(out, payload(1))
+    assert t.contains(key(1), b"tenant-a") and not t.contains(key(1), b"tenant-b") and not t.contains(key(1))
+    assert not t.read_into(key(1), out, b"tenant-b") and not t.read_into(key(1), out)
+    # Tenant b's file planted under tenant a's name: it verifies under b's keys only.
+    b_path, a_path = t.path_of(key(2), b"tenant-b"), t.path_of(key(2), b"tenant-a")
+    assert t.submit_write(key(2), _buf(666), b"tenant-b").wait(30)
+    os.makedirs(os.path.dirname(a_path), exist_ok=True)
+    os.rename(b_path, a_path)
+    assert not t.read_into(key(2), out, b"tenant-a")
+    assert t.counters()["corrupt_key"] == 1  # its header names tenant b's file id

@@ -199,3 +199,32 @@ def test_view_with_the_workers_secret_finds_their_files_and_only_with_it(tmp_pat
     assert not FileView(str(tmp_path), fps, CHUNK, secret=secret).contains(key(2))
     assert not FileView(str(tmp_path), fps, CHUNK).contains(key(1))
     assert not FileView(str(tmp_path), fps, CHUNK, secret=b"another-secret-0123456789abcdef").contains(key(1))
+
+
+def test_the_request_salt_reaches_the_file_lookup_and_the_specs(tmp_path, cfg):
+    """vLLM's ReqContext has no cache_salt: our hook keeps it, the manager names files and specs with it."""
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading import scheduler as sched
+
+    from gpu_offload.vllm import hooks
+    from gpu_offload.vllm.manager import request_salt
+
+    hooks.install()
+    req = SimpleNamespace(request_id="r1", kv_transfer_params=None, kv_hints=None, cache_salt="tenant-a")
+    ctx = sched._create_req_context(req)
+    assert request_salt(ctx) == b"tenant-a"
+    assert request_salt(sched._create_req_context(SimpleNamespace(**{**vars(req), "cache_salt": None}))) == b""
+    secret = b"a-secret-of-32-bytes-0123456789ab"
+    with FileTier(str(tmp_path), fingerprint(cfg, 0), CHUNK, capacity_bytes=None, threads=1, secret=secret) as t:
+        assert t.submit_write(key(1), np.full(CHUNK, 7, np.uint8), b"tenant-a").wait(10)
+    view = FileView(str(tmp_path), [fingerprint(cfg, 0)], CHUNK, secret=secret)
+    m = HostTierManager(4, CHUNK, blocks_per_chunk=1, tokens_per_block=128, files=view)
+    try:
+        assert m.lookup(key(1), ctx) is LookupResult.HIT
+        assert m.lookup(key(1), CTX) is LookupResult.MISS  # another tenant (no salt)
+        spec = m.prepare_load([key(1)], ctx)
+        assert spec.salt == b"tenant-a" and spec.promote.tolist() == [True]
+        assert m.prepare_store([key(2)], ctx).store_spec.salt == b"tenant-a"
+    finally:
+        m.shutdown()

@@ -283,3 +283,26 @@ def test_worker_sends_file_tier_metrics_through_vllms_channel(root):
     w.rank = w._stats.rank = 0
     assert w.take_connector_stats().data["data"][metrics.HIT_TOKENS] == {("cpu",): 16}
     w.shutdown()
+
+
+def test_a_tenants_chunks_are_signed_with_its_salt_and_only_that_tenant_promotes_them(root):
+    """With a secret, the request's cache_salt picks the keys: another salt neither finds nor verifies them."""
+    secret = b"a-secret-of-32-bytes-0123456789ab"
+    a, ts = engine(root, secret=secret)
+    a.submit_store(1, gpu([0, 1, 2, 3]), HostStoreSpec([5, 2], [key(1), key(2)], salt=b"tenant-a"))
+    assert [r.job_id for r in a.get_finished()] == [1]
+    assert a.fs.flush(10)
+    out = np.empty(a.fs.tier.chunk_bytes, np.uint8)
+    assert a.fs.tier.read_into(key(1), out, b"tenant-a") and np.array_equal(out, expected_row(ts, [0, 1]))
+    assert not a.fs.tier.contains(key(1)) and not a.fs.tier.contains(key(1), b"tenant-b")
+    b, tb = engine(root, seed=1, secret=secret)
+    before = [t[[10, 11]].clone() for t in tb]
+    b.submit_load(7, HostLoadSpec([3], [key(1)], [True], salt=b"tenant-b"), gpu([10, 11]))
+    finish(b, [7])
+    assert b.take_load_error_blocks() == {10, 11} and all(torch.equal(t[[10, 11]], x) for t, x in zip(tb, before))
+    b.submit_load(8, HostLoadSpec([4], [key(1)], [True], salt=b"tenant-a"), gpu([12, 13]))
+    finish(b, [8])
+    assert b.take_load_error_blocks() == set()
+    assert all(torch.equal(t_b[[12, 13]], t_a[[0, 1]]) for t_a, t_b in zip(ts, tb))
+    for e in (a, b):
+        e.shutdown()

@@ -195,10 +195,14 @@ class FileTier:
     def authenticated(self) -> bool:
         return self._tk is not None
 
-    def path_of(self, key: ChunkKey) -> str:
-        return layout.chunk_dir_and_path(self.ns_dir, self._fid(key).hex())[1]
+    def path_of(self, key: ChunkKey, salt: bytes = b"") -> str:
+        return layout.chunk_dir_and_path(self.ns_dir, self._fid(key, salt=salt).hex())[1]
 
-    def _fid(self, key: bytes, remember: bool = False) -> bytes:
+    def _keys(self, salt: bytes):
+        """Tenant keys for a request's ``cache_salt`` (b"": the deployment's own); None without a secret."""
+        return self._tk if not salt or self._tk is None else self.names.keys(bytes(salt))
+
+    def _fid(self, key: bytes, remember: bool = False, salt: bytes = b"") -> bytes:
         """The chunk's on-disk id (raises ValueError for a bad key).
 
         ``remember``: the file will be in the index, so its removal must be
@@ -207,7 +211,7 @@ class FileTier:
         layout.key_hex(key)
         if self._tk is None:
             return bytes(key)
-        fid = self._tk.file_id(key)
+        fid = self._keys(salt).file_id(key)
         if remember:
             self._key_of[fid] = bytes(key)
         return fid
@@ -225,7 +229,7 @@ class FileTier:
                         "KV this engine will serve, and file names are hashes of the tokens. Set fs_secret_file "
                         "(or TPU_OFFLOAD_FS_SECRET) to sign chunks and hide names", self.name, self.root)
 
-    def contains(self, key: ChunkKey) -> bool:
+    def contains(self, key: ChunkKey, salt: bytes = b"") -> bool:
         """Index first; a stat finds files other processes wrote. No side effects.
 
         Only a regular file reached without a symlink counts: a FIFO,
@@ -234,7 +238,7 @@ class FileTier:
         if self._state in (TierState.OFF, TierState.CLOSED):
             return False
         try:
-            fid = self._fid(key)
+            fid = self._fid(key, salt=salt)
         except ValueError:
             return False
         if fid in self._index:
@@ -243,8 +247,12 @@ class FileTier:
         return st is not None and st.st_size == self.file_bytes
 
     # ---- writes --------------------------------------------------------
-    def submit_write(self, key: ChunkKey, data: np.ndarray) -> WriteTicket | None:
-        """Queue a write of ``data`` (a slot view, not copied); None if dropped."""
+    def submit_write(self, key: ChunkKey, data: np.ndarray, salt: bytes = b"") -> WriteTicket | None:
+        """Queue a write of ``data`` (a slot view, not copied); None if dropped.
+
+        ``salt``: the request's ``cache_salt`` (with a secret, the file is
+        named and signed with that tenant's keys).
+        """
         mv = byte_view(data)
         if len(mv) != self.chunk_bytes:
             raise ValueError(f"chunk of {len(mv)} bytes; this tier stores {self.chunk_bytes}")
@@ -264,7 +272,7 @@ class FileTier:
                 self._drop("queue_full", key)
                 return None
             try:
-                fut = self._workers.submit(self._write_task, key, mv)
+                fut = self._workers.submit(self._write_task, key, mv, salt)
             except RuntimeError:  # closed under us
                 self._drop("closed", key)
                 return None
@@ -284,15 +292,15 @@ class FileTier:
             ok = not fut.cancelled() and fut.exception() is None and fut.result() is True
             (self.journal.published if ok else self.journal.failed)(key)
 
-    def _write_task(self, key: bytes, mv: memoryview) -> bool:
+    def _write_task(self, key: bytes, mv: memoryview, salt: bytes = b"") -> bool:
         if self._state is not TierState.RW:
             self._drop(self._state.value)
             return False
-        fid = self._fid(key, remember=True)
+        fid = self._fid(key, remember=True, salt=salt)
         khex = fid.hex()
         t0 = time.perf_counter()
         try:
-            st = self.files.write(fid, khex, mv, unless_size=self.file_bytes, tk=self._tk)
+            st = self.files.write(fid, khex, mv, unless_size=self.file_bytes, tk=self._keys(salt))
         except OSError as e:
             self._write_error(e)
             return False
@@ -300,7 +308,7 @@ class FileTier:
             self._index.add(fid, st.st_size, disk_time=st.st_mtime)
             self._count("writes_exist")
             self._m.op("write", "exists")
-            self.touch(key)
+            self.touch(key, salt)
             return True
         dt = time.perf_counter() - t0
         self._index.add(fid, self.file_bytes)
@@ -348,7 +356,7 @@ class FileTier:
             self._evict_to(max(0, budget))
 
     # ---- reads ---------------------------------------------------------
-    def read_into(self, key: ChunkKey, out: np.ndarray) -> bool:
+    def read_into(self, key: ChunkKey, out: np.ndarray, salt: bytes = b"") -> bool:
         """Fill ``out`` with the chunk; False on a miss or a rejected file.
 
         On False ``out`` may hold garbage: the caller must treat it as empty.
@@ -359,9 +367,9 @@ class FileTier:
         if len(mv) != self.chunk_bytes:
             raise ValueError(f"buffer of {len(mv)} bytes; this tier stores {self.chunk_bytes}")
         t0 = time.perf_counter()
-        fid = self._fid(key)
+        fid = self._fid(key, salt=salt)
         khex = fid.hex()
-        outcome, detail = self.files.read(khex, fid, mv, self._tk)
+        outcome, detail = self.files.read(khex, fid, mv, self._keys(salt))
         if outcome is MISS:
             return self._miss(fid)
         if outcome is UNSAFE:
@@ -384,10 +392,11 @@ class FileTier:
             self._index.add(fid, self.file_bytes, disk_time=0.0)
         if self._tk is not None:
             self._key_of[fid] = bytes(key)
-        self.touch(key)
+        self.touch(key, salt)
         return True
 
-    def submit_read(self, key: ChunkKey, out: np.ndarray, on_done: Callable[[bool], None]) -> bool:
+    def submit_read(self, key: ChunkKey, out: np.ndarray, on_done: Callable[[bool], None],
+                    salt: bytes = b"") -> bool:
         """Queue ``read_into`` ahead of writes; ``on_done(ok)`` runs on an I/O thread.
 
         False (and no callback) if the tier cannot read at all.
@@ -400,7 +409,7 @@ class FileTier:
         def task() -> bool:
             ok = False
             try:
-                ok = self.read_into(key, out)
+                ok = self.read_into(key, out, salt)
             finally:
                 try:
                     on_done(ok)
@@ -460,11 +469,11 @@ class FileTier:
         return False
 
     # ---- recency -------------------------------------------------------
-    def touch(self, key: ChunkKey) -> None:
+    def touch(self, key: ChunkKey, salt: bytes = b"") -> None:
         """Mark as used: index now, file mtime (throttled) on an I/O thread."""
         if self._state in (TierState.OFF, TierState.CLOSED):
             return
-        fid = self._fid(key)
+        fid = self._fid(key, salt=salt)
         if fid in self._index and not self._index.touch(fid):
             return
         with self._lock:
