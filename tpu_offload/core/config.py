@@ -268,6 +268,7 @@ _SETTINGS: tuple[_Setting, ...] = (
     _Setting("fs_o_direct", _bool, "TPU_OFFLOAD_FS_O_DIRECT", ("fs_o_direct",)),
     _Setting("snapshot_path", _abs_path("snapshot_path"), "TPU_OFFLOAD_SNAPSHOT_PATH", ("snapshot_path",)),
     _Setting("fs_dir_mode", _dir_mode, "TPU_OFFLOAD_FS_DIR_MODE", ("fs_dir_mode",)),
+    _Setting("fs_encrypt", _bool, "TPU_OFFLOAD_FS_ENCRYPT", ("fs_encrypt",)),
     _Setting("fs_reset_epoch_file", _abs_path("fs_reset_epoch_file"), "TPU_OFFLOAD_FS_RESET_EPOCH_FILE",
              ("fs_reset_epoch_file",)),
     # the file tier's secret: a path in JSON or env, the secret itself only in env (never in a JSON)
@@ -331,6 +332,8 @@ class OffloadConfig:
     fs_secret: bytes | None = dataclasses.field(default=None, repr=False, compare=False)
     # Directories the file tier creates: 0o700 (files 0o600) or 0o750 (files 0o640, a group may read).
     fs_dir_mode: int = 0o700
+    # AES-256-GCM chunk payloads (keys from the secret; needs `cryptography`); the tag is the MAC.
+    fs_encrypt: bool = False
     # A file the operator rewrites before each reset_prefix_cache (e.g. with the weights version): replicas
     # that reset together derive the same file-tier namespace from it and keep sharing.
     fs_reset_epoch_file: str | None = None
@@ -357,6 +360,8 @@ class OffloadConfig:
             values["host_memory_kind"] = "unpinned_host" if unpinned else "pinned_host"
         values.pop("batched_save", None)
         _resolve_secret(values, from_env, from_json)
+        if values.get("fs_encrypt"):
+            _check_encrypt(values, "fs_encrypt" in from_json)
         return cls(**values)
 
     def resolve_num_chunks(self, chunk_bytes: int) -> int:
@@ -407,6 +412,18 @@ def _resolve_secret(values: dict[str, Any], from_env: dict[str, Any], from_json:
         where = "kv_connector_extra_config key 'fs_secret_file'" if "fs_secret_file" in from_json \
             else "environment variable TPU_OFFLOAD_FS_SECRET_FILE"
         raise _fail(where, path, str(e)) from None
+
+
+def _check_encrypt(values: dict[str, Any], from_json: bool) -> None:
+    where = "kv_connector_extra_config key 'fs_encrypt'" if from_json else "environment variable TPU_OFFLOAD_FS_ENCRYPT"
+    if not values.get("fs_secret"):
+        raise ConfigError(f"{where}: value True is not allowed without a secret; allowed: false, or set "
+                          "fs_secret_file (or TPU_OFFLOAD_FS_SECRET) too: the keys are derived from it")
+    try:
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM  # noqa: F401
+    except ImportError:
+        raise ConfigError(f"{where}: value True needs the 'cryptography' package (pip install "
+                          "'tpu-offload[fs-encrypt]'); allowed: false, or install it") from None
 
 
 def _fail(where: str, value: Any, allowed: str) -> ConfigError:

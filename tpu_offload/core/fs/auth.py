@@ -42,10 +42,19 @@ def _kdf(key: bytes, person: bytes, data: bytes, size: int = 32) -> bytes:
 class TenantKeys:
     """Name and MAC keys of one (layout, tenant salt) pair."""
 
-    __slots__ = ("_name_key", "_mac_key", "enc_key")
+    __slots__ = ("_name_key", "_mac_key", "enc_key", "_aead")
 
     def __init__(self, name_key: bytes, mac_key: bytes, enc_key: bytes):
         self._name_key, self._mac_key, self.enc_key = name_key, mac_key, enc_key
+        self._aead = None
+
+    def aead(self):
+        """AES-256-GCM with this tenant's key (``cryptography``, imported only when encryption is used)."""
+        if self._aead is None:
+            from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+            self._aead = AESGCM(self.enc_key)
+        return self._aead
 
     def file_id(self, key: bytes) -> bytes:
         """The chunk's on-disk identity: its name (hex) and the key field of its header."""

@@ -27,10 +27,12 @@ from tpu_offload.core.fs.fileio import (
 )
 from tpu_offload.core.fs.auth import TenantKeys
 from tpu_offload.core.fs.format import (
-    FLAG_MAC, HEADER_SIZE, MAC_OFF, HeaderError, check_header, pack_header, parse_header, payload_checksum,
+    FLAG_AEAD, FLAG_MAC, HEADER_SIZE, MAC_OFF, NONCE_BYTES, TAG_BYTES, HeaderError, aead_aad, check_header,
+    pack_header, parse_header, payload_checksum,
 )
 
 log = logging.getLogger("tpu_offload.fs")
+MAC_BYTES_PAD = 32 - NONCE_BYTES - TAG_BYTES  # the MAC field holds nonce + tag + zero padding
 
 HIT, MISS, ERROR, CORRUPT, UNSAFE = "hit", "miss", "error", "corrupt", "unsafe"
 
@@ -38,10 +40,11 @@ HIT, MISS, ERROR, CORRUPT, UNSAFE = "hit", "miss", "error", "corrupt", "unsafe"
 class ChunkFiles:
     def __init__(self, ns_dir: str, digest: bytes, *, fsync: bool = False, o_direct: bool = False,
                  name: str = "fs", recheck_s: float = 1.0, dir_mode: int = layout.DIR_MODE,
-                 owner: int | None = None):
+                 owner: int | None = None, encrypt: bool = False):
         self.ns_dir = ns_dir
         self.ns = safedir.HeldDir(ns_dir, mode=dir_mode, recheck_s=recheck_s, owner=owner)
         self.file_mode = layout.file_mode(dir_mode)
+        self.encrypt = encrypt  # with tenant keys: AES-256-GCM payloads, the tag as the MAC
         self.digest = digest
         self.fsync = fsync
         self.direct = bool(o_direct) and O_DIRECT != 0
@@ -79,8 +82,11 @@ class ChunkFiles:
                 if st is not None and st.st_size == unless_size and st.st_nlink == 1:
                     return st
             hdr = self._header_buf()
-            pack_header(hdr, self.digest, key, len(mv), payload_checksum(mv),
-                        None if tk is None else (lambda h: tk.mac(h, mv)))
+            if tk is not None and self.encrypt:
+                mv = self._seal(hdr, key, mv, tk)  # the ciphertext, in a per-thread buffer
+            else:
+                pack_header(hdr, self.digest, key, len(mv), payload_checksum(mv),
+                            None if tk is None else (lambda h: tk.mac(h, mv)))
             use_direct = self.direct and direct_ok(mv)
             tmp = layout.temp_name(khex)
             fd, use_direct = self._open_tmp(tmp, d, use_direct)
@@ -232,9 +238,43 @@ class ChunkFiles:
         if payload_checksum(mv) != h.checksum:
             return "checksum"
         if tk is not None:  # damage is caught above; this says whether one of our keys wrote it
+            if h.flags & FLAG_AEAD:
+                return self._open_sealed(h, key, mv, tk)
             if not h.flags & FLAG_MAC or not tk.mac_ok(memoryview(hdr)[:MAC_OFF], mv, h.mac):
                 return "mac"
         return None
+
+    # ---- encryption at rest (fs_encrypt) --------------------------------
+    def _seal(self, hdr: np.ndarray, key: bytes, mv: memoryview, tk: TenantKeys) -> memoryview:
+        """Encrypt ``mv`` into a per-thread buffer and fill the header; returns the ciphertext view."""
+        buf = self._ct_buf(len(mv))
+        nonce = os.urandom(NONCE_BYTES)  # random 96-bit nonces: safe far beyond 2**32 chunks per key
+        tk.aead().encrypt_into(nonce, mv, aead_aad(self.digest, key, len(mv)), memoryview(buf))
+        ct = memoryview(buf)[: len(mv)]
+        tag = bytes(buf[len(mv):])
+        pack_header(hdr, self.digest, key, len(mv), payload_checksum(ct),
+                    lambda _h: nonce + tag + bytes(MAC_BYTES_PAD), flags=FLAG_AEAD)
+        return ct
+
+    def _open_sealed(self, h, key: bytes, mv: memoryview, tk: TenantKeys) -> str | None:
+        """Decrypt the ciphertext in ``mv`` in place (through a per-thread buffer); "mac" if the tag fails."""
+        from cryptography.exceptions import InvalidTag
+
+        n = len(mv)
+        buf = self._ct_buf(n)
+        buf[:n] = np.frombuffer(mv, dtype=np.uint8)
+        buf[n:] = np.frombuffer(h.mac[NONCE_BYTES:NONCE_BYTES + TAG_BYTES], dtype=np.uint8)
+        try:
+            tk.aead().decrypt_into(h.mac[:NONCE_BYTES], memoryview(buf), aead_aad(self.digest, key, n), mv)
+        except InvalidTag:
+            return "mac"
+        return None
+
+    def _ct_buf(self, n: int) -> np.ndarray:
+        buf = getattr(self._tls, "ct", None)
+        if buf is None or len(buf) != n + TAG_BYTES:
+            buf = self._tls.ct = aligned_empty(n + TAG_BYTES)
+        return buf
 
     # ---- helpers -------------------------------------------------------
     def _no_direct(self, e: OSError) -> None:

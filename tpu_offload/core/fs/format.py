@@ -12,7 +12,7 @@ Layout of the header (little-endian)::
     0   8s  magic  b"TPUOFFKV"
     8   H   format version
     10  H   header size (4096)
-    12  I   flags: 1 = MAC present
+    12  I   flags: 1 = MAC present, 2 = payload AES-256-GCM encrypted (nonce and tag in the MAC field)
     16  16s layout fingerprint digest (with a secret: a keyed tag of it)
     32  Q   payload length in bytes
     40  Q   xxh3-64 of the payload
@@ -44,6 +44,13 @@ _HCHK_OFF = HEADER_SIZE - _HCHK.size
 MAC_BYTES = 32
 MAC_OFF = _HCHK_OFF - MAC_BYTES  # the MAC covers every header byte before it
 FLAG_MAC = 1
+FLAG_AEAD = 2
+NONCE_BYTES, TAG_BYTES = 12, 16  # AES-GCM, stored at MAC_OFF
+
+
+def aead_aad(digest: bytes, key: bytes, payload_len: int) -> bytes:
+    """What an encrypted chunk's tag also covers: every header field but the (ciphertext) checksum."""
+    return _FIXED.pack(MAGIC, VERSION, HEADER_SIZE, FLAG_AEAD, digest, payload_len, 0, len(key)) + key
 _VERSION_AT = struct.Struct("<H")
 _ZERO = bytes(HEADER_SIZE)
 
@@ -76,7 +83,7 @@ def payload_checksum(data) -> int:
 
 
 def pack_header(buf, digest: bytes, key: bytes, payload_len: int, checksum: int,
-                seal: Callable[[memoryview], bytes] | None = None) -> None:
+                seal: Callable[[memoryview], bytes] | None = None, flags: int | None = None) -> None:
     """Fill ``buf`` (a writable 4096-byte buffer, e.g. an aligned numpy row).
 
     ``seal(header[:MAC_OFF])`` returns the MAC (it also covers the payload);
@@ -90,7 +97,8 @@ def pack_header(buf, digest: bytes, key: bytes, payload_len: int, checksum: int,
     if len(mv) != HEADER_SIZE:
         raise ValueError(f"header buffer must be {HEADER_SIZE} bytes, got {len(mv)}")
     mv[:] = _ZERO
-    flags = FLAG_MAC if seal is not None else 0
+    if flags is None:
+        flags = FLAG_MAC if seal is not None else 0
     _FIXED.pack_into(mv, 0, MAGIC, VERSION, HEADER_SIZE, flags, digest, payload_len, checksum, len(key))
     mv[_KEY_OFF : _KEY_OFF + len(key)] = key
     if seal is not None:
@@ -128,7 +136,7 @@ def parse_header(buf) -> Header:
         raise HeaderError("header", f"header size {hsize}, key length {klen}")
     key = bytes(mv[_KEY_OFF : _KEY_OFF + klen])
     return Header(version=version, digest=digest, key=key, payload_len=plen, checksum=chk, flags=flags,
-                  mac=bytes(mv[MAC_OFF:_HCHK_OFF]) if flags & FLAG_MAC else b"")
+                  mac=bytes(mv[MAC_OFF:_HCHK_OFF]) if flags & (FLAG_MAC | FLAG_AEAD) else b"")
 
 
 def check_header(h: Header, digest: bytes, key: bytes, payload_len: int) -> str | None:
