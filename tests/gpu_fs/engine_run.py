@@ -4,7 +4,7 @@
 
 The plan: ``{"model": dir, "kv_transfer_config": {...} | null, "steps":
 [{"prompts": [[ids...], ...], "reset": "none" | "prefix" | "connector",
-"idle_s": 0}, ...]}``. Each step optionally resets (vLLM's prefix cache, or
+"idle_s": 0, "cache_salt": null}, ...]}``. Each step optionally resets (vLLM's prefix cache, or
 it and our host tier), runs its prompts greedily in one batch, lets the
 deferred stores run, stays idle for ``idle_s`` (no engine step: only the
 write-back drainer can write), waits for queued file writes and records the
@@ -55,7 +55,8 @@ def main(plan_path: str) -> int:
         if step.get("reset", "none") != "none":
             llm.reset_prefix_cache(reset_connector=step["reset"] == "connector")
         before = (manager.hit_chunks, manager.fs_hit_chunks, worker.stats.load_error_blocks) if manager else None
-        outs = llm.generate([{"prompt_token_ids": p} for p in step["prompts"]], sp, use_tqdm=False)
+        salt = {"cache_salt": step["cache_salt"]} if step.get("cache_salt") else {}
+        outs = llm.generate([{"prompt_token_ids": p, **salt} for p in step["prompts"]], sp, use_tqdm=False)
         rec = {"outputs": [list(o.outputs[0].token_ids) for o in outs]}
         if manager is not None:
             llm.generate([{"prompt_token_ids": [1] * 8}], sp, use_tqdm=False)  # runs the deferred stores
@@ -70,7 +71,10 @@ def main(plan_path: str) -> int:
         steps.append(rec)
     result = {"steps": steps}
     if fs is not None:
+        auth = worker.fs_metrics.registry.get_sample_value("tpu_offload_fs_auth_failures_total",
+                                                           {"tier": fs.tier.name}) if worker.fs_metrics else None
         result.update(fs_stats=vars(fs.stats), tier_counters=fs.tier.counters(), ns_dir=fs.tier.ns_dir,
+                      auth_failures_metric=auth,
                       chunk_bytes=worker.pool.chunk_bytes, evictions=manager.index.evictions,
                       dirty_at_exit=fs.dirty_chunks)
     print(json.dumps(result), flush=True)
