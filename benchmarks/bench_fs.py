@@ -11,6 +11,12 @@ verified). The baseline is dd-like: one thread, one file, plain ``os.write``
 * read (cold): after ``echo 3 > /proc/sys/vm/drop_caches`` (when allowed);
 * read (warm): the same files again, from the page cache.
 
+With ``--auth-threads N`` (default 8; 0 skips), the tier also runs at N
+threads with a secret (HMAC-SHA256 over header and payload, rows
+``tier_mac``) and with ``fs_encrypt`` (AES-256-GCM, rows ``tier_aes_gcm``),
+next to the plain tier at the same thread count: what authenticating and
+encrypting chunks cost.
+
 Ratios are tier / raw for the same chunk size. Output: a table on stdout,
 ``benchmarks/results/fs_io.json`` and ``benchmarks/results/fs_io.png``.
 Run: ``python benchmarks/bench_fs.py [--total-mib 256] [--dir PATH]``.
@@ -126,11 +132,15 @@ def unlink_all(paths: list[str]) -> None:
         fslayout.unlink_quiet(p)
 
 
+SECRET = b"bench-secret-0123456789abcdef0123"
+
+
 def tier_cell(d: str, src: np.ndarray, dst: np.ndarray, threads: int, cell: int, can_drop: bool,
-              o_direct: bool = False) -> dict:
+              o_direct: bool = False, auth: str = "plain") -> dict:
+    """``auth``: "plain" (no secret), "mac" (a secret: HMAC-SHA256) or "aes_gcm" (fs_encrypt)."""
     n, chunk = src.shape
     tier = FileTier(d, fingerprint(chunk), chunk, capacity_bytes=None, threads=threads, queue_depth=n,
-                    o_direct=o_direct)
+                    o_direct=o_direct, secret=None if auth == "plain" else SECRET, encrypt=auth == "aes_gcm")
     keys = bench_keys(n, cell)
     try:
         t0 = time.perf_counter()
@@ -233,6 +243,8 @@ def main() -> int:
     ap.add_argument("--threads", default="1,2,4,8,16,32")
     ap.add_argument("--o-direct-threads", type=int, default=8,
                     help="also run O_DIRECT at this thread count (0: skip)")
+    ap.add_argument("--auth-threads", type=int, default=8,
+                    help="also run the tier with a MAC and with AES-GCM at this thread count (0: skip)")
     ap.add_argument("--files-threads", default="1,8",
                     help="thread counts for the bare one-file-per-chunk baseline")
     ap.add_argument("--repeat", type=int, default=2, help="runs per cell; the best is kept (shared machine)")
@@ -284,14 +296,32 @@ def main() -> int:
         runs = [(t, False) for t in threads]
         if args.o_direct_threads:
             runs.append((args.o_direct_threads, True))
+        plain = {}
         for t, direct in runs:
             r = best(tier_cell, args.dir, src, dst, t, o_direct=direct)
             row = {"kind": "tier_o_direct" if direct else "tier", "chunk_bytes": chunk, "threads": t, **r}
             row.update({f"{m}_ratio": r[m] / raw[m] for m in metrics})
             if t in files and not direct:
                 row.update({f"{m}_vs_files": r[m] / files[t][m] for m in metrics})
+            if not direct:
+                plain[t] = r
             results.append(row)
             _print_row(row, raw)
+        if args.auth_threads:
+            t = args.auth_threads
+            if t not in plain:
+                plain[t] = best(tier_cell, args.dir, src, dst, t)
+                row = {"kind": "tier", "chunk_bytes": chunk, "threads": t, **plain[t]}
+                row.update({f"{m}_ratio": plain[t][m] / raw[m] for m in metrics})
+                results.append(row)
+                _print_row(row, raw)
+            for auth in ("mac", "aes_gcm"):
+                r = best(tier_cell, args.dir, src, dst, t, auth=auth)
+                row = {"kind": f"tier_{auth}", "chunk_bytes": chunk, "threads": t, **r}
+                row.update({f"{m}_ratio": r[m] / raw[m] for m in metrics})
+                row.update({f"{m}_vs_plain": r[m] / plain[t][m] for m in metrics})
+                results.append(row)
+                _print_row(row, raw)
     elapsed = time.time() - t_start
     shutil.rmtree(args.dir, ignore_errors=True)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
@@ -346,6 +376,12 @@ def _summary(results: list[dict], metrics) -> None:
             best = max(rows, key=lambda r: r[f"{m}_ratio"])
             parts.append(f"{m} {best[f'{m}_ratio']:.2f}@{best['threads']}t")
         print(f"  {_size(chunk):>5}: " + ", ".join(parts))
+    auth = [r for r in results if "write_cached_vs_plain" in r]
+    if auth:
+        print("authenticated / plain tier at the same thread count (what the MAC and AES-GCM cost):")
+        for r in auth:
+            print(f"  {r['kind']:<13} {_size(r['chunk_bytes']):>5} {r['threads']:>2}t: "
+                  + ", ".join(f"{m} {r[f'{m}_vs_plain']:.2f}" for m in metrics))
     vs = [r for r in tier if "write_cached_vs_files" in r]
     if vs:
         print("tier / bare one-file-per-chunk syscalls at the same thread count (the tier's own cost):")

@@ -18,7 +18,7 @@ Layout of the header (little-endian)::
     40  Q   xxh3-64 of the payload
     48  H   key length
     50  ..  key bytes (with a secret: the keyed file id), zero padding
-    4056 32s keyed BLAKE2b-256 of bytes [0, 4056) and the payload (flag 1; else zero)
+    4056 32s HMAC-SHA256 of bytes [0, 4056) and the payload (flag 1; else zero)
     4088 Q  xxh3-64 of bytes [0, 4088)
 
 The xxh3 checksums catch damage; only the MAC (``auth``) says who wrote it.
