@@ -100,6 +100,12 @@ def invalid_values(parse, as_env: bool = False):
     elif k == "int_list":
         s = st.sampled_from(["", ",", "0", "-1", "a,b", "1,,x", "1.5", "2,0", " , "])
         raw = st.one_of(st.just([]), st.just([0]), st.just([-3, 4]), st.just([1.5]), st.just([True]))
+    elif k == "dir_mode":
+        s = text.filter(lambda t: t.strip() not in ("0700", "700", "0750", "750", "0o700", "0o750"))
+        raw = st.one_of(st.integers().filter(lambda n: n not in (0o700, 0o750)), st.booleans(), junk)
+    elif k == "secret_env":  # env only; shorter than 16 bytes once stripped
+        s = st.text(max_size=15).filter(lambda t: len(t.encode().strip()) < 16)
+        raw = s
     else:  # a parser kind this test does not know yet: fail loudly
         raise AssertionError(f"unknown parser kind {k!r}; teach tests/core/test_core_config.py about it")
     return s if as_env else st.one_of(s, raw)
@@ -124,6 +130,8 @@ def valid_values(parse):
         return st.text(string.ascii_letters, min_size=1, max_size=8).map(lambda t: "/mnt/" + t)
     if k == "int_list":
         return st.lists(st.integers(1, 4096), min_size=1, max_size=5)
+    if k == "dir_mode":
+        return st.sampled_from(["0700", "0750"])
     raise AssertionError(f"unknown parser kind {k!r}")
 
 
@@ -154,6 +162,10 @@ def test_bad_env_value(name, data):
     value = data.draw(invalid_values(C._BY_ENV[name].parse, as_env=True), label="value")
     with pytest.raises(ConfigError) as e:
         OffloadConfig.from_sources({}, env={name: value})
+    if C._BY_ENV[name].secret:  # a secret is never echoed, not even a bad one
+        assert_explains(e.value, name, "<hidden")
+        assert not value.strip() or repr(value) not in str(e.value)
+        return
     assert_explains(e.value, name, repr(value))
 
 
@@ -372,7 +384,9 @@ def test_resolve_num_chunks():
 
 # ---- precedence -------------------------------------------------------------------------
 
-WITH_BOTH = sorted({s.field: s for s in C._SETTINGS if s.env and s.keys}.values(), key=lambda s: s.field)
+# fs_secret_file must name a readable secret and fs_encrypt needs one: both in tests/fs/test_fs_auth.py.
+WITH_BOTH = sorted({s.field: s for s in C._SETTINGS if s.env and s.keys
+                    and s.field not in ("fs_secret_file", "fs_encrypt")}.values(), key=lambda s: s.field)
 
 
 @pytest.mark.parametrize("setting", WITH_BOTH, ids=lambda s: s.field)
