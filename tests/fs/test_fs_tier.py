@@ -279,3 +279,44 @@ def test_metrics_are_exported(root, make_tier):
     # a second tier on the same registry shares the families
     t2 = make_tier(root, metrics=om, name="fs2")
     assert t2.fs_metrics is t.fs_metrics
+
+
+_MULTIPROC_CHILD = r"""
+import json, os, sys
+sys.path.insert(0, sys.argv[2])
+from prometheus_client import CollectorRegistry
+from prometheus_client.multiprocess import MultiProcessCollector
+from fs_helpers import aligned, key, layout
+from tpu_offload.core.fs import FileTier, FsMetrics
+t = FileTier(sys.argv[1], layout(), 64 << 10, capacity_bytes=1 << 30, fs_metrics=FsMetrics(CollectorRegistry()))
+b = aligned(); b[:] = 7
+assert t.submit_write(key(1), b).wait(10)
+t.fs_metrics.refresh(force=True)
+reg = CollectorRegistry()
+MultiProcessCollector(reg)  # what vLLM's /metrics exports under PROMETHEUS_MULTIPROC_DIR
+out = {f"{s.name}{sorted(s.labels.items())}": s.value for fam in reg.collect() for s in fam.samples
+       if s.name.startswith("tpu_offload_fs_") and not s.name.endswith(("_total", "_bucket", "_count", "_sum"))}
+t.close()
+print(json.dumps(out))
+"""
+
+
+def test_usage_gauges_are_exported_under_prometheus_multiproc_dir(root, tmp_path):
+    """vLLM's server reads only the multiprocess files there: the tier's gauges must be in them."""
+    import json
+    import subprocess
+    import sys
+
+    from fs_helpers import REPO, child_env
+
+    mp = tmp_path / "prom"
+    mp.mkdir()
+    env = {**child_env(), "PROMETHEUS_MULTIPROC_DIR": str(mp)}
+    r = subprocess.run([sys.executable, "-c", _MULTIPROC_CHILD, root, os.path.join(REPO, "tests", "fs")],
+                       capture_output=True, text=True, timeout=60, env=env, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    assert got["tpu_offload_fs_used_bytes[('tier', 'fs')]"] == FILE
+    assert got["tpu_offload_fs_capacity_bytes[('tier', 'fs')]"] == 1 << 30
+    assert got["tpu_offload_fs_files[('tier', 'fs')]"] == 1
+    assert got["tpu_offload_fs_state[('state', 'rw'), ('tier', 'fs')]"] == 1

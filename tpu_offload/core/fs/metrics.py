@@ -4,15 +4,24 @@ Registry-injectable like ``OffloadMetrics``; one ``FsMetrics`` per registry
 (``for_registry``) so several tiers, or a tier re-created after a config
 reload, share the families instead of failing on duplicate registration.
 Capacity and usage are read from live tier state at scrape time.
+
+Under ``PROMETHEUS_MULTIPROC_DIR`` (the llm-d overlays; vLLM's server then
+exports only what processes write to that directory, never a custom
+collector) the same gauges are mirrored into ``mostrecent`` gauges, refreshed
+at most once a second from the I/O record paths plus one trailing refresh,
+so they exist and hold their last value (the TPU workers' file tiers were
+missing from ``/metrics`` before).
 """
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 import weakref
 from typing import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
 _BUCKETS = (1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
@@ -71,7 +80,39 @@ class FsMetrics:
                                      "Files whose MAC failed (written without this tier's key): never served",
                                      ln, registry=r)
         self._usage = _Usage(self.labels)
-        r.register(self._usage)
+        self._multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+        self._mirror: dict[str, Gauge] = {}
+        self._refreshed = 0.0
+        self._trailing: threading.Timer | None = None
+        self._refresh_lock = threading.Lock()
+        if not self._multiprocess:
+            r.register(self._usage)
+
+    def refresh(self, force: bool = False) -> None:
+        """Multiprocess mode only: copy the live gauges into files the server reads (at most once a second)."""
+        if not self._multiprocess:
+            return
+        with self._refresh_lock:
+            wait = 1.0 - (time.monotonic() - self._refreshed)
+            if not force and wait > 0:
+                if self._trailing is None:
+                    self._trailing = threading.Timer(wait, self._trailing_refresh)
+                    self._trailing.daemon = True
+                    self._trailing.start()
+                return
+            self._refreshed = time.monotonic()
+            for fam in self._usage.collect():
+                gauge = self._mirror.get(fam.name)
+                for sample in fam.samples:
+                    if gauge is None:
+                        gauge = self._mirror[fam.name] = Gauge(fam.name, fam.documentation, list(sample.labels),
+                                                               registry=self.registry, multiprocess_mode="mostrecent")
+                    gauge.labels(**sample.labels).set(sample.value)
+
+    def _trailing_refresh(self) -> None:
+        with self._refresh_lock:
+            self._trailing = None
+        self.refresh(force=True)
 
     @classmethod
     def for_registry(cls, registry: CollectorRegistry, labels: dict[str, str] | None = None) -> "FsMetrics":
@@ -83,11 +124,16 @@ class FsMetrics:
 
     def add_tier(self, tier: str, usage_fn: Callable[[], dict]) -> None:
         self._usage.tiers[tier] = usage_fn
+        self.refresh(force=True)
 
     def remove_tier(self, tier: str, usage_fn: Callable[[], dict] | None = None) -> None:
         """Stop reporting ``tier`` (only if still registered with ``usage_fn``)."""
         if usage_fn is None or self._usage.tiers.get(tier) == usage_fn:
             self._usage.tiers.pop(tier, None)
+            state = self._mirror.get("tpu_offload_fs_state")
+            if state is not None:  # a closed tier keeps its last usage; its state says closed
+                for st in ("rw", "read_only", "off", "closed"):
+                    state.labels(tier=tier, **self.labels, state=st).set(1.0 if st == "closed" else 0.0)
 
     def for_tier(self, tier: str) -> "TierMetrics":
         return TierMetrics(self, {"tier": tier, **self.labels})
@@ -111,6 +157,7 @@ class TierMetrics:
         if child is None:
             child = self._ops[(op, result)] = self._m.ops.labels(**self._lv, op=op, result=result)
         child.inc(n)
+        self._m.refresh()
 
     def auth_failure(self) -> None:
         self._auth.inc()
