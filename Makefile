@@ -27,7 +27,7 @@ export TOKENIZERS_PARALLELISM := false
 export VLLM_PLUGINS :=
 export PYTHONPATH := $(CURDIR)
 
-.PHONY: setup setup-tpu demo test bench bench-manager bench-ttft bench-jax bench-fs bench-fs-rescan bench-tpu-engine bench-serving clean
+.PHONY: setup setup-tpu demo test bench bench-tpu-aot bench-manager bench-ttft bench-jax bench-fs bench-fs-rescan bench-tpu-engine bench-serving clean
 
 setup: $(STAMP)
 
@@ -68,13 +68,14 @@ demo: $(STAMP) $(STAMP_TPU)
 	JAX_PLATFORMS=cpu SKIP_JAX_PRECOMPILE=1 VLLM_PLUGINS= XLA_FLAGS=--xla_force_host_platform_device_count=4 \
 		$(TPU_BIN)/python demos/tpu_inference_demo.py
 
-# Three pytest processes: vLLM-path suites in .venv; the TPU connector's own suite and the
+# Four pytest processes: vLLM-path suites in .venv; the TPU connector's own suite and the
 # real tpu-inference engine suite in .venv-tpu (jax 0.11.2, as tpu-inference pins). Separate
 # processes because both backends register tpu_offload_* names in the global Prometheus
 # registry, and tests/tpu_engine must set its emulated device count before JAX starts.
 test: $(STAMP) $(STAMP_TPU)
 	$(BIN)/python -m pytest -q tests --ignore=tests/tpu --ignore=tests/tpu_engine
 	$(TPU_BIN)/python -m pytest -q tests/tpu
+	$(TPU_BIN)/python -m pytest -q tests/tpu_compiler
 	$(TPU_BIN)/python -m pytest -q tests/tpu_engine
 
 bench: bench-manager bench-ttft bench-jax bench-fs bench-fs-rescan bench-tpu-engine
@@ -104,6 +105,10 @@ clean:
 
 bench-fs-rescan: $(STAMP)
 	$(BIN)/python benchmarks/bench_fs_rescan.py
+
+# Ours and tpu-inference 0.32's own offload programs, compiled by the TPU compiler (no TPU needed).
+bench-tpu-aot: $(STAMP_TPU)
+	$(TPU_BIN)/python benchmarks/bench_tpu_aot.py
 
 bench-tpu-engine: $(STAMP_TPU)
 	$(TPU_BIN)/python benchmarks/bench_tpu_engine.py

@@ -82,11 +82,11 @@ def test_failed_load_does_not_hold_others_forever(make, monkeypatch):
     engine = h.wrk.engine
     real, calls = engine.load, []
 
-    def broken(caches, chunks):
+    def broken(caches, chunks, **kw):
         calls.append(len(chunks))
         if len(calls) == 1:
             raise RuntimeError("injected: host-to-device transfer failed")
-        return real(caches, chunks)
+        return real(caches, chunks, **kw)
 
     monkeypatch.setattr(engine, "load", broken)
     lookups = _lookups(h)

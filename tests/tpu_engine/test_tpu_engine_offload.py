@@ -113,11 +113,11 @@ def test_failed_load_transfer_is_recomputed_with_identical_tokens(setup, engines
     real = engine.load
     calls = []
 
-    def broken(caches, chunks):
+    def broken(caches, chunks, **kw):
         calls.append(len(chunks))
         if when == "dispatch":
             raise RuntimeError("injected: host-to-device transfer failed")
-        caches, _ = real(caches, chunks)
+        caches, _ = real(caches, chunks, **kw)
         return caches, _FailingDone()
 
     monkeypatch.setattr(engine, "load", broken)

@@ -46,6 +46,46 @@ class StoreChunk:
     blocks: Sequence[int]  # bpc source block ids
 
 
+class Done(tuple):
+    """The "done" arrays of one pass's programs (one store per slab touched): ready when all are."""
+
+    def is_ready(self) -> bool:
+        return all(x.is_ready() for x in self)
+
+    def block_until_ready(self):
+        for x in self:
+            x.block_until_ready()
+        return self
+
+
+@dataclasses.dataclass(frozen=True)
+class TransferPlan:
+    """The buffer sizes and compiled-program factory of one deployment, before anything is allocated
+    (so the TPU compiler's verdict can be read for a topology this host does not have)."""
+
+    staging_blocks: int
+    rows_per_slab: int
+    programs: Programs
+
+
+def plan_transfers(layout: KVLayout, *, num_slots: int, blocks_per_chunk: int, staging_blocks: int,
+                   memory_kind: str = "pinned_host", max_slab_bytes: int = DEFAULT_MAX_SLAB_BYTES) -> TransferPlan:
+    if staging_blocks < blocks_per_chunk:
+        raise ValueError(
+            f"staging_blocks={staging_blocks} cannot hold one chunk of {blocks_per_chunk} blocks; "
+            f"raise staging_blocks (TPU_OFFLOAD_NUM_STAGING_BLOCKS) to at least {blocks_per_chunk}"
+        )
+    # Whole chunks only: a staging buffer of 10 blocks with 4-block chunks uses 8.
+    staging_blocks = staging_blocks // blocks_per_chunk * blocks_per_chunk
+    local_chunk_bytes = max(1, layout.block_bytes * blocks_per_chunk * _local_fraction(layout))
+    rows_per_slab = max(1, min(num_slots, int(max_slab_bytes // local_chunk_bytes)))
+    n_full, rest = divmod(num_slots, rows_per_slab)
+    rows = (rows_per_slab,) * n_full + ((rest,) if rest else ())
+    programs = Programs(layout, staging_blocks=staging_blocks, blocks_per_chunk=blocks_per_chunk,
+                        slab_rows=rows, memory_kind=memory_kind)
+    return TransferPlan(staging_blocks=staging_blocks, rows_per_slab=rows_per_slab, programs=programs)
+
+
 class TransferEngine:
     def __init__(
         self,
@@ -60,27 +100,17 @@ class TransferEngine:
         hbm_check: Callable[[int, int], None] | None = None,
     ):
         """``hbm_check(staging_bytes, scratch_bytes)``, per device, runs before anything is allocated."""
-        if staging_blocks < blocks_per_chunk:
-            raise ValueError(
-                f"staging_blocks={staging_blocks} cannot hold one chunk of {blocks_per_chunk} blocks; "
-                f"raise staging_blocks (TPU_OFFLOAD_NUM_STAGING_BLOCKS) to at least {blocks_per_chunk}"
-            )
+        plan = plan_transfers(layout, num_slots=num_slots, blocks_per_chunk=blocks_per_chunk,
+                              staging_blocks=staging_blocks, memory_kind=memory_kind, max_slab_bytes=max_slab_bytes)
         self.layout = layout
         self.bpc = blocks_per_chunk
         self.num_slots = num_slots
-        # Whole chunks only: a staging buffer of 10 blocks with 4-block chunks uses 8.
-        self.staging_blocks = staging_blocks // blocks_per_chunk * blocks_per_chunk
+        self.staging_blocks = plan.staging_blocks
         self.staging_chunks = self.staging_blocks // blocks_per_chunk
         self.memory_kind = memory_kind
         self.chunk_bytes = layout.block_bytes * blocks_per_chunk
-        local_chunk_bytes = max(1, self.chunk_bytes * _local_fraction(layout))
-        self.rows_per_slab = max(1, min(num_slots, int(max_slab_bytes // local_chunk_bytes)))
-        n_full, rest = divmod(num_slots, self.rows_per_slab)
-        rows = (self.rows_per_slab,) * n_full + ((rest,) if rest else ())
-        self.programs = Programs(
-            layout, staging_blocks=self.staging_blocks, blocks_per_chunk=blocks_per_chunk,
-            slab_rows=rows, memory_kind=memory_kind,
-        )
+        self.rows_per_slab = plan.rows_per_slab
+        self.programs = plan.programs
         if hbm_check is not None:
             hbm_check(self.staging_device_bytes, self.programs.scratch_bytes())
         self.staging = self.programs.alloc_staging()
@@ -162,24 +192,22 @@ class TransferEngine:
                 out[i] = a
         return out
 
-    def _slab_order(self, slots: Sequence[int]):
-        """Chunk order sorted by slab, rows within the slab, and per-slab bounds."""
+    def _by_slab(self, slots: Sequence[int]):
+        """Chunk positions grouped by slab: [(slab, positions in ``slots``, rows in the slab)]."""
         slots = np.asarray(slots, dtype=np.int64)
         slab, row = np.divmod(slots, self.rows_per_slab)
-        order = np.argsort(slab, kind="stable")
-        bounds = np.searchsorted(slab[order], np.arange(len(self.programs.slab_rows) + 1))
-        return order, row[order], bounds.astype(np.int32)
+        return [(int(k), np.flatnonzero(slab == k), row[slab == k]) for k in np.unique(slab)]
+
+    def _set_slab(self, k: int, new) -> None:
+        self.slabs = tuple(per_group[:k] + (s,) + per_group[k + 1:] for per_group, s in zip(self.slabs, new))
 
     def _load_pass(self, kv_caches, part: Sequence[LoadChunk]):
         c, n = self.staging_chunks, self.staging_blocks
-        order, rows, bounds = self._slab_order([x.slot for x in part])
-        dst = np.full(len(part) * self.bpc, -1, dtype=np.int64)
-        for pos, i in enumerate(order):  # chunk i goes to staging chunk position pos
-            dst[pos * self.bpc : (pos + 1) * self.bpc] = part[i].blocks
+        dst = np.concatenate([np.asarray(x.blocks, dtype=np.int64) for x in part])  # chunk i at staging chunk i
+        for k, pos, rows in self._by_slab([x.slot for x in part]):
+            self.staging, _ = self.programs.load(self.programs.slab_rows[k])(
+                self.staging, tuple(g[k] for g in self.slabs), ints(rows, c, 0), ints(pos, c, 0), ints([len(pos)], 1, 0))
         keep = np.flatnonzero(dst >= 0)  # -1: already computed, not written
-        self.staging, _ = self.programs.load()(
-            self.staging, self.slabs, ints(rows, c, 0), ints(np.arange(len(part)), c, 0), bounds
-        )
         grouped, done = self.programs.scatter()(self._grouped(kv_caches), self.staging, ints(dst[keep], n, 0),
                                                ints(keep, n, 0), ints([len(keep)], 1, 0))
         return self._ungroup(grouped, kv_caches), done
@@ -189,9 +217,13 @@ class TransferEngine:
         ids = np.concatenate([np.asarray(x.blocks, dtype=np.int32) for x in part])
         self.staging = self.programs.gather()(self._grouped(kv_caches), self.staging, ints(ids, n, 0),
                                               ints([len(ids)], 1, 0))
-        order, rows, bounds = self._slab_order([x.slot for x in part])
-        self.slabs, done = self.programs.store()(self.slabs, self.staging, ints(rows, c, 0), ints(order, c, 0), bounds)
-        return done
+        dones = []
+        for k, pos, rows in self._by_slab([x.slot for x in part]):
+            new, done = self.programs.store(self.programs.slab_rows[k])(
+                tuple(g[k] for g in self.slabs), self.staging, ints(rows, c, 0), ints(pos, c, 0), ints([len(pos)], 1, 0))
+            self._set_slab(k, new)
+            dones.append(done)
+        return Done(dones)
 
     def _checksum(self, slot: int) -> int:
         k, row = divmod(slot, self.rows_per_slab)
@@ -204,7 +236,9 @@ def _split(items: Sequence, n: int):
 
 
 def _local_fraction(layout: KVLayout) -> float:
-    """Share of every buffer that lives in this process (its addressable devices)."""
+    """Share of every buffer that lives in this process (its addressable devices; on a compile-only
+    topology, host 0's)."""
     total = layout.mesh.devices.size
-    local = sum(1 for d in layout.mesh.devices.flat if d.process_index == jax.process_index())
+    me = jax.process_index() if jax.process_count() > 1 else min(d.process_index for d in layout.mesh.devices.flat)
+    local = sum(1 for d in layout.mesh.devices.flat if d.process_index == me)
     return local / total if total else 1.0

@@ -199,6 +199,13 @@ def _group(mesh: Mesh, key: tuple, layers: tuple, sharding: NamedSharding, num_b
         raise ValueError(
             f"the KV cache's block dimension is split over mesh axes {block_axes} ({split} ways): that is "
             "data-parallel attention, which the offload connector does not support (DP=1 only)")
+    used = {a for entry in spec for a in _axes(entry)}
+    copies = [a for a in mesh.axis_names if mesh.shape[a] > 1 and a not in used]
+    if copies:
+        raise ValueError(
+            f"the KV cache (block shape {block_shape}) is replicated over mesh axes {copies} "
+            f"({math.prod(mesh.shape[a] for a in copies)} identical copies, as tpu-inference keeps MLA's latent "
+            "cache): the offload connector would store every copy; not supported")
     local = list(block_shape)
     shard_axes: list[str] = []
     for dim, entry in enumerate(spec[1:]):

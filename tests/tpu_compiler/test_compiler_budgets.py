@@ -1,0 +1,125 @@
+"""Every transfer program, compiled by the TPU compiler at real deployment shapes, within budget.
+
+The budgets (per device, from the compiler's own analysis): gather/scatter
+take at most 1.1x the bytes a loop trip moves in HBM scratch and access at
+most 3x them (tpu-inference's insert accesses 2.0x, its gather 6x);
+store/load read and update the host slabs in place; the slab allocator's
+scratch does not grow with the tier. A loop body is counted once by
+``cost_analysis``, so the figures are per trip (one block, one chunk) and the
+HLO is checked for the loop itself.
+"""
+
+import re
+
+import jax
+import pytest
+
+from tpu_offload.connector import aot
+from tpu_offload.connector.compat import unsupported_runner_mode
+from tpu_offload.core.config import _bytes as parse_bytes
+
+GIB = 1 << 30
+
+# (topology, TP, model, blocks in the KV cache, host tier, staging blocks); 128-token pages.
+DEPLOYMENTS = [
+    ("TPU7x:2x2x1", 8, "Qwen3-32B", 20000, "720GiB", 1000),  # the llm-d tpu-v7 guide; configs/tpu-inference
+    ("TPU7x:2x2x1", 8, "Llama-3.1-70B", 16000, "720GiB", 1000),
+    ("TPU7x:2x2x1", 8, "Llama-3.1-8B", 40000, "720GiB", 1000),
+    ("TPU7x:2x2x1", 8, "Qwen2.5-7B", 40000, "256GiB", 1000),  # 4 KV heads, each on 2 devices
+    ("TPU7x:2x2x1", 8, "gpt-oss-120b", 40000, "256GiB", 1000),  # head_dim 64
+    ("TPU7x:2x2x2", 16, "Llama-3.1-70B", 16000, "720GiB", 1000),  # two hosts, 8 KV heads over 16 devices
+    ("v6e:2x4", 8, "Llama-3.1-8B", 6000, "128GiB", 256),
+    ("v5e:2x2", 4, "Llama-3.1-8B", 3000, "64GiB", 128),
+]
+IDS = [f"{t}-tp{tp}-{m}" for t, tp, m, *_ in DEPLOYMENTS]
+
+
+def build(topology, tp, model_name, num_blocks, cpu_bytes, staging):
+    model = aot.MODELS[model_name]
+    mesh = aot.compile_only_mesh(topology, tp)
+    caches = aot.kv_cache_avals(mesh, model, num_blocks, 128)
+    _, replicas = aot.padded_kv_heads(model, tp)
+    from tpu_offload.jax_backend.layout import KVLayout
+
+    layout = KVLayout.from_caches(caches, mesh, head_replicas=replicas)
+    num_slots = parse_bytes(cpu_bytes) // layout.block_bytes  # one-block chunks, as shipped
+    return aot.deployment_programs(caches, mesh, num_slots=num_slots, blocks_per_chunk=1, staging_blocks=staging,
+                                   head_replicas=replicas)
+
+
+@pytest.fixture(scope="module", params=DEPLOYMENTS, ids=IDS)
+def deployment(request):
+    programs = build(*request.param)
+    return request.param, programs, aot.measure(programs)
+
+
+def test_every_program_fits_its_budget(deployment):
+    (topology, tp, model, *_), programs, figs = deployment
+    assert aot.budget_failures(programs, figs) == [], (topology, model)
+    for f in figs.values():  # nothing near what a TPU7x/v6e/v5e chip has, whatever the block count
+        assert f.hbm_scratch < 64 << 20, (f.program, f.hbm_scratch)
+
+
+def test_gather_and_scatter_move_one_block_per_trip_in_place(deployment):
+    """A while loop over a dynamic count, copying blocks with dynamic slices: no whole-cache copy,
+    no gather/scatter ops (each made the TPU compiler copy every layer's cache)."""
+    _, programs, figs = deployment
+    for name in ("gather", "scatter"):
+        hlo = getattr(programs, name)().as_text()
+        assert re.search(r"\bwhile\(", hlo), name
+        assert not re.search(r"= \S+ (gather|scatter)\(", hlo), name
+        ring = name == "scatter" and programs.layout.groups[0].replicas > 1  # + the replicas' ring shift
+        assert figs[name].bytes_accessed <= (aot.REPLICATED_SCATTER_ACCESS if ring else 2.5) * figs[name].moved, name
+    st = programs.scatter().memory_analysis()
+    assert st.alias_size_in_bytes >= st.argument_size_in_bytes - programs.layout.device_block_bytes() * programs.staging_blocks - (1 << 20)
+
+
+def test_host_slabs_updated_in_place(deployment):
+    _, programs, figs = deployment
+    slab = aot.slab_device_bytes(programs)
+    st, ld = figs["store"], figs["load"]
+    assert st.host_argument == st.host_alias >= slab and st.host_temp == 0
+    assert ld.host_argument >= slab and ld.host_temp == 0 and ld.host_output == 0
+    assert figs["alloc_slabs"].hbm_scratch < slab / 16  # zero slabs are not filled on HBM first
+
+
+def test_start_up_check_uses_the_compiled_figures(deployment):
+    """The connector's HBM check at registration reads these same programs' scratch."""
+    _, programs, figs = deployment
+    assert programs.scratch_bytes() == max(f.hbm_scratch for f in figs.values())
+
+
+def test_replicated_heads_store_each_head_once():
+    """Qwen2.5-7B's 4 KV heads at TP 8: every device keeps half of each block's tokens, so the
+    host tier holds the model's real KV (not 8 copies of 4 heads)."""
+    programs = build(*DEPLOYMENTS[3])
+    g = programs.layout.groups[0]
+    assert g.replicas == 2 and g.piece_shape[0] == 64
+    assert programs.layout.block_bytes * 2 == programs.layout.replicated_block_bytes
+
+
+def test_mla_is_refused_with_the_reason():
+    """DeepSeek-V3's latent cache is whole on every device of the model axis: storing it would hold
+    8 copies. The engine adapter refuses it before start, the layout at registration."""
+    model = aot.MODELS["DeepSeek-V3"]
+    mesh = aot.compile_only_mesh("TPU7x:2x2x1", 8)
+    caches = aot.kv_cache_avals(mesh, model, 4000, 128)
+    assert aot.replicated_over(caches, mesh) == ("model",)
+    from tpu_offload.jax_backend.layout import KVLayout
+
+    with pytest.raises(ValueError, match=r"replicated over mesh axes \['model'\] \(8 identical copies"):
+        KVLayout.from_caches(caches, mesh)
+
+    class VC:
+        model_config = type("M", (), {"model": "deepseek-ai/DeepSeek-V3", "use_mla": True})()
+
+    assert "uses MLA" in unsupported_runner_mode(VC())
+
+
+def test_whole_deployment_compiles_in_seconds():
+    """Start-up compiles every program once (no buckets): the deployment shape stays quick."""
+    programs = build(*DEPLOYMENTS[0])
+    figs = aot.measure(programs)
+    assert set(figs) == {"gather", "scatter", "store", "load", "alloc_slabs"}
+    assert sum(f.compile_s for f in figs.values()) < 120
+    assert jax.devices()[0].platform == "cpu"  # the runtime never needed a TPU

@@ -1,0 +1,202 @@
+"""The TPU compiler's verdict on our transfer programs, for a deployment shape.
+
+libtpu compiles for compile-only TPU topologies on any host, and its
+``memory_analysis()``/``cost_analysis()`` are what that TPU would do: HBM
+scratch, host-memory aliasing, bytes accessed, out-of-memory. The JAX CPU
+backend hides all of these, so the TPU claims of this project are checked
+here: by the test suite (``tests/tpu_compiler``), ``make bench-tpu-aot`` and
+``python -m tpu_offload.selfcheck``.
+
+The KV cache is described exactly as tpu-inference builds it: its own shape
+function and sharding (``create_kv_caches``), asked for abstract values
+instead of allocating. Import after vLLM's platform is resolved (on a TPU
+host it is; on CPU, see ``tests/tpu_engine/cpu_support.prepare_vllm``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Sequence
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+from tpu_offload.jax_backend.engine import DEFAULT_MAX_SLAB_BYTES, plan_transfers
+from tpu_offload.jax_backend.layout import KVLayout
+from tpu_offload.jax_backend.programs import Programs
+
+MIB = 1 << 20
+REPLICATED_SCATTER_ACCESS = 6  # bytes accessed / bytes written, scatter with replicated heads (measured 5.2)
+# Environment libtpu needs to compile without a TPU (set before JAX is imported).
+COMPILE_ONLY_ENV = {"TPU_SKIP_MDS_QUERY": "1", "TPU_WORKER_HOSTNAMES": "localhost"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """What the KV cache depends on; the figures are the models' published configs."""
+
+    name: str
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: str = "bfloat16"
+    use_mla: bool = False
+
+
+MODELS = {m.name: m for m in (
+    ModelShape("Qwen3-32B", 64, 8, 128),
+    ModelShape("Llama-3.1-70B", 80, 8, 128),
+    ModelShape("Llama-3.1-8B", 32, 8, 128),
+    ModelShape("Qwen2.5-7B", 28, 4, 128),  # 4 KV heads: replicated at TP 8
+    ModelShape("gpt-oss-120b", 36, 8, 64),  # head_dim 64; sliding-window and full layers share one shape
+    ModelShape("DeepSeek-V3", 61, 1, 576, use_mla=True),  # MLA: one latent (512 + 64 rope) per token
+)}
+
+
+def compile_only_mesh(topology: str, tp: int) -> Mesh:
+    """tpu-inference's 7-axis Auto mesh (``NEW_MODEL_DESIGN``) over the first ``tp`` compile-only devices."""
+    from jax.experimental import topologies
+    from tpu_inference.layers.common.sharding import MESH_AXIS_NAMES
+
+    devices = topologies.get_topology_desc(topology_name=topology, platform="tpu").devices
+    if tp > len(devices):
+        raise ValueError(f"TP {tp} needs {tp} devices; {topology} has {len(devices)}")
+    shape = tuple(tp if name == "model" else 1 for name in MESH_AXIS_NAMES)
+    return Mesh(np.array(devices[:tp]).reshape(shape), MESH_AXIS_NAMES,
+                axis_types=(AxisType.Auto,) * len(MESH_AXIS_NAMES))
+
+
+def padded_kv_heads(model: ModelShape, tp: int) -> tuple[int, int]:
+    """(heads in the cache, replicas): tpu-inference repeats each KV head up to the TP degree."""
+    if model.use_mla or model.kv_heads >= tp:
+        return model.kv_heads, 1
+    if tp % model.kv_heads:
+        raise ValueError(f"{model.name}: {model.kv_heads} KV heads cannot be repeated over TP {tp}")
+    return tp, tp // model.kv_heads
+
+
+def kv_cache_avals(mesh: Mesh, model: ModelShape, num_blocks: int, block_size: int) -> list:
+    """One abstract array per layer, with tpu-inference's own shape and sharding."""
+    from tpu_inference.runner import kv_cache
+
+    heads, _ = padded_kv_heads(model, mesh.shape["model"])
+    abstract = lambda shape, dtype, sharding: (lambda: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding))
+    with mock.patch.object(kv_cache, "_get_kv_cache_allocator", abstract):
+        return kv_cache.create_kv_caches(num_blocks, block_size, heads, model.head_dim, mesh,
+                                         [f"layer.{i}" for i in range(model.layers)],
+                                         cache_dtype=jnp.dtype(model.dtype), use_mla=model.use_mla)
+
+
+def deployment_programs(caches: Sequence, mesh: Mesh, *, num_slots: int, blocks_per_chunk: int,
+                        staging_blocks: int, head_replicas: int = 1, memory_kind: str = "pinned_host",
+                        max_slab_bytes: int = DEFAULT_MAX_SLAB_BYTES) -> Programs:
+    """The product's own programs for this deployment, nothing allocated."""
+    layout = KVLayout.from_caches(caches, mesh, head_replicas=head_replicas)
+    return plan_transfers(layout, num_slots=num_slots, blocks_per_chunk=blocks_per_chunk,
+                          staging_blocks=staging_blocks, memory_kind=memory_kind,
+                          max_slab_bytes=max_slab_bytes).programs
+
+
+@dataclasses.dataclass
+class Figures:
+    """One compiled program, per device, as the TPU compiler reports it."""
+
+    program: str
+    compile_s: float
+    hbm_scratch: int  # temp_size_in_bytes
+    bytes_accessed: int  # cost_analysis; a loop's body is counted once
+    moved: int  # bytes one trip moves (a loop: one block or chunk; else the whole call)
+    host_argument: int
+    host_alias: int
+    host_temp: int
+    host_output: int
+
+    @property
+    def accessed_per_moved(self) -> float:
+        return self.bytes_accessed / self.moved if self.moved else float("nan")
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "accessed_per_moved": round(self.accessed_per_moved, 3)}
+
+
+def figures(name: str, build: Callable, moved: int) -> Figures:
+    t0 = time.perf_counter()
+    compiled = build()
+    dt = time.perf_counter() - t0
+    m = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return Figures(program=name, compile_s=dt, hbm_scratch=int(m.temp_size_in_bytes),
+                   bytes_accessed=int(cost.get("bytes accessed", 0)), moved=moved,
+                   host_argument=int(getattr(m, "host_argument_size_in_bytes", 0)),
+                   host_alias=int(getattr(m, "host_alias_size_in_bytes", 0)),
+                   host_temp=int(getattr(m, "host_temp_size_in_bytes", 0)),
+                   host_output=int(getattr(m, "host_output_size_in_bytes", 0)))
+
+
+def measure(programs: Programs) -> dict[str, Figures]:
+    """Compile every transfer program (what start-up precompiles) and read its figures.
+
+    gather/scatter move one block per loop trip, store/load one chunk, the
+    slab allocator one slab row; ``moved`` is that per-device amount.
+    """
+    block = programs.layout.device_block_bytes()  # a device's piece: what gather moves per trip
+    written = sum(g.local_elems * jnp.dtype(g.dtype).itemsize * len(g.layers) for g in programs.layout.groups)
+    chunk = block * programs.bpc
+    builders = {"gather": programs.gather, "scatter": programs.scatter, "store": programs.store,
+                "load": programs.load, "alloc_slabs": programs._slab_allocator}
+    # scatter writes the whole head shard (replicas x the piece) into the cache
+    moved = {"gather": block, "scatter": written, "store": chunk, "load": chunk, "alloc_slabs": chunk}
+    return {name: figures(name, build, moved[name]) for name, build in builders.items()}
+
+
+def slab_device_bytes(programs: Programs) -> int:
+    """One (the largest) host slab's bytes per device: what one store/load call takes and must update in place."""
+    return max(programs.slab_rows) * programs.layout.device_block_bytes() * programs.bpc
+
+
+def budget_failures(programs: Programs, figs: dict[str, Figures]) -> list[str]:
+    """Every budget a program misses (empty: the deployment fits), in words an operator can act on.
+
+    gather/scatter: HBM scratch <= 1.1x and bytes accessed <= 3x what a trip
+    moves; store/load: the host slabs read and updated in place (host alias =
+    host argument for store, no host temporaries); slab allocation: HBM
+    scratch no bigger than one slab row, whatever the tier's size.
+    """
+    out = []
+    replicated = any(g.replicas > 1 for g in programs.layout.groups)
+    for name in ("gather", "scatter"):
+        f = figs[name]
+        # Replicated KV heads: the scatter also ring-shifts the missing token slices between the
+        # replicas (a collective a TP > KV-heads deployment cannot avoid); its budget is 6x, not 3x.
+        limit = REPLICATED_SCATTER_ACCESS if (replicated and name == "scatter") else 3
+        if f.hbm_scratch > 1.1 * f.moved:
+            out.append(f"{name}: {f.hbm_scratch / MIB:.1f} MiB of HBM scratch for {f.moved / MIB:.2f} MiB moved per block")
+        if f.bytes_accessed > limit * f.moved:
+            out.append(f"{name}: {f.bytes_accessed / MIB:.1f} MiB accessed for {f.moved / MIB:.2f} MiB moved per block")
+    slab = slab_device_bytes(programs)
+    st, ld = figs["store"], figs["load"]
+    if st.host_alias != st.host_argument or st.host_argument < slab:
+        out.append(f"store: host slabs not updated in place (host argument {st.host_argument / MIB:.0f} MiB, "
+                   f"alias {st.host_alias / MIB:.0f} MiB, slab {slab / MIB:.0f} MiB)")
+    if ld.host_argument < slab or ld.host_output:
+        out.append(f"load: host slab not read in place (host argument {ld.host_argument / MIB:.0f} MiB, "
+                   f"host output {ld.host_output / MIB:.0f} MiB)")
+    for f in (st, ld):
+        if f.host_temp:
+            out.append(f"{f.program}: {f.host_temp / MIB:.1f} MiB of host temporaries")
+    alloc = figs["alloc_slabs"]
+    if alloc.hbm_scratch > slab / 16:  # filling slabs on HBM first needs a whole slab (2 GiB at TPU7x)
+        out.append(f"alloc_slabs: {alloc.hbm_scratch / MIB:.1f} MiB of HBM scratch for {slab / MIB:.0f} MiB slabs")
+    return out
+
+
+def replicated_over(caches: Sequence, mesh: Mesh) -> tuple[str, ...]:
+    """Mesh axes (of size > 1) over which every device of the cache holds the same bytes."""
+    spec = tuple(caches[0].sharding.spec)
+    used = {a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)}
+    return tuple(a for a in mesh.axis_names if mesh.shape[a] > 1 and a not in used)
