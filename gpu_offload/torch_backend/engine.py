@@ -61,6 +61,7 @@ class _Job:
     slots: np.ndarray | None = None  # store: slots to mark valid on success
     keys: list | None = None  # store: chunk key per slot (file tier)
     failed: list[int] = dataclasses.field(default_factory=list)  # load: blocks left unfilled
+    failed_keys: list | None = None  # load: chunk keys of the slots that were not valid (None: all/unknown)
     hits: dict | None = None  # load: {tier: (chunks, tokens)} it moves, counted once it lands
     nbytes: int = 0
     seconds: float | None = None
@@ -178,6 +179,7 @@ class HostTransferEngine:
         self._done: list[_Job] = []
         self._load_errors: set[int] = set()
         self._failed_load_jobs: set[int] = set()
+        self._failed_load_keys: dict[int, list | None] = {}  # job id -> keys that failed (None: unknown)
         self._forced_load_failures = 0  # test hooks (gpu_offload.testing)
         self._forced_store_failures = 0
         self._registered: list = []
@@ -279,6 +281,11 @@ class HostTransferEngine:
             plan = self.planner.plan(dst_spec.block_ids, dst_spec.group_sizes,
                                      dst_spec.block_indices, src_spec.block_ids)
             plan = self._drop_invalid(plan, job)
+            if job.failed:  # which chunks: the spec's keys of the slots that are not valid
+                keys = getattr(src_spec, "keys", None)
+                slots = np.asarray(src_spec.block_ids)
+                if keys is not None and len(keys) == len(slots):
+                    job.failed_keys = [k for k, s in zip(keys, slots.tolist()) if s < 0 or not self.pool.valid[s]]
             job.hits = self._hits_of(plan, filed_slots)
             self.stats.loaded_pages += plan.num_pages
             lane = self._lane_for(expedited)
@@ -338,8 +345,14 @@ class HostTransferEngine:
     def take_load_errors(self) -> tuple[set[int], set[int]]:
         """(engine blocks not filled, ids of the load jobs they belong to) of
         the jobs finished since the last call; cleared on read."""
-        out = (self._load_errors, self._failed_load_jobs)
-        self._load_errors, self._failed_load_jobs = set(), set()
+        blocks, failures = self.take_load_failures()
+        return blocks, set(failures)
+
+    def take_load_failures(self) -> tuple[set[int], dict[int, list | None]]:
+        """Like ``take_load_errors``, with each failed job's chunk keys that failed
+        (None: the whole job, e.g. a failed copy), so the scheduler can hide just those."""
+        out = (self._load_errors, {j: self._failed_load_keys.get(j) for j in self._failed_load_jobs})
+        self._load_errors, self._failed_load_jobs, self._failed_load_keys = set(), set(), {}
         return out
 
     def take_load_error_blocks(self) -> set[int]:
@@ -455,6 +468,8 @@ class HostTransferEngine:
                 s.load_error_blocks += len(job.failed)
                 self._load_errors.update(job.failed)
                 self._failed_load_jobs.add(job.job_id)
+                if job.error is None and job.failed_keys:
+                    self._failed_load_keys[job.job_id] = job.failed_keys
             if job.error is None:
                 s.loaded_bytes += job.nbytes
                 s.load_seconds += job.seconds or 0.0

@@ -44,6 +44,10 @@ class FileTierWorkerMetadata(OffloadingWorkerMetadata):
     fs_published: dict[bytes, int] = dataclasses.field(default_factory=dict)
     fs_failed: dict[bytes, int] = dataclasses.field(default_factory=dict)
     fs_removed: dict[bytes, int] = dataclasses.field(default_factory=dict)
+    # Failed load jobs of the step -> the chunk keys that failed (None: all of the job's), so the
+    # scheduler hides only those chunks; ``reports_load_failures``: our workers filled it in.
+    load_failures: dict[int, tuple | None] = dataclasses.field(default_factory=dict)
+    reports_load_failures: bool = False
 
     @classmethod
     def wrap(cls, meta: OffloadingWorkerMetadata | None, journal: Iterable[tuple[str, bytes]]):
@@ -65,6 +69,12 @@ class FileTierWorkerMetadata(OffloadingWorkerMetadata):
             for k, n in getattr(other, name, {}).items():
                 d[k] = d.get(k, 0) + n
             setattr(merged, name, d)
+        failures = dict(self.load_failures)
+        for job, keys in getattr(other, "load_failures", {}).items():  # ranks fail apart: the union
+            have = failures.get(job, ())
+            failures[job] = None if have is None or keys is None else tuple(dict.fromkeys((*have, *keys)))
+        merged.load_failures = failures
+        merged.reports_load_failures = self.reports_load_failures and getattr(other, "reports_load_failures", False)
         return merged
 
     def has_files(self) -> bool:

@@ -14,8 +14,10 @@ vLLM 0.32's connector asserts ``TransferResult.success``, has no
   its blocks and looks it up again; a chunk that still reads as a hit would
   be loaded, fail and be retried forever. So the scheduler side drops the
   chunks of failed loads from our manager first (``update_connector_output``):
-  exactly the failed jobs when they arrive as ``failed_recving``; every load
-  job completing in the step when only block ids arrive (coarse).
+  exactly the failed jobs when they arrive as ``failed_recving``; with only
+  block ids (one group), just the chunks that failed, which our workers list
+  in their step metadata (``load_failures``), or every load job completing in
+  the step if that list is missing (another worker).
 * Worker metrics. ``get_kv_connector_stats`` on a worker returns what our
   worker measured (hits that landed, the file tier's series); vLLM merges it
   with the scheduler's stats into ``/metrics``.
@@ -78,7 +80,8 @@ def _get_transfer_results(orig):
         worker = _our_worker(self)
         if worker is None:
             return results
-        blocks, jobs = worker.take_load_errors()
+        blocks, failures = worker.take_load_failures()
+        jobs = set(failures)
         if not jobs:
             return results
         if _hybrid(self):
@@ -90,6 +93,9 @@ def _get_transfer_results(orig):
         else:
             pending = getattr(self, "_tpu_offload_error_blocks", set())
             self._tpu_offload_error_blocks = pending | blocks
+            failed = getattr(self, "_tpu_offload_load_failures", {})
+            failed.update({j: None if k is None else tuple(k) for j, k in failures.items()})
+            self._tpu_offload_load_failures = failed  # shipped in this step's worker metadata
         return results
 
     return get_transfer_results
@@ -117,14 +123,18 @@ def _build_connector_worker_meta(orig):
     def build_connector_worker_meta(self):
         meta = orig(self)
         worker = _our_worker(self)
-        journal = worker.fs.tier.journal if worker is not None and worker.fs is not None else None
-        if journal is None:
+        if worker is None:
             return meta
-        entries = journal.take()
-        if meta is None and not entries:
+        journal = worker.fs.tier.journal if worker.fs is not None else None
+        entries = journal.take() if journal is not None else []
+        failures = getattr(self, "_tpu_offload_load_failures", None) or {}
+        self._tpu_offload_load_failures = {}
+        if meta is None and not entries and not failures:
             return None
-        # Always ours once files journal: vLLM aggregates ranks into the first one's type.
-        return FileTierWorkerMetadata.wrap(meta, entries)
+        # Always ours once our worker runs: vLLM aggregates ranks into the first one's type.
+        out = FileTierWorkerMetadata.wrap(meta, entries)
+        out.load_failures, out.reports_load_failures = failures, True
+        return out
 
     return build_connector_worker_meta
 
@@ -169,13 +179,17 @@ def _forget_failed_loads(connector, connector_output) -> None:
     if not isinstance(manager, HostTierManager) or jobs is None or not completed:
         return
     failed_reqs = set(getattr(connector_output, "failed_recving", None) or ())
-    coarse = bool(getattr(connector_output, "invalid_block_ids", None))
+    by_blocks = bool(getattr(connector_output, "invalid_block_ids", None))
+    listed = isinstance(meta, FileTierWorkerMetadata) and meta.reports_load_failures
     for job_id in completed:
         status = jobs.get(job_id)
         if status is None or status.is_store:
             continue
-        if coarse or status.req_id in failed_reqs:
+        if status.req_id in failed_reqs or (by_blocks and not listed):
             manager.forget_chunks(status.keys)
+        elif by_blocks and job_id in meta.load_failures:
+            keys = meta.load_failures[job_id]
+            manager.forget_chunks(status.keys if keys is None else [k for k in status.keys if k in set(keys)])
 
 
 # ---- installation ----------------------------------------------------------------

@@ -228,3 +228,28 @@ def test_the_request_salt_reaches_the_file_lookup_and_the_specs(tmp_path, cfg):
         assert m.prepare_store([key(2)], ctx).store_spec.salt == b"tenant-a"
     finally:
         m.shutdown()
+
+
+def test_a_failed_load_hides_only_the_chunks_that_failed(tmp_path, cfg):
+    """One KV group: vLLM reports block ids only. Our workers list the failed chunks; only those are hidden."""
+    from types import SimpleNamespace
+
+    from gpu_offload.vllm import hooks
+    from gpu_offload.vllm.file_events import FileTierWorkerMetadata
+
+    m = HostTierManager(8, CHUNK, blocks_per_chunk=1, tokens_per_block=128)
+    try:
+        stored(m, [key(i) for i in range(1, 6)])
+        m.prepare_load([key(1), key(2), key(3)], CTX)
+        m.prepare_load([key(4), key(5)], CTX)
+        jobs = {7: SimpleNamespace(is_store=False, req_id="r", keys=[key(1), key(2), key(3)]),
+                8: SimpleNamespace(is_store=False, req_id="s", keys=[key(4), key(5)])}
+        meta = FileTierWorkerMetadata(completed_jobs={7: 1, 8: 1}, load_failures={7: (key(2),)},
+                                      reports_load_failures=True)
+        conn = SimpleNamespace(connector_scheduler=SimpleNamespace(manager=m, _jobs=jobs))
+        out = SimpleNamespace(failed_recving=set(), invalid_block_ids={42}, kv_connector_worker_meta=meta)
+        hooks._forget_failed_loads(conn, out)
+        assert m.lookup(key(2), CTX) is LookupResult.MISS
+        assert all(m.lookup(key(i), CTX) is not LookupResult.MISS for i in (1, 3, 4, 5)), "healthy chunks hidden"
+    finally:
+        m.shutdown()

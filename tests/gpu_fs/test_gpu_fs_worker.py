@@ -306,3 +306,20 @@ def test_a_tenants_chunks_are_signed_with_its_salt_and_only_that_tenant_promotes
     assert all(torch.equal(t_b[[12, 13]], t_a[[0, 1]]) for t_a, t_b in zip(ts, tb))
     for e in (a, b):
         e.shutdown()
+
+
+def test_a_failed_promotion_names_just_its_chunk(root):
+    """The scheduler hides only the chunks that failed (not every load of the step): the worker names them."""
+    a, ts = engine(root)
+    store(a, 1, [0, 1, 2, 3], [0, 1], [key(1), key(2)])
+    assert a.fs.flush(10)
+    with open(a.fs.tier.path_of(key(2)), "r+b") as f:
+        f.seek(-100, os.SEEK_END)
+        f.write(b"\xff" * 8)
+    b, _ = engine(root, seed=1)
+    b.submit_load(2, HostLoadSpec([4, 5], [key(1), key(2)], [True, True]), gpu([10, 11, 12, 13]))
+    finish(b, [2])
+    blocks, failures = b.take_load_failures()
+    assert blocks == {12, 13} and failures == {2: [key(2)]}
+    for e in (a, b):
+        e.shutdown()
