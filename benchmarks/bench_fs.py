@@ -13,7 +13,8 @@ verified). The baseline is dd-like: one thread, one file, plain ``os.write``
 
 With ``--auth-threads N`` (default 8; 0 skips), the tier also runs at N
 threads with a secret (HMAC-SHA256 over header and payload, rows
-``tier_mac``) and with ``fs_encrypt`` (AES-256-GCM, rows ``tier_aes_gcm``),
+``tier_mac``), with ``fs_mac: gmac`` (rows ``tier_gmac``) and with
+``fs_encrypt`` (AES-256-GCM, rows ``tier_aes_gcm``),
 next to the plain tier at the same thread count: what authenticating and
 encrypting chunks cost.
 
@@ -137,10 +138,11 @@ SECRET = b"bench-secret-0123456789abcdef0123"
 
 def tier_cell(d: str, src: np.ndarray, dst: np.ndarray, threads: int, cell: int, can_drop: bool,
               o_direct: bool = False, auth: str = "plain") -> dict:
-    """``auth``: "plain" (no secret), "mac" (a secret: HMAC-SHA256) or "aes_gcm" (fs_encrypt)."""
+    """``auth``: "plain" (no secret), "mac" (a secret: HMAC-SHA256), "gmac" or "aes_gcm" (fs_encrypt)."""
     n, chunk = src.shape
     tier = FileTier(d, fingerprint(chunk), chunk, capacity_bytes=None, threads=threads, queue_depth=n,
-                    o_direct=o_direct, secret=None if auth == "plain" else SECRET, encrypt=auth == "aes_gcm")
+                    o_direct=o_direct, secret=None if auth == "plain" else SECRET, encrypt=auth == "aes_gcm",
+                    mac="gmac" if auth == "gmac" else "hmac-sha256")
     keys = bench_keys(n, cell)
     try:
         t0 = time.perf_counter()
@@ -315,7 +317,7 @@ def main() -> int:
                 row.update({f"{m}_ratio": plain[t][m] / raw[m] for m in metrics})
                 results.append(row)
                 _print_row(row, raw)
-            for auth in ("mac", "aes_gcm"):
+            for auth in ("mac", "gmac", "aes_gcm"):
                 r = best(tier_cell, args.dir, src, dst, t, auth=auth)
                 row = {"kind": f"tier_{auth}", "chunk_bytes": chunk, "threads": t, **r}
                 row.update({f"{m}_ratio": r[m] / raw[m] for m in metrics})

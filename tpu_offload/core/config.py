@@ -269,6 +269,7 @@ _SETTINGS: tuple[_Setting, ...] = (
     _Setting("snapshot_path", _abs_path("snapshot_path"), "TPU_OFFLOAD_SNAPSHOT_PATH", ("snapshot_path",)),
     _Setting("fs_dir_mode", _dir_mode, "TPU_OFFLOAD_FS_DIR_MODE", ("fs_dir_mode",)),
     _Setting("fs_encrypt", _bool, "TPU_OFFLOAD_FS_ENCRYPT", ("fs_encrypt",)),
+    _Setting("fs_mac", _choice("hmac-sha256", "gmac"), "TPU_OFFLOAD_FS_MAC", ("fs_mac",)),
     _Setting("fs_reset_epoch_file", _abs_path("fs_reset_epoch_file"), "TPU_OFFLOAD_FS_RESET_EPOCH_FILE",
              ("fs_reset_epoch_file",)),
     # the file tier's secret: a path in JSON or env, the secret itself only in env (never in a JSON)
@@ -334,6 +335,8 @@ class OffloadConfig:
     fs_dir_mode: int = 0o700
     # AES-256-GCM chunk payloads (keys from the secret; needs `cryptography`); the tag is the MAC.
     fs_encrypt: bool = False
+    # With a secret: HMAC-SHA256 (stdlib) or GMAC (AES-GCM tag, several times faster; needs `cryptography`).
+    fs_mac: str = "hmac-sha256"
     # A file the operator rewrites before each reset_prefix_cache (e.g. with the weights version): replicas
     # that reset together derive the same file-tier namespace from it and keep sharing.
     fs_reset_epoch_file: str | None = None
@@ -362,6 +365,9 @@ class OffloadConfig:
         _resolve_secret(values, from_env, from_json)
         if values.get("fs_encrypt"):
             _check_encrypt(values, "fs_encrypt" in from_json)
+        if values.get("fs_mac") == "gmac" and values.get("fs_secret"):
+            _check_cryptography("kv_connector_extra_config key 'fs_mac'" if "fs_mac" in from_json
+                                else "environment variable TPU_OFFLOAD_FS_MAC", "'gmac'", "'hmac-sha256'")
         return cls(**values)
 
     def resolve_num_chunks(self, chunk_bytes: int) -> int:
@@ -419,11 +425,15 @@ def _check_encrypt(values: dict[str, Any], from_json: bool) -> None:
     if not values.get("fs_secret"):
         raise ConfigError(f"{where}: value True is not allowed without a secret; allowed: false, or set "
                           "fs_secret_file (or TPU_OFFLOAD_FS_SECRET) too: the keys are derived from it")
+    _check_cryptography(where, "True", "false")
+
+
+def _check_cryptography(where: str, value: str, instead: str) -> None:
     try:
         from cryptography.hazmat.primitives.ciphers.aead import AESGCM  # noqa: F401
     except ImportError:
-        raise ConfigError(f"{where}: value True needs the 'cryptography' package (pip install "
-                          "'tpu-offload[fs-encrypt]'); allowed: false, or install it") from None
+        raise ConfigError(f"{where}: value {value} needs the 'cryptography' package (pip install "
+                          f"'tpu-offload[fs-encrypt]'); allowed: {instead}, or install it") from None
 
 
 def _fail(where: str, value: Any, allowed: str) -> ConfigError:

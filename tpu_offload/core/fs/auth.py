@@ -44,11 +44,27 @@ def _kdf(key: bytes, person: bytes, data: bytes, size: int = 32) -> bytes:
 class TenantKeys:
     """Name and MAC keys of one (layout, tenant salt) pair."""
 
-    __slots__ = ("_name_key", "_mac_key", "enc_key", "_aead")
+    __slots__ = ("_name_key", "_mac_key", "enc_key", "gmac_key", "_aead", "_gmac")
 
-    def __init__(self, name_key: bytes, mac_key: bytes, enc_key: bytes):
-        self._name_key, self._mac_key, self.enc_key = name_key, mac_key, enc_key
-        self._aead = None
+    def __init__(self, name_key: bytes, mac_key: bytes, enc_key: bytes, gmac_key: bytes = b""):
+        self._name_key, self._mac_key, self.enc_key, self.gmac_key = name_key, mac_key, enc_key, gmac_key
+        self._aead = self._gmac = None
+
+    def gmac(self, header: memoryview, payload: memoryview, nonce: bytes) -> bytes:
+        """16-byte AES-GCM tag over the payload (as associated data) and the header (as plaintext).
+
+        Several times HMAC-SHA256's speed with AES-NI and carry-less
+        multiply (``fs_mac: gmac``); safe while nonces never repeat under a
+        key (random 96-bit ones: far beyond 2**32 files per tenant).
+        """
+        if self._gmac is None:
+            from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+            self._gmac = AESGCM(self.gmac_key)
+        return self._gmac.encrypt(nonce, bytes(header), payload)[-16:]
+
+    def gmac_ok(self, header: memoryview, payload: memoryview, nonce: bytes, tag: bytes) -> bool:
+        return hmac.compare_digest(self.gmac(header, payload, nonce), bytes(tag))
 
     def aead(self):
         """AES-256-GCM with this tenant's key (``cryptography``, imported only when encryption is used)."""
@@ -91,7 +107,7 @@ class FsAuth:
         """Keys of one tenant salt within one layout (``b""``: the deployment's own)."""
         base = _kdf(self._root, b"tpuoff-tenant", layout_digest + b"\0" + bytes(salt), 64)
         return TenantKeys(_kdf(base, b"tpuoff-namekey", b""), _kdf(base, b"tpuoff-mackey", b""),
-                          _kdf(base, b"tpuoff-enckey", b""))
+                          _kdf(base, b"tpuoff-enckey", b""), _kdf(base, b"tpuoff-gmackey", b""))
 
     def index_mac(self, body: bytes) -> str:
         """MAC of a snapshot index (hex)."""

@@ -27,7 +27,7 @@ from tpu_offload.core.fs.fileio import (
 )
 from tpu_offload.core.fs.auth import TenantKeys
 from tpu_offload.core.fs.format import (
-    FLAG_AEAD, FLAG_MAC, HEADER_SIZE, MAC_OFF, NONCE_BYTES, TAG_BYTES, HeaderError, aead_aad, check_header,
+    FLAG_AEAD, FLAG_GMAC, FLAG_MAC, HEADER_SIZE, MAC_OFF, NONCE_BYTES, TAG_BYTES, HeaderError, aead_aad, check_header,
     pack_header, parse_header, payload_checksum,
 )
 
@@ -40,11 +40,12 @@ HIT, MISS, ERROR, CORRUPT, UNSAFE = "hit", "miss", "error", "corrupt", "unsafe"
 class ChunkFiles:
     def __init__(self, ns_dir: str, digest: bytes, *, fsync: bool = False, o_direct: bool = False,
                  name: str = "fs", recheck_s: float = 1.0, dir_mode: int = layout.DIR_MODE,
-                 owner: int | None = None, encrypt: bool = False):
+                 owner: int | None = None, encrypt: bool = False, mac: str = "hmac-sha256"):
         self.ns_dir = ns_dir
         self.ns = safedir.HeldDir(ns_dir, mode=dir_mode, recheck_s=recheck_s, owner=owner)
         self.file_mode = layout.file_mode(dir_mode)
         self.encrypt = encrypt  # with tenant keys: AES-256-GCM payloads, the tag as the MAC
+        self.gmac = mac == "gmac"  # else HMAC-SHA256
         self.digest = digest
         self.fsync = fsync
         self.direct = bool(o_direct) and O_DIRECT != 0
@@ -84,6 +85,10 @@ class ChunkFiles:
             hdr = self._header_buf()
             if tk is not None and self.encrypt:
                 mv = self._seal(hdr, key, mv, tk)  # the ciphertext, in a per-thread buffer
+            elif tk is not None and self.gmac:
+                nonce = os.urandom(NONCE_BYTES)
+                pack_header(hdr, self.digest, key, len(mv), payload_checksum(mv),
+                            lambda h: nonce + tk.gmac(h, mv, nonce) + bytes(MAC_BYTES_PAD), flags=FLAG_GMAC)
             else:
                 pack_header(hdr, self.digest, key, len(mv), payload_checksum(mv),
                             None if tk is None else (lambda h: tk.mac(h, mv)))
@@ -240,6 +245,13 @@ class ChunkFiles:
         if tk is not None:  # damage is caught above; this says whether one of our keys wrote it
             if h.flags & FLAG_AEAD:
                 return self._open_sealed(h, key, mv, tk)
+            if h.flags & FLAG_GMAC:
+                try:
+                    ok = tk.gmac_ok(memoryview(hdr)[:MAC_OFF], mv, h.mac[:NONCE_BYTES],
+                                    h.mac[NONCE_BYTES:NONCE_BYTES + TAG_BYTES])
+                except ImportError:  # no cryptography here: cannot verify, so never serve
+                    ok = False
+                return None if ok else "mac"
             if not h.flags & FLAG_MAC or not tk.mac_ok(memoryview(hdr)[:MAC_OFF], mv, h.mac):
                 return "mac"
         return None
@@ -258,7 +270,10 @@ class ChunkFiles:
 
     def _open_sealed(self, h, key: bytes, mv: memoryview, tk: TenantKeys) -> str | None:
         """Decrypt the ciphertext in ``mv`` in place (through a per-thread buffer); "mac" if the tag fails."""
-        from cryptography.exceptions import InvalidTag
+        try:
+            from cryptography.exceptions import InvalidTag
+        except ImportError:  # no cryptography here: cannot decrypt, so never serve
+            return "mac"
 
         n = len(mv)
         buf = self._ct_buf(n)

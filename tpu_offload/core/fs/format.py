@@ -12,7 +12,8 @@ Layout of the header (little-endian)::
     0   8s  magic  b"TPUOFFKV"
     8   H   format version
     10  H   header size (4096)
-    12  I   flags: 1 = MAC present, 2 = payload AES-256-GCM encrypted (nonce and tag in the MAC field)
+    12  I   flags: 1 = HMAC present, 2 = payload AES-256-GCM encrypted, 4 = GMAC present
+            (2 and 4: nonce and tag in the MAC field)
     16  16s layout fingerprint digest (with a secret: a keyed tag of it)
     32  Q   payload length in bytes
     40  Q   xxh3-64 of the payload
@@ -45,6 +46,7 @@ MAC_BYTES = 32
 MAC_OFF = _HCHK_OFF - MAC_BYTES  # the MAC covers every header byte before it
 FLAG_MAC = 1
 FLAG_AEAD = 2
+FLAG_GMAC = 4
 NONCE_BYTES, TAG_BYTES = 12, 16  # AES-GCM, stored at MAC_OFF
 
 
@@ -136,7 +138,7 @@ def parse_header(buf) -> Header:
         raise HeaderError("header", f"header size {hsize}, key length {klen}")
     key = bytes(mv[_KEY_OFF : _KEY_OFF + klen])
     return Header(version=version, digest=digest, key=key, payload_len=plen, checksum=chk, flags=flags,
-                  mac=bytes(mv[MAC_OFF:_HCHK_OFF]) if flags & (FLAG_MAC | FLAG_AEAD) else b"")
+                  mac=bytes(mv[MAC_OFF:_HCHK_OFF]) if flags & (FLAG_MAC | FLAG_AEAD | FLAG_GMAC) else b"")
 
 
 def check_header(h: Header, digest: bytes, key: bytes, payload_len: int) -> str | None:

@@ -101,6 +101,7 @@ class FileTier:
         secret: bytes | None = None,
         dir_mode: int = layout.DIR_MODE,
         encrypt: bool = False,
+        mac: str = "hmac-sha256",
     ):
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes}")
@@ -110,6 +111,8 @@ class FileTier:
             raise ValueError(f"queue_depth must be >= 1, got {queue_depth}")
         if encrypt and not secret:
             raise ValueError("encrypt needs a secret (the keys are derived from it)")
+        if mac not in ("hmac-sha256", "gmac"):
+            raise ValueError(f"mac {mac!r}; allowed: 'hmac-sha256' or 'gmac'")
         if dir_mode not in (0o700, 0o750):
             raise ValueError(f"dir_mode {dir_mode:o}; allowed: 0700 or 0750")
         self.dir_mode = dir_mode
@@ -135,7 +138,7 @@ class FileTier:
         self._written_since_scan = 0
         self.readonly_retry_s = readonly_retry_s
         self.files = ChunkFiles(self.ns_dir, self.names.digest, fsync=fsync, o_direct=o_direct, name=name,
-                                dir_mode=dir_mode, owner=self._uid, encrypt=encrypt)
+                                dir_mode=dir_mode, owner=self._uid, encrypt=encrypt, mac=mac)
         self._index = FileIndex(touch_interval_s)
         self._scanner = Rescanner(self.ns_dir, self._index, name=name, stale_tmp_s=stale_tmp_s, count=self._count,
                                   writable=lambda: self._state is TierState.RW, owner=self._uid,
@@ -179,7 +182,8 @@ class FileTier:
                 cfg.shared_storage_path, fingerprint, chunk_bytes,
                 capacity_bytes=cfg.fs_capacity_bytes, threads=cfg.fs_threads,
                 queue_depth=cfg.fs_queue_depth, fsync=cfg.fs_fsync, o_direct=cfg.fs_o_direct,
-                metrics=metrics, secret=cfg.fs_secret, dir_mode=cfg.fs_dir_mode, encrypt=cfg.fs_encrypt, **kw,
+                metrics=metrics, secret=cfg.fs_secret, dir_mode=cfg.fs_dir_mode, encrypt=cfg.fs_encrypt,
+                mac=cfg.fs_mac, **kw,
             )
         except CapacityError as e:  # checked (once) by the constructor, before it touches anything
             from tpu_offload.core.config import ConfigError
