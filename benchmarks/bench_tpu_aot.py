@@ -1,0 +1,179 @@
+"""Ours vs tpu-inference 0.32's offload programs, as the TPU compiler builds them (no TPU needed).
+
+libtpu compiles both for a compile-only topology at the same model, KV cache
+(tpu-inference's own ``create_kv_caches`` shape and sharding) and block
+counts, and reports per device:
+
+* HBM scratch (``temp_size_in_bytes``): what the program needs on top of its arguments;
+* bytes accessed (``cost_analysis``), and that ÷ the bytes the call moves;
+* compile seconds.
+
+Paths compared, per direction:
+
+* gather (HBM cache -> contiguous buffer, the first half of a store):
+  ours: one ``fori_loop`` program for any count; tpu-inference: ``stack_kv_cache_cross_layers``
+  (one program per block count); raw: a contiguous ``dynamic_slice`` of B blocks from every
+  layer (the floor: no block table, nothing to gather).
+* scatter (contiguous buffer -> HBM cache, the last half of a load):
+  ours: one ``fori_loop`` program; tpu-inference: ``jitted_insert_kv_cache_slices`` (unrolled
+  per block); raw: one contiguous ``dynamic_update_slice`` of B blocks into every layer.
+
+A loop's body is counted once by ``cost_analysis``: ours is reported per trip
+(one block) times B, and its HLO is a ``while`` (checked in tests/tpu_compiler).
+
+    python benchmarks/bench_tpu_aot.py [--topology TPU7x:2x2x1] [--tp 8] [--model Qwen3-32B] [--blocks 16 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+os.environ.setdefault("TPU_ACCELERATOR_TYPE", "tpu7x-8")
+os.environ.setdefault("NEW_MODEL_DESIGN", "1")
+os.environ["VLLM_PLUGINS"] = ""
+sys.path[:0] = [HERE, ROOT, os.path.join(ROOT, "tests", "tpu_engine")]
+
+import cpu_support  # noqa: E402
+
+cpu_support.prepare_vllm()  # vLLM's kernels for this CPU, torchax, tpu-inference's platform
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax import lax  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+from _common import print_table, pyplot, save_figure, write_json  # noqa: E402
+from tpu_offload.connector import aot  # noqa: E402
+from tpu_offload.core.config import OffloadConfig  # noqa: E402
+
+MIB = 1 << 20
+
+
+def theirs(caches, mesh, n: int, block_size: int):
+    """tpu-inference 0.32's own gather and insert, lowered for ``n`` blocks."""
+    from tpu_inference.offload.utils import jitted_insert_kv_cache_slices, stack_kv_cache_cross_layers
+
+    ids = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=NamedSharding(mesh, P()))
+    spec = tuple(caches[0].sharding.spec)[1:]
+    block = jax.ShapeDtypeStruct(caches[0].shape[1:], caches[0].dtype, sharding=NamedSharding(mesh, P(*spec)))
+    slices = [[block] * n for _ in caches]
+    gather = lambda: stack_kv_cache_cross_layers.lower(caches, ids, num_blocks=n).compile()
+    insert = lambda: jitted_insert_kv_cache_slices.lower(block_size, caches, slices, ids).compile()
+    return gather, insert
+
+
+def raw(caches, mesh, n: int):
+    """The floor: B contiguous blocks of every layer, sliced out or written in, no block table."""
+    spec = P(None, *tuple(caches[0].sharding.spec)[1:])
+    buf = jax.ShapeDtypeStruct((len(caches), n, *caches[0].shape[1:]), caches[0].dtype,
+                               sharding=NamedSharding(mesh, P(None, *spec)))
+    start = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()))
+    out_sh = buf.sharding
+    cache_sh = tuple(c.sharding for c in caches)
+
+    def read(cs, s):
+        return jnp.stack([lax.dynamic_slice_in_dim(c, s, n, axis=0) for c in cs])
+
+    def write(cs, b, s):
+        return tuple(lax.dynamic_update_slice_in_dim(c, b[i], s, axis=0) for i, c in enumerate(cs))
+
+    gather = lambda: jax.jit(read, out_shardings=out_sh).lower(tuple(caches), start).compile()
+    scatter = lambda: jax.jit(write, donate_argnums=(0,), out_shardings=cache_sh).lower(tuple(caches), buf, start).compile()
+    return gather, scatter
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--topology", default="TPU7x:2x2x1")
+    ap.add_argument("--tp", type=int, default=8)
+    ap.add_argument("--model", default="Qwen3-32B", choices=sorted(aot.MODELS))
+    ap.add_argument("--num-blocks", type=int, default=20000, help="blocks in the KV cache (per layer)")
+    ap.add_argument("--block-size", type=int, default=128)
+    ap.add_argument("--config", default=os.path.join(ROOT, "configs", "tpu-inference", "offload.json"))
+    ap.add_argument("--blocks", type=int, nargs="+", default=[16, 64], help="blocks moved per call")
+    args = ap.parse_args()
+
+    import json
+
+    extra = json.load(open(args.config))["kv_connector_extra_config"]
+    cfg = OffloadConfig.from_sources(extra, env={})
+    model = aot.MODELS[args.model]
+    mesh = aot.compile_only_mesh(args.topology, args.tp)
+    caches = aot.kv_cache_avals(mesh, model, args.num_blocks, args.block_size)
+    _, replicas = aot.padded_kv_heads(model, args.tp)
+    from tpu_offload.jax_backend.layout import KVLayout
+
+    layout = KVLayout.from_caches(caches, mesh, head_replicas=replicas)
+    num_slots = cfg.resolve_num_chunks(layout.block_bytes * cfg.blocks_per_chunk)
+    programs = aot.deployment_programs(caches, mesh, num_slots=num_slots, blocks_per_chunk=cfg.blocks_per_chunk,
+                                       staging_blocks=cfg.staging_blocks, head_replicas=replicas)
+    ours = aot.measure(programs)
+    block = layout.device_block_bytes()
+    rows = []
+    for n in args.blocks:
+        moved = n * block
+        t_gather, t_insert = theirs(caches, mesh, n, args.block_size)
+        r_gather, r_scatter = raw(caches, mesh, n)
+        for direction, mine, peer, floor in (("gather", ours["gather"], t_gather, r_gather),
+                                             ("scatter", ours["scatter"], t_insert, r_scatter)):
+            rows.append(_row(direction, n, "ours", mine.hbm_scratch, mine.bytes_accessed * n, moved,
+                             mine.compile_s, "once, any B"))
+            for who, build in (("tpu-inference", peer), ("raw contiguous", floor)):
+                try:
+                    f = aot.figures(direction, build, moved)
+                    rows.append(_row(direction, n, who, f.hbm_scratch, f.bytes_accessed, moved, f.compile_s,
+                                     "per B"))
+                except Exception as e:  # the compiler's own refusal (e.g. RESOURCE_EXHAUSTED) is the result
+                    rows.append({"direction": direction, "blocks": n, "path": who, "error": str(e).splitlines()[0][:200]})
+    cols = ["direction", "blocks", "path", "hbm_scratch_mib", "accessed_mib", "moved_mib", "accessed_per_moved",
+            "compile_s", "compiles"]
+    title = (f"{args.model} on {args.topology} (TP {args.tp}), {args.num_blocks} blocks of {args.block_size} tokens, "
+             f"per device; ours: {len(programs.slab_rows)} host slabs, staging {programs.staging_blocks} blocks")
+    print_table(rows, cols, title=title)
+    extra_rows = [{"program": k, "hbm_scratch_mib": v.hbm_scratch / MIB, "host_argument_mib": v.host_argument / MIB,
+                   "host_alias_mib": v.host_alias / MIB, "host_temp_mib": v.host_temp / MIB, "compile_s": v.compile_s}
+                  for k, v in ours.items() if k in ("store", "load", "alloc_slabs")]
+    print_table(extra_rows, title="ours, host side (one call per slab a pass touches)")
+    total = sum(f.compile_s for f in ours.values())
+    print(f"ours: every program compiled in {total:.1f} s; budget failures: {aot.budget_failures(programs, ours) or 'none'}")
+    write_json("tpu_aot", {"topology": args.topology, "tp": args.tp, "model": args.model, "num_blocks": args.num_blocks,
+                           "block_size": args.block_size, "rows": rows, "ours_host": extra_rows,
+                           "ours_compile_s_total": total, "ours_programs": {k: v.to_dict() for k, v in ours.items()}})
+    _plot(rows, title)
+
+
+def _row(direction, n, who, scratch, accessed, moved, compile_s, compiles):
+    return {"direction": direction, "blocks": n, "path": who, "hbm_scratch_mib": scratch / MIB,
+            "accessed_mib": accessed / MIB, "moved_mib": moved / MIB, "accessed_per_moved": accessed / moved,
+            "compile_s": compile_s, "compiles": compiles}
+
+
+def _plot(rows, title):
+    plt = pyplot()
+    if plt is None:
+        return
+    ok = [r for r in rows if "error" not in r]
+    paths = ["ours", "tpu-inference", "raw contiguous"]
+    groups = sorted({(r["direction"], r["blocks"]) for r in ok})
+    fig, ax = plt.subplots(figsize=(9, 4))
+    width = 0.8 / len(paths)
+    for i, p in enumerate(paths):
+        vals = [next((r["accessed_per_moved"] for r in ok if (r["direction"], r["blocks"]) == g and r["path"] == p), 0)
+                for g in groups]
+        ax.bar([x + i * width for x in range(len(groups))], vals, width, label=p)
+    ax.set_xticks([x + width for x in range(len(groups))], [f"{d}\n{b} blocks" for d, b in groups])
+    ax.set_ylabel("HBM bytes accessed ÷ bytes moved")
+    ax.set_title(title, fontsize=8)
+    ax.legend()
+    save_figure(fig, "tpu_aot")
+
+
+if __name__ == "__main__":
+    main()
