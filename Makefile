@@ -73,7 +73,7 @@ demo: $(STAMP) $(STAMP_TPU)
 # processes because both backends register tpu_offload_* names in the global Prometheus
 # registry, and tests/tpu_engine must set its emulated device count before JAX starts.
 test: $(STAMP) $(STAMP_TPU)
-	$(BIN)/python -m pytest -q tests --ignore=tests/tpu --ignore=tests/tpu_engine
+	$(BIN)/python -m pytest -q tests --ignore=tests/tpu --ignore=tests/tpu_compiler --ignore=tests/tpu_engine
 	$(TPU_BIN)/python -m pytest -q tests/tpu
 	$(TPU_BIN)/python -m pytest -q tests/tpu_compiler
 	$(TPU_BIN)/python -m pytest -q tests/tpu_engine
