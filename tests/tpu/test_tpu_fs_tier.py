@@ -6,6 +6,7 @@ promotion fails the run.
 """
 
 import os
+import time
 
 import pytest
 
@@ -89,7 +90,11 @@ def test_reset_connector_forgets_host_and_file_tiers(make, tmp_path):
     assert h.wrk.totals.get("loaded_chunks", 0) == 0
     h.wrk.fs.tier.flush(timeout=30)
     assert h.wrk.fs.tier.ns_dir == h.sch.fs.ns_dir  # the worker writes where the scheduler looks
-    assert len(chunk_files(h.sch.fs.ns_dir)) == 5 and len(chunk_files(old_ns)) == 5  # recomputed KV, new namespace
+    assert len(chunk_files(h.sch.fs.ns_dir)) == 5  # recomputed KV, new namespace
+    deadline = time.monotonic() + 30  # the old tier retires on a thread: its namespace's files go
+    while chunk_files(old_ns) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert chunk_files(old_ns) == [], "a reset leaked the old namespace"
     assert h.sched.reset_prefix_cache()  # HBM forgets; the new namespace and host tier serve
     matched.clear()
     h.add(p + [7], max_tokens=1)
