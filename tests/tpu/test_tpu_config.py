@@ -206,3 +206,17 @@ def test_replicated_heads_size_the_tier_by_the_real_kv():
     assert s.num_slots == 64 * 1024 // 16
     vc.model_config = SimpleNamespace(get_total_num_kv_heads=lambda: 16, use_mla=False)
     assert resolve(vc, kcc, env={}).kv_replicas == 1
+
+
+def test_transfer_path_auto_is_device_put_on_tpu_only_and_bad_values_are_named():
+    from tpu_offload.core.config import OffloadConfig
+
+    from tpu_offload.connector.worker import transfer_path
+
+    tpu, cpu = [SimpleNamespace(platform="tpu")], [SimpleNamespace(platform="cpu")]
+    assert transfer_path(OffloadConfig(), tpu) == "device_put"
+    assert transfer_path(OffloadConfig(), cpu) == "program"
+    assert transfer_path(OffloadConfig(transfer_path="program"), tpu) == "program"
+    assert OffloadConfig.from_sources({}, env={"TPU_OFFLOAD_TRANSFER_PATH": "device_put"}).transfer_path == "device_put"
+    with pytest.raises(ConfigError, match="'transfer_path': value 'dma' is not allowed; allowed: one of 'auto', 'program', 'device_put'"):
+        OffloadConfig.from_sources({"transfer_path": "dma"}, env={})

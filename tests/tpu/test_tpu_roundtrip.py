@@ -44,9 +44,10 @@ class CompileCounter:
 COMPILES = CompileCounter()
 
 
+@pytest.mark.parametrize("path", ["program", "device_put"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("bpc,n_chunks,staging", [(1, 1, 4), (1, 9, 4), (2, 3, 4), (4, 5, 8), (3, 2, 7)])
-def test_store_load_bit_exact(any_mesh, dtype, bpc, n_chunks, staging):
+def test_store_load_bit_exact(any_mesh, dtype, bpc, n_chunks, staging, path):
     """Round trips across chunk sizes and counts, including batches larger
     than the staging buffer (several passes, nothing dropped) and a staging
     size that is not a multiple of the chunk (7 blocks, 3-block chunks), on
@@ -54,7 +55,8 @@ def test_store_load_bit_exact(any_mesh, dtype, bpc, n_chunks, staging):
     caches = make_caches(any_mesh, dtype)
     shardings = [c.sharding for c in caches]
     ref = [bits(c) for c in caches]
-    eng = TransferEngine(KVLayout.from_caches(caches), num_slots=16, blocks_per_chunk=bpc, staging_blocks=staging)
+    eng = TransferEngine(KVLayout.from_caches(caches), num_slots=16, blocks_per_chunk=bpc, staging_blocks=staging,
+                         path=path)
     rng = np.random.default_rng(bpc * 100 + n_chunks)
     src = rng.permutation(NB // 2)[: n_chunks * bpc].reshape(n_chunks, bpc)  # sources in the lower half
     slots = rng.permutation(16)[:n_chunks]

@@ -123,3 +123,18 @@ def test_whole_deployment_compiles_in_seconds():
     assert set(figs) == {"gather", "scatter", "store", "load", "alloc_slabs"}
     assert sum(f.compile_s for f in figs.values()) < 120
     assert jax.devices()[0].platform == "cpu"  # the runtime never needed a TPU
+
+
+def test_device_put_path_programs_fit(deployment):
+    """The device_put host path's two extra programs (slice a chunk out of staging for the runtime
+    to send; write one it brought back) move one chunk in place, nothing more."""
+    _, programs, _ = deployment
+    chunk = programs.layout.device_block_bytes() * programs.bpc
+    figs = {n: aot.figures(n, getattr(programs, n), chunk) for n in ("take_chunk", "put_chunk")}
+    for f in figs.values():
+        assert f.hbm_scratch <= 1.1 * chunk and f.bytes_accessed <= 3 * chunk, f
+        assert f.host_argument == f.host_output == 0  # the host side is the runtime's device_put
+    put = programs.put_chunk().memory_analysis()
+    staging = programs.layout.device_block_bytes() * programs.staging_blocks
+    assert put.alias_size_in_bytes >= staging  # staging updated in place
+    assert set(programs.all_programs("device_put")) == {"gather", "scatter", "take_chunk", "put_chunk"}

@@ -52,6 +52,25 @@ def test_store_reset_load_hits_our_tier_with_identical_tokens(setup, engines, ou
     assert all(is_async for n, is_async in spy.answers if n), "the default config loads asynchronously"
 
 
+def test_device_put_path_gives_identical_tokens_and_hits(setup, engines):
+    """The other host path (``transfer_path: device_put``, the default on TPU): each stored chunk is
+    sent to its own host array by the runtime instead of a compiled program writing the slabs."""
+    w = ROUNDTRIP[setup.block_size]
+    base = engines.baseline(setup, w)
+    run = engines.get(("ours-device_put", setup), setup,
+                      kv_transfer_config("offload.json", **OURS, transfer_path="device_put"))
+    assert wrk(run).engine.path == "device_put" and wrk(run).engine.slabs is None
+    assert w.run(run) == base
+    settle(run)
+    t1 = totals(run)
+    run.reset_prefix_cache()
+    assert w.run(run) == base
+    t2 = totals(run)
+    assert delta(t2, t1, "hit_tokens") == sum(hit_tokens(len(p), setup.block_size) for p in w.prompts)
+    assert delta(t2, t1, "loaded_chunks") == sum(len(p) // setup.block_size for p in w.prompts)
+    assert delta(t2, t1, "load_errors") == 0
+
+
 def test_device_pressure_revisits_hit_our_tier_without_reset(setup, engines, ours):
     """More prefixes than the KV cache holds: vLLM evicts the first ones from
     HBM, and revisiting them hits our tier, with no reset in between."""

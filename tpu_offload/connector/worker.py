@@ -46,6 +46,14 @@ class _Flight:
     started: float
 
 
+def transfer_path(cfg, devices) -> str:
+    """``auto``: device_put on TPU, where a program's host copies would hold the TensorCore (the next
+    forward waits for them) while a runtime device_put overlaps it; program elsewhere (CPU, tests)."""
+    if cfg.transfer_path != "auto":
+        return cfg.transfer_path
+    return "device_put" if devices and devices[0].platform == "tpu" else "program"
+
+
 class OffloadWorker:
     def __init__(self, settings: Settings, metrics: ConnectorMetrics | None = None, *,
                  free_hbm_bytes: int | None = None, hbm_limit_bytes: int | None = None,
@@ -105,10 +113,14 @@ class OffloadWorker:
         memory.check_memory_kind(cfg.host_memory_kind, local)
         memory.check_host_fits(int(self.s.num_slots * layout.block_bytes * self.s.blocks_per_chunk * local_share),
                                self.s.num_slots, available=self._free_host, margin=cfg.host_memory_margin)
+        path = transfer_path(cfg, local)
+        if path == "device_put" and cfg.snapshot_path:
+            raise ConfigError("snapshot_path saves the preallocated host slabs: it needs transfer_path=program "
+                              f"(TPU_OFFLOAD_TRANSFER_PATH), not {cfg.transfer_path!r} (device_put on {local[0].platform})")
         self.engine = TransferEngine(
             layout, num_slots=self.s.num_slots, blocks_per_chunk=self.s.blocks_per_chunk,
             staging_blocks=self.s.staging_blocks, memory_kind=cfg.host_memory_kind,
-            checksums=cfg.verify_checksums, hbm_check=hbm_check if known else None, **kw,
+            checksums=cfg.verify_checksums, hbm_check=hbm_check if known else None, path=path, **kw,
         )
         staging_per_device = self.engine.staging_device_bytes
         self.chunk_bytes = self.engine.chunk_bytes  # what one chunk costs on the host and on the wire
@@ -133,9 +145,9 @@ class OffloadWorker:
             self.engine.precompile()
             log.info("tpu_offload: compiled %d transfer programs in %.1fs", self.engine.programs.compiles,
                      time.perf_counter() - t0)
-        log.info("tpu_offload: %d host chunks x %d blocks (%.2f GiB, %s), staging %d blocks (%.2f GiB per device)",
-                 self.s.num_slots, self.s.blocks_per_chunk, self.engine.slab_bytes / (1 << 30),
-                 cfg.host_memory_kind, self.s.staging_blocks, staging_per_device / (1 << 30))
+        log.info("tpu_offload: %d host chunks x %d blocks (%.2f GiB, %s, %s path), staging %d blocks (%.2f GiB "
+                 "per device)", self.s.num_slots, self.s.blocks_per_chunk, self.engine.slab_bytes / (1 << 30),
+                 cfg.host_memory_kind, path, self.s.staging_blocks, staging_per_device / (1 << 30))
 
     # ---- per step ----------------------------------------------------------
     def start_load_kv(self, meta: OffloadMetadata) -> None:

@@ -249,6 +249,8 @@ _SETTINGS: tuple[_Setting, ...] = (
     _Setting("host_memory_kind", _choice("pinned_host", "unpinned_host"), None, ("host_memory_kind",)),
     _Setting("use_unpinned_host", _bool, "TPU_OFFLOAD_USE_UNPINNED_HOST", ()),
     _Setting("host_memory_margin", _margin, "TPU_OFFLOAD_HOST_MEMORY_MARGIN", ("host_memory_margin",)),
+    _Setting("transfer_path", _choice("auto", "program", "device_put"), "TPU_OFFLOAD_TRANSFER_PATH",
+             ("transfer_path",)),
     _Setting("skip_precompile", _bool, "TPU_OFFLOAD_SKIP_JAX_PRECOMPILE", ("skip_precompile",)),
     _Setting("block_buckets", _int_list, "TPU_OFFLOAD_BLOCK_SIZE_BUCKETS", ("block_buckets",)),  # accepted; no effect
     _Setting("save_threads", _int(1, 256), "TPU_OFFLOAD_SAVE_THREADS", ("save_threads",)),
@@ -310,6 +312,9 @@ class OffloadConfig:
     # Host memory the tier must leave for the engine and the rest of the host: a fraction
     # (float) of the host's memory (or its cgroup limit, if smaller), or bytes (int).
     host_memory_margin: int | float = 0.05
+    # TPU host path: "program" (preallocated slabs written by compiled programs), "device_put" (per-slot
+    # host arrays sent by the runtime, overlapping compute), "auto" (device_put on TPU, program elsewhere)
+    transfer_path: str = "auto"
     skip_precompile: bool = False
     block_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     save_threads: int = 1

@@ -8,6 +8,18 @@ asynchronously and returns a tiny "done" array to poll; nothing here blocks.
 A batch larger than the staging buffer is split into staging-sized passes
 through the same buffer (donation orders them), never truncated.
 
+Two host paths behind the same calls (``path``):
+
+* ``program``: the tier is preallocated slabs, and ``store``/``load`` are
+  compiled programs that write and read them in place. Bounded, no
+  allocation while serving; but a TensorCore runs one program at a time, so
+  the next forward waits for those host copies.
+* ``device_put``: each stored chunk is sliced out of staging and sent with
+  ``jax.device_put`` to its own host-memory-kind array (one per slot, so the
+  tier stays bounded by the slot count). The runtime queues that DMA outside
+  any program, where it overlaps the next forward: what tpu-inference's own
+  connector does on TPU7x. Each store allocates its chunk's host array.
+
 ``valid[slot]`` is this process's truth about a slot: cleared when a store
 into it is dispatched, set when that store completed. Loading an invalid
 slot (or one whose checksum no longer matches) is refused per chunk so the
@@ -44,6 +56,9 @@ class LoadChunk:
 class StoreChunk:
     slot: int
     blocks: Sequence[int]  # bpc source block ids
+
+
+PATHS = ("program", "device_put")
 
 
 class Done(tuple):
@@ -98,6 +113,7 @@ class TransferEngine:
         checksums: bool = False,
         max_slab_bytes: int = DEFAULT_MAX_SLAB_BYTES,
         hbm_check: Callable[[int, int], None] | None = None,
+        path: str = "program",
     ):
         """``hbm_check(staging_bytes, scratch_bytes)``, per device, runs before anything is allocated."""
         plan = plan_transfers(layout, num_slots=num_slots, blocks_per_chunk=blocks_per_chunk,
@@ -111,10 +127,15 @@ class TransferEngine:
         self.chunk_bytes = layout.block_bytes * blocks_per_chunk
         self.rows_per_slab = plan.rows_per_slab
         self.programs = plan.programs
+        if path not in PATHS:
+            raise ValueError(f"transfer path {path!r}: expected one of {', '.join(PATHS)}")
+        self.path = path
         if hbm_check is not None:
-            hbm_check(self.staging_device_bytes, self.programs.scratch_bytes())
+            hbm_check(self.staging_device_bytes, self.programs.scratch_bytes(path))
         self.staging = self.programs.alloc_staging()
-        self.slabs = self.programs.alloc_slabs()
+        # program path: preallocated slabs; device_put path: one host array tuple per slot, made by its store
+        self.slabs = self.programs.alloc_slabs() if path == "program" else None
+        self.host: list[tuple | None] = [None] * num_slots if path == "device_put" else []
         self.valid = np.zeros(num_slots, dtype=bool)
         self.checksums = np.zeros(num_slots, dtype=np.uint64) if checksums else None
 
@@ -132,7 +153,7 @@ class TransferEngine:
         return self.num_slots * self.chunk_bytes
 
     def precompile(self) -> None:
-        self.programs.precompile()
+        self.programs.precompile(self.path)
 
     def check_loadable(self, slot: int) -> bool:
         """True if this process holds good bytes for ``slot`` (valid, checksum matches)."""
@@ -178,6 +199,11 @@ class TransferEngine:
 
     def row_views(self, slot: int) -> list[np.ndarray]:
         """This process's bytes of ``slot`` in every group's slab (writable views)."""
+        if self.path == "device_put":
+            if self.host[slot] is None:  # a file read into a slot no store has made yet
+                self.host[slot] = tuple(jax.device_put(np.zeros(a.shape, a.dtype), a.sharding)
+                                        for a in self.programs.host_chunk_avals())
+            return [v for a in self.host[slot] for v in hostview.array_views(a)]
         k, row = divmod(slot, self.rows_per_slab)
         return [v for per_group in self.slabs for v in hostview.row_views(per_group[k], row)]
 
@@ -204,7 +230,10 @@ class TransferEngine:
     def _load_pass(self, kv_caches, part: Sequence[LoadChunk]):
         c, n = self.staging_chunks, self.staging_blocks
         dst = np.concatenate([np.asarray(x.blocks, dtype=np.int64) for x in part])  # chunk i at staging chunk i
-        for k, pos, rows in self._by_slab([x.slot for x in part]):
+        for i, x in enumerate(part if self.path == "device_put" else ()):
+            chunk = jax.device_put(self.host[x.slot], self.programs.chunk_sh)  # H2D, queued by the runtime
+            self.staging = self.programs.put_chunk()(self.staging, chunk, ints([i], 1, 0))
+        for k, pos, rows in self._by_slab([x.slot for x in part] if self.path == "program" else ()):
             self.staging, _ = self.programs.load(self.programs.slab_rows[k])(
                 self.staging, tuple(g[k] for g in self.slabs), ints(rows, c, 0), ints(pos, c, 0), ints([len(pos)], 1, 0))
         keep = np.flatnonzero(dst >= 0)  # -1: already computed, not written
@@ -218,7 +247,11 @@ class TransferEngine:
         self.staging = self.programs.gather()(self._grouped(kv_caches), self.staging, ints(ids, n, 0),
                                               ints([len(ids)], 1, 0))
         dones = []
-        for k, pos, rows in self._by_slab([x.slot for x in part]):
+        for i, x in enumerate(part if self.path == "device_put" else ()):
+            chunk = self.programs.take_chunk()(self.staging, ints([i], 1, 0))
+            self.host[x.slot] = jax.device_put(chunk, self.programs.host_chunk_sh)  # D2H, outside any program
+            dones.extend(self.host[x.slot])
+        for k, pos, rows in self._by_slab([x.slot for x in part] if self.path == "program" else ()):
             new, done = self.programs.store(self.programs.slab_rows[k])(
                 tuple(g[k] for g in self.slabs), self.staging, ints(rows, c, 0), ints(pos, c, 0), ints([len(pos)], 1, 0))
             self._set_slab(k, new)
@@ -226,6 +259,8 @@ class TransferEngine:
         return Done(dones)
 
     def _checksum(self, slot: int) -> int:
+        if self.path == "device_put":
+            return hostview.views_checksum(self.row_views(slot))
         k, row = divmod(slot, self.rows_per_slab)
         return hostview.row_checksum([per_group[k] for per_group in self.slabs], row)
 

@@ -33,10 +33,18 @@ def row_views(slab: jax.Array, row: int) -> list[np.ndarray]:
     return out
 
 
+def array_views(a: jax.Array) -> list[np.ndarray]:
+    """Bytes of each shard this process holds of a host-kind array (device_put path: one chunk)."""
+    return [shard_bytes(s.data) for s in sorted(a.addressable_shards, key=lambda s: s.device.id)]
+
+
 def row_checksum(slabs: list[jax.Array], row: int) -> int:
     """xxh3-64 over the row's bytes in every group's slab and every local shard."""
+    return views_checksum([view for slab in slabs for view in row_views(slab, row)])
+
+
+def views_checksum(views: list[np.ndarray]) -> int:
     h = xxhash.xxh3_64()
-    for slab in slabs:
-        for view in row_views(slab, row):
-            h.update(view)
+    for view in views:
+        h.update(view)
     return h.intdigest()

@@ -52,6 +52,8 @@ class Programs:
         self._staging_sh = tuple(layout.staging_sharding(g) for g in g0)
         self._slab_sh = tuple(layout.slab_sharding(g, memory_kind) for g in g0)
         self._slab_dev_sh = tuple(layout.slab_sharding(g, "device") for g in g0)
+        self.chunk_sh = tuple(layout.staging_sharding(g) for g in g0)  # one chunk on HBM (device_put path)
+        self.host_chunk_sh = tuple(layout.sharding(*layout.staging_spec(g), memory_kind=memory_kind) for g in g0)
         self._cache_sh = tuple(tuple(g.cache_sharding for _ in g.layers) for g in g0)  # the runner's own
         self._cache_in_sh = tuple(layout.sharding(*g.cache_spec) for g in g0)  # the same on program_mesh
         self._rep = layout.replicated()
@@ -106,20 +108,31 @@ class Programs:
         rows = self.slab_rows[0] if rows is None else rows
         return self._get(("load", rows), self._build_load, rows)
 
-    def all_programs(self) -> dict[str, Callable]:
-        """Every transfer program, compiled (what precompile builds and the HBM check measures)."""
+    def take_chunk(self) -> Callable:
+        """(staging, pos[1]) -> one chunk per group, (bpc, layers, *piece): what ``device_put`` sends to host."""
+        return self._get(("take_chunk",), self._build_take_chunk)
+
+    def put_chunk(self) -> Callable:
+        """(staging, chunk per group, pos[1]) -> staging (donated): a chunk ``device_put`` brought back."""
+        return self._get(("put_chunk",), self._build_put_chunk)
+
+    def all_programs(self, path: str = "program") -> dict[str, Callable]:
+        """Every transfer program ``path`` uses, compiled (what precompile builds and the HBM check measures)."""
+        if path == "device_put":
+            return {"gather": self.gather(), "scatter": self.scatter(), "take_chunk": self.take_chunk(),
+                    "put_chunk": self.put_chunk()}
         out = {"gather": self.gather(), "scatter": self.scatter(), "store": self.store(), "load": self.load(),
                "alloc_slabs": self._slab_allocator()}
         if self.slab_rows[-1] != self.slab_rows[0]:  # the last, smaller slab
             out.update(store_last=self.store(self.slab_rows[-1]), load_last=self.load(self.slab_rows[-1]))
         return out
 
-    def precompile(self) -> None:
-        self.all_programs()
+    def precompile(self, path: str = "program") -> None:
+        self.all_programs(path)
 
-    def scratch_bytes(self) -> int:
+    def scratch_bytes(self, path: str = "program") -> int:
         """Per-device temporary HBM of the largest transfer program (compiles those programs)."""
-        return max(int(p.memory_analysis().temp_size_in_bytes) for p in self.all_programs().values())
+        return max(int(p.memory_analysis().temp_size_in_bytes) for p in self.all_programs(path).values())
 
     def _get(self, key, build, *args):
         fn = self._cache.get(key)
@@ -240,6 +253,31 @@ class Programs:
         c = self.staging_chunks
         return jitted.lower(self._staging_aval(), self._slab_aval(rows), self._ints(c), self._ints(c),
                             self._ints(1)).compile()
+
+    def host_chunk_avals(self):
+        return tuple(jax.ShapeDtypeStruct(g.staging_shape(self.bpc), g.dtype, sharding=s)
+                     for g, s in zip(self.layout.groups, self.host_chunk_sh))
+
+    def _chunk_aval(self):
+        return tuple(jax.ShapeDtypeStruct(g.staging_shape(self.bpc), g.dtype, sharding=s)
+                     for g, s in zip(self.layout.groups, self.chunk_sh))
+
+    def _build_take_chunk(self):
+        bpc = self.bpc
+
+        def take(staging, pos):
+            return tuple(lax.dynamic_slice_in_dim(st, pos[0] * bpc, bpc, axis=0) for st in staging)
+
+        return jax.jit(take, out_shardings=self.chunk_sh).lower(self._staging_aval(), self._ints(1)).compile()
+
+    def _build_put_chunk(self):
+        bpc = self.bpc
+
+        def put(staging, chunk, pos):
+            return tuple(lax.dynamic_update_slice_in_dim(st, c, pos[0] * bpc, axis=0) for st, c in zip(staging, chunk))
+
+        jitted = jax.jit(put, donate_argnums=(0,), out_shardings=self._staging_sh)
+        return jitted.lower(self._staging_aval(), self._chunk_aval(), self._ints(1)).compile()
 
     # ---- allocation -------------------------------------------------------
     def alloc_staging(self):
