@@ -216,6 +216,7 @@ def tier_sizing(dep, container, cfg) -> dict:
     assert baseline >= 8 * GIB, "a model server needs a host baseline of at least 8 GiB"
 
     env = literal_env(container)
+    env.pop("TPU_OFFLOAD_FS_SECRET_FILE", None)  # a mounted Secret: exists in the pod only (checked in the contract)
     extra = cfg.get("kv_connector_extra_config") or {}
     resolved = OffloadConfig.from_sources(extra, env)
     chunk_tokens = resolved.resolve_blocks_per_chunk(block) * block
@@ -367,6 +368,12 @@ def test_overlay_contract(rel):
         path = sz["config"].shared_storage_path
         assert path == FS_MOUNT or path.startswith(FS_MOUNT + "/")
         assert env.get("PYTHONHASHSEED", {}).get("value"), "replicas must hash prefixes alike"
+        # The tier is authenticated: its secret is a mounted Kubernetes Secret, never in the JSON.
+        secret_file = env.get("TPU_OFFLOAD_FS_SECRET_FILE", {}).get("value")
+        assert secret_file, "a shared volume needs fs_secret_file: other tenants could forge KV"
+        vol_name = mounts.get(os.path.dirname(secret_file))
+        assert vol_name and volumes[vol_name].get("secret", {}).get("secretName"), "the secret file is not a Secret"
+        assert not ({"fs_secret", "secret"} & set(extra)), "a secret in KV_TRANSFER_CONFIG"
         assert quantity(pvcs[claim]["spec"]["resources"]["requests"]["storage"]) >= (
             want["replicas"] * sz["config"].fs_capacity_bytes
         ), "per-replica file budgets exceed the volume"
