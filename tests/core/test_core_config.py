@@ -103,6 +103,10 @@ def invalid_values(parse, as_env: bool = False):
     elif k == "dir_mode":
         s = text.filter(lambda t: t.strip() not in ("0700", "700", "0750", "750", "0o700", "0o750"))
         raw = st.one_of(st.integers().filter(lambda n: n not in (0o700, 0o750)), st.booleans(), junk)
+    elif k == "margin":  # a fraction below 1 ("0.1", "10%") or a size; never negative, NaN, or a fraction >= 1
+        s = st.sampled_from(["", " ", "abc", "-0.1", "-5%", "150%", "100%", "1.5", "nan", "inf", "-1", "5 %%", "0x10"])
+        raw = st.one_of(st.floats(max_value=0, exclude_max=True), st.floats(1.01, 1e6).filter(lambda f: not f.is_integer()),
+                        bad_float, st.booleans(), junk, st.integers(max_value=-1))
     elif k == "secret_env":  # env only; shorter than 16 bytes once stripped
         s = st.text(max_size=15).filter(lambda t: len(t.encode().strip()) < 16)
         raw = s
@@ -132,6 +136,8 @@ def valid_values(parse):
         return st.lists(st.integers(1, 4096), min_size=1, max_size=5)
     if k == "dir_mode":
         return st.sampled_from(["0700", "0750"])
+    if k == "margin":
+        return st.one_of(st.floats(0, 0.99), st.integers(1, 1 << 40), st.sampled_from(["5%", "0.1", "64GiB", "0"]))
     raise AssertionError(f"unknown parser kind {k!r}")
 
 
