@@ -250,7 +250,7 @@ def test_programs_stay_on_each_device(any_mesh):
         assert not found, f"{name} contains {found}"
 
 
-def replicated_caches(mesh, dtype, kv_heads, seed=7, layers=LAYERS):
+def replicated_caches(mesh, dtype, kv_heads, seed=7, layers=LAYERS, any_bits=False):
     """tpu-inference's cache when TP (8) exceeds the model's KV heads: heads padded to TP by
     repeating each one 8 // kv_heads times, K/V merged and packed: (blocks, bs, 8 * per_dev, packing, dim)."""
     tp = mesh.shape["model"]
@@ -259,19 +259,27 @@ def replicated_caches(mesh, dtype, kv_heads, seed=7, layers=LAYERS):
     sh = NamedSharding(mesh, P(None, None, "model"))
     out = []
     for layer in range(layers):
-        distinct = jax.random.normal(jax.random.key(seed + layer), (NB, BS, kv_heads, per_dev, packing, DIM))
+        shape = (NB, BS, kv_heads, per_dev, packing, DIM)
+        if any_bits:  # every bit pattern, NaN payloads included: the host tier must not canonicalise them
+            uint = {2: np.uint16, 4: np.uint32}[jnp.dtype(dtype).itemsize]
+            raw = np.random.default_rng(seed + layer).integers(0, np.iinfo(uint).max, shape, dtype=uint, endpoint=True)
+            distinct = jnp.asarray(raw.view(jnp.dtype(dtype)))
+        else:
+            distinct = jax.random.normal(jax.random.key(seed + layer), shape).astype(dtype)
         padded = jnp.repeat(distinct, tp // kv_heads, axis=2)  # what tpu-inference's weight padding produces
-        out.append(jax.device_put(padded.reshape(NB, BS, tp * per_dev, packing, DIM).astype(dtype), sh))
+        out.append(jax.device_put(padded.reshape(NB, BS, tp * per_dev, packing, DIM), sh))
     return out
 
 
+@pytest.mark.parametrize("any_bits", [False, True], ids=["normal", "any-bits"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("kv_heads", [1, 2, 4])
-def test_replicated_heads_stored_once(any_mesh, dtype, kv_heads):
+def test_replicated_heads_stored_once(any_mesh, dtype, kv_heads, any_bits):
     """TP 8 over 1, 2 or 4 KV heads (as Llama-3-8B at TP 16, or llm-d's multi-host TP 16):
     the host tier and every transfer hold each distinct head once, and loads
-    rebuild every replica bit-exactly."""
-    caches = replicated_caches(any_mesh, dtype, kv_heads)
+    rebuild every replica bit-exactly, whatever the bits (NaN payloads too: on CPU the replicas'
+    slices cross as raw bits, see ``collectives_as_bits``)."""
+    caches = replicated_caches(any_mesh, dtype, kv_heads, any_bits=any_bits)
     shardings = [c.sharding for c in caches]
     ref = [bits(c) for c in caches]
     r = 8 // kv_heads

@@ -96,6 +96,12 @@ def test_replicated_heads_store_each_head_once():
     g = programs.layout.groups[0]
     assert g.replicas == 2 and g.piece_shape[0] == 64
     assert programs.layout.block_bytes * 2 == programs.layout.replicated_block_bytes
+    # the TPU variant permutes the slices in their own dtype; only XLA:CPU needs them as raw bits
+    from tpu_offload.jax_backend.programs import collectives_as_bits
+
+    assert not collectives_as_bits(programs.layout)
+    assert "collective-permute" in programs.scatter().as_text()
+    assert "bitcast-convert" not in programs.scatter().as_text()
 
 
 def test_mla_is_refused_with_the_reason():
