@@ -37,6 +37,7 @@ os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 os.environ.setdefault("TPU_ACCELERATOR_TYPE", "tpu7x-8")
 os.environ.setdefault("NEW_MODEL_DESIGN", "1")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compile-only: no chip to share
 os.environ["VLLM_PLUGINS"] = ""
 sys.path[:0] = [HERE, ROOT, os.path.join(ROOT, "tests", "tpu_engine")]
 

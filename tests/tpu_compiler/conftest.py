@@ -13,6 +13,7 @@ os.environ["JAX_PLATFORMS"] = "cpu"  # the runtime backend; compilation targets 
 os.environ["TPU_SKIP_MDS_QUERY"] = "1"  # no GCE metadata server here
 os.environ["TPU_WORKER_HOSTNAMES"] = "localhost"
 os.environ.setdefault("TPU_ACCELERATOR_TYPE", "tpu7x-8")  # silences libtpu's host-bounds warning
+os.environ["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"  # no TPU to share: another libtpu process must not lock us out
 os.environ["NEW_MODEL_DESIGN"] = "1"  # tpu-inference's 7-axis mesh and its cache sharding
 os.environ["VLLM_PLUGINS"] = ""
 for _k in [k for k in os.environ if k.startswith("TPU_OFFLOAD_")]:
