@@ -26,10 +26,10 @@ cpu_support.apply()
 
 import pytest  # noqa: E402
 
-from tiny_models import KV1, KV4, QWEN3  # noqa: E402
+from tiny_models import KV1, KV4, QWEN3, QWEN3_SERVED  # noqa: E402
 from workloads import Workload  # noqa: E402
 
-MODELS = {m.name: m for m in (KV4, KV1, QWEN3)}
+MODELS = {m.name: m for m in (KV4, KV1, QWEN3, QWEN3_SERVED)}
 
 
 @pytest.fixture(scope="session")

@@ -2,12 +2,16 @@
 
 ``python engine_child.py JOB.json`` where the job is a list of runs
 ``{"shape": {...}, "model_dir": ..., "kv": {...}, "workload": name,
-"env": {...}, "round_trip": bool}``; prints one JSON line per run. A plain
+"env": {...}, "round_trip": bool, "passes": int, "count_compiles": bool,
+"control": bool}``; prints one JSON line per run. A plain
 run reports the tokens and our connector's counters (none without one); a
 round trip (any connector) runs the workload, lets finished saves be reported, resets vLLM's
 prefix cache, runs it again and reports both passes' tokens and the prefix
 tokens vLLM took from the connector. ``env`` is set before the engine starts
 (tpu-inference's own connector is configured only by environment).
+``count_compiles`` runs a served engine instead (see ``counted_run``).
+The process's emulated device count and the engine's own precompile come
+from ``run_jobs``' env (``engine_run.DEVICES_ENV``, ``PRECOMPILE_ENV``).
 """
 
 from __future__ import annotations
@@ -26,17 +30,125 @@ engine_run.prepare_process()
 NUDGE = [[5, 6, 7, 8, 9]]  # a tiny unrelated request: steps the engine so finished saves are reported
 
 
-def round_trip(eng, w) -> dict:
-    from offload_helpers import ExternalHits
+def round_trip(eng, w, passes: int = 2) -> dict:
+    """``w`` on a cold cache, then ``passes - 1`` times more, each after vLLM's
+    prefix cache was reset: every later pass must come from the connector."""
+    from offload_helpers import ExternalHits, settle
 
     first = w.run(eng)
-    time.sleep(0.5)
-    for _ in range(2):
-        eng.generate(NUDGE, 2)
-    eng.reset_prefix_cache()
-    with ExternalHits(eng) as took:
-        second = w.run(eng)
-    return {"first": first, "second": second, "external_hits": took.tokens}
+    later, hits = [], []
+    for _ in range(passes - 1):
+        time.sleep(0.5)
+        for _ in range(2):
+            eng.generate(NUDGE, 2)
+        if type(eng.scheduler_connector).__module__.startswith("tpu_offload."):  # ours: every store completed
+            settle(eng)
+        eng.reset_prefix_cache()
+        with ExternalHits(eng) as took:
+            later.append(w.run(eng))
+        hits.append(took.tokens)
+    return {"first": first, "second": later[0] if later else None, "external_hits": hits[0] if hits else 0,
+            "passes": [first, *later], "hits": hits}
+
+
+def warm_up(eng) -> None:
+    """What a served engine's warm-up does: one step in each of the engine's
+    token buckets, with prompts shorter than a page (nothing is stored, nothing
+    can hit). tpu-inference's precompile covers its jitted step functions, but
+    it unpacks each step's inputs with an eager ``jnp.split``
+    (``DeviceBuffer.unpack_arrays``), compiled on first use of each bucket."""
+    from workloads import prompt
+
+    for i, padded in enumerate(eng.runner.num_tokens_paddings):
+        left, lens = padded // 2 + 1, []  # more than the bucket below holds
+        while left > 0:
+            lens.append(min(left, eng.shape.block_size - 1))
+            left -= lens[-1]
+        assert len(lens) <= eng.shape.max_num_seqs and padded // 2 + 1 <= eng.shape.max_num_batched_tokens
+        eng.generate([prompt(90_000 + 100 * i + j, n) for j, n in enumerate(lens)], 2)
+
+
+def _slab_bytes(max_slab_bytes: int) -> None:
+    """Our worker's host slabs at most this many bytes each (this host's share;
+    the one size no config sets), so a tiny tier spans several slabs as a
+    720 GiB one does."""
+    from tpu_offload.connector import worker
+
+    init = worker.OffloadWorker.__init__
+
+    def init_with_slab_bytes(self, *a, **kw):
+        init(self, *a, **{**kw, "max_slab_bytes": max_slab_bytes})
+
+    worker.OffloadWorker.__init__ = init_with_slab_bytes
+
+
+def _timed_precompile() -> list[float]:
+    """Seconds our connector's precompile takes at engine start (appended per call)."""
+    from tpu_offload.jax_backend.engine import TransferEngine
+
+    seconds: list[float] = []
+    real = getattr(TransferEngine.precompile, "__wrapped__", TransferEngine.precompile)
+
+    def precompile(self):
+        t0 = time.perf_counter()
+        try:
+            return real(self)
+        finally:
+            seconds.append(time.perf_counter() - t0)
+
+    precompile.__wrapped__ = real
+    TransferEngine.precompile = precompile
+    return seconds
+
+
+def counted_run(job: dict) -> dict:
+    """A served engine: it starts (precompiling, as this process's env says),
+    warms up (``warm_up``), then runs the round trip; every XLA compile after
+    the warm-up is reported by name. With ``control``, our connector's
+    compiled programs are then dropped and the workload loaded once more:
+    the counter must see those programs compile again."""
+    from offload_helpers import CompileCounter, ExternalHits, totals, wrk
+    from workloads import Workload
+
+    w = Workload.registry[job["workload"]]
+    if job.get("max_slab_bytes"):
+        _slab_bytes(job["max_slab_bytes"])
+    compiles = CompileCounter.install()
+    ours_precompile = _timed_precompile()
+    m0 = compiles.mark()
+    t0 = time.perf_counter()
+    eng = engine_run.EngineRun(job["model_dir"], engine_run.Shape(**job["shape"]), job["kv"])
+    try:
+        out = {"start_s": time.perf_counter() - t0, "start_compiles": len(compiles.since(m0)),
+               "ours_precompile_s": sum(ours_precompile)}
+        ours = wrk(eng).engine.programs if job["kv"] else None
+        out["ours_compiled_at_start"] = ours.compiles if ours else 0
+        out["precompile_s"] = eng.runner.vllm_config.compilation_config.compilation_time  # 0: skipped
+        m1 = compiles.mark()
+        warm_up(eng)
+        out["warmup_compiles"] = compiles.since(m1)
+        m2 = compiles.mark()
+        t1 = time.perf_counter()
+        out.update(round_trip(eng, w, job.get("passes", 2)))
+        out["served_s"] = time.perf_counter() - t1
+        out["compiles_after_warmup"] = compiles.since(m2)
+        out["totals"] = totals(eng) if job["kv"] else {}
+        out["ours_compiled_at_end"] = ours.compiles if ours else 0
+        out["cache_shape"] = list(eng.runner.kv_caches[0].shape)
+        out["cache_dtype"] = str(eng.runner.kv_caches[0].dtype)
+        out["devices"] = int(eng.runner.mesh.devices.size)
+        out["slab_rows"] = list(ours.slab_rows) if ours else []
+        if job.get("control") and ours:
+            ours._cache.clear()
+            m3 = compiles.mark()
+            eng.reset_prefix_cache()
+            with ExternalHits(eng) as took:
+                out["control_tokens"] = w.run(eng)
+            out["control_hits"] = took.tokens
+            out["control_compiles"] = compiles.since(m3)
+    finally:
+        eng.close()
+    return out
 
 
 def main(path: str) -> None:
@@ -45,15 +157,20 @@ def main(path: str) -> None:
 
     for job in json.load(open(path)):
         os.environ.update(job.get("env", {}))
-        eng = engine_run.EngineRun(job["model_dir"], engine_run.Shape(**job["shape"]), job["kv"])
-        w = Workload.registry[job["workload"]]
         try:
-            if job.get("round_trip"):
-                result = round_trip(eng, w)
+            if job.get("count_compiles"):
+                result = counted_run(job)
             else:
-                result = {"tokens": w.run(eng), "totals": totals(eng) if job["kv"] else {}}
+                eng = engine_run.EngineRun(job["model_dir"], engine_run.Shape(**job["shape"]), job["kv"])
+                w = Workload.registry[job["workload"]]
+                try:
+                    if job.get("round_trip"):
+                        result = round_trip(eng, w, job.get("passes", 2))
+                    else:
+                        result = {"tokens": w.run(eng), "totals": totals(eng) if job["kv"] else {}}
+                finally:
+                    eng.close()
         finally:
-            eng.close()
             for k in job.get("env", {}):
                 os.environ.pop(k, None)
         print("RESULT " + json.dumps(result), flush=True)

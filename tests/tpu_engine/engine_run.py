@@ -11,6 +11,7 @@ import dataclasses
 import gc
 import json
 import os
+import re
 from pathlib import Path
 
 import cpu_support  # imports neither JAX nor vLLM until apply()
@@ -18,6 +19,10 @@ import cpu_support  # imports neither JAX nor vLLM until apply()
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "configs" / "tpu-inference"
 DEVICES = 4  # emulated CPU devices: TP 1, 2 and 4 in one process
+# A child engine process (engine_child.run_jobs) may ask for another device
+# count (TP 8 needs 8) and for the engine's own precompile, through these:
+DEVICES_ENV = "TPU_ENGINE_DEVICES"
+PRECOMPILE_ENV = "TPU_ENGINE_PRECOMPILE"  # "1": tpu-inference precompiles, as a served engine does
 
 ENV = {
     "JAX_PLATFORMS": "cpu", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "SKIP_JAX_PRECOMPILE": "1",
@@ -29,10 +34,12 @@ def prepare_process(keep_offload_vars: bool = False) -> None:
     """Environment for an engine process; call before JAX or vLLM is imported.
 
     A server keeps TPU_OFFLOAD_*: tpu-inference's own connector is configured only by them."""
-    flag = f"--xla_force_host_platform_device_count={DEVICES}"
-    if flag not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
+    devices = int(os.environ.get(DEVICES_ENV, DEVICES))
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
+    os.environ["XLA_FLAGS"] = f"{flags.strip()} --xla_force_host_platform_device_count={devices}".strip()
     os.environ.update(ENV)
+    if os.environ.get(PRECOMPILE_ENV) == "1":
+        os.environ["SKIP_JAX_PRECOMPILE"] = "0"
     if not keep_offload_vars:
         env_without_offload_vars()
 

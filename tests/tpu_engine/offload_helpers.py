@@ -105,3 +105,36 @@ class ExternalHits:
 
     def __exit__(self, *exc):
         del self.conn.update_state_after_alloc
+
+
+class CompileCounter:
+    """Every XLA compile in this process, by function name, as JAX reports it
+    (the ``backend_compile`` event ``jax_log_compiles`` logs; a persistent
+    compile cache hit is still counted: the program was not ready in memory).
+    Install it before the engine starts; ``mark()`` and ``since()`` bracket a phase."""
+
+    _installed: "CompileCounter | None" = None
+
+    def __init__(self):
+        self.names: list[str] = []
+
+    @classmethod
+    def install(cls) -> "CompileCounter":
+        if cls._installed is None:
+            import jax
+
+            counter = cls()
+
+            def on_event(event, duration, **kw):
+                if event == "/jax/core/compile/backend_compile_duration":
+                    counter.names.append(str(kw.get("fun_name", "?")))
+
+            jax.monitoring.register_event_duration_secs_listener(on_event)
+            cls._installed = counter
+        return cls._installed
+
+    def mark(self) -> int:
+        return len(self.names)
+
+    def since(self, mark: int) -> list[str]:
+        return self.names[mark:]

@@ -6,7 +6,10 @@ Each shape exists to put one engine path under test:
   heads (the common case);
 * ``KV1``: 4 query heads over 1 KV head, so at TP >= 2 tpu-inference
   replicates the KV head on every shard (what Llama-3-8B does at TP 8);
-* ``QWEN3``: a second architecture (``Qwen3ForCausalLM``), as ``KV4``.
+* ``QWEN3``: a second architecture (``Qwen3ForCausalLM``), as ``KV4``;
+* ``QWEN3_SERVED``: Qwen3-32B's attention shape (16 query heads per 8 KV
+  heads of 128, bf16) with 2 tiny layers, for the served shape: TP 8 on 8
+  emulated devices, one KV head per shard, 128-token pages, precompile on.
 
 head_dim is 128 so the engine takes its default RPA v3 cache layout (the
 layout a real TPU deployment of these models uses). The weights use a wide
@@ -85,3 +88,4 @@ class TinyQwen3(TinyLlama):
 KV4 = TinyLlama(name="kv4", num_heads=8, num_kv_heads=4)
 KV1 = TinyLlama(name="kv1", num_heads=4, num_kv_heads=1)
 QWEN3 = TinyQwen3(name="qwen3", num_heads=8, num_kv_heads=4)
+QWEN3_SERVED = TinyQwen3(name="qwen3-served", num_heads=16, num_kv_heads=8)
