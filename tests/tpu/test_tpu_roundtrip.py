@@ -203,6 +203,11 @@ def test_transfer_scratch_is_counted(mesh):
     p = eng.programs
     assert seen["scratch"] == max(x.memory_analysis().temp_size_in_bytes for x in p.all_programs().values())
 
+    seen.clear()
+    TransferEngine(KVLayout.from_caches(caches), num_slots=4, blocks_per_chunk=2, staging_blocks=8, path="device_put",
+                   hbm_check=lambda staging, scratch: seen.update(staging=staging, scratch=scratch))
+    assert seen["staging"] == 2 * eng.staging_device_bytes  # + the chunks waiting on HBM for their device_put
+
     def refuse(staging, scratch):
         raise ConfigError("no room")
 

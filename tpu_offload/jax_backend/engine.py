@@ -131,7 +131,7 @@ class TransferEngine:
             raise ValueError(f"transfer path {path!r}: expected one of {', '.join(PATHS)}")
         self.path = path
         if hbm_check is not None:
-            hbm_check(self.staging_device_bytes, self.programs.scratch_bytes(path))
+            hbm_check(self.staging_device_bytes + self.in_flight_device_bytes, self.programs.scratch_bytes(path))
         self.staging = self.programs.alloc_staging()
         # program path: preallocated slabs; device_put path: one host array tuple per slot, made by its store
         self.slabs = self.programs.alloc_slabs() if path == "program" else None
@@ -147,6 +147,12 @@ class TransferEngine:
     @property
     def staging_device_bytes(self) -> int:
         return self.staging_blocks * self.layout.device_block_bytes()
+
+    @property
+    def in_flight_device_bytes(self) -> int:
+        """device_put path: the chunks sliced out of staging stay on HBM until their DMA has landed,
+        up to one staging buffer's worth per pass; the HBM check counts them."""
+        return self.staging_device_bytes if self.path == "device_put" else 0
 
     @property
     def slab_bytes(self) -> int:
