@@ -226,9 +226,13 @@ class HostTransferEngine:
             (t.device, t.data_ptr()) == m for t, m in zip(tensors, mine))
 
     def attach_files(self, tier, write_mode: str = "write_through", ring_slots: int | None = None,
-                     write_back_lag_s: float | None = None) -> FileLink:
-        """Put a ``FileTier`` under this worker's host slab (see ``fs_link``)."""
-        self.fs = FileLink(tier, self.pool, write_mode, ring_slots, write_back_lag_s=write_back_lag_s)
+                     write_back_lag_s: float | None = None, make_tier=None) -> FileLink:
+        """Put a ``FileTier`` under this worker's host slab (see ``fs_link``).
+
+        ``make_tier(epoch)``: the tier of a reset epoch's namespace (without it, resets keep the tier).
+        """
+        self.fs = FileLink(tier, self.pool, write_mode, ring_slots, write_back_lag_s=write_back_lag_s,
+                           make_tier=make_tier)
         return self.fs
 
     # ---- jobs ------------------------------------------------------------------
@@ -240,6 +244,7 @@ class HostTransferEngine:
             job.slots = plan.slots.copy()
             if self.fs is not None:
                 job.keys = getattr(dst_spec, "keys", None)
+                self.fs.follow_epoch(getattr(dst_spec, "epoch", ""))
                 self.fs.before_overwrite(job.slots.tolist(), job.keys, getattr(dst_spec, "evicted", ()),
                                          getattr(dst_spec, "salt", b""))
             self.pool.valid[plan.slots] = False  # stale until this write completes
@@ -257,6 +262,7 @@ class HostTransferEngine:
 
     def submit_load(self, job_id: int, src_spec, dst_spec, expedited: bool = False) -> bool:
         if self.fs is not None:
+            self.fs.follow_epoch(getattr(src_spec, "epoch", ""))
             promote = getattr(src_spec, "promote", None)
             slots = np.asarray(src_spec.block_ids)
             if promote is not None and promote.any() and slots.min(initial=0) >= 0:

@@ -23,6 +23,12 @@ so a file can never hold a newer chunk's bytes under an older key.
   A failed read leaves the slot invalid, so its blocks become a load error
   and vLLM recomputes them.
 
+* reset (``follow_epoch``): after ``reset_prefix_cache(reset_connector=True)``
+  the scheduler's specs name a new epoch; the first one seen moves this
+  worker to that epoch's namespace (``make_tier``), discards write-back
+  chunks not yet written (old weights' KV) and retires the old tier on a
+  thread (its files deleted), so old KV never comes back from files.
+
 No torch here: the transfer engine calls these hooks with slot numbers, on
 its own thread; the write-back drainer thread shares the per-slot state
 under one lock, held only for bookkeeping and queueing (never for I/O).
@@ -58,6 +64,7 @@ class FileStats:
     lag_deferred: int = 0  # lag writes put off a round because the tier queue was full
     writes_dropped: int = 0  # the tier refused (queue full, read-only, off)
     write_backs_ring_full: int = 0  # no free ring buffer: not written
+    reset_discarded: int = 0  # write-back chunks of the old weights dropped at a reset
     promotions: int = 0  # chunks filled from files
     promotion_failures: int = 0  # missing, corrupt or unreadable: recomputed
     promoted_bytes: int = 0
@@ -96,7 +103,7 @@ class Promotion:
 
 class FileLink:
     def __init__(self, tier: FileTier, pool: HostChunkPool, write_mode: str = "write_through",
-                 ring_slots: int | None = None, *, write_back_lag_s: float | None = None):
+                 ring_slots: int | None = None, *, write_back_lag_s: float | None = None, make_tier=None):
         if write_mode not in ("write_back", "write_through"):
             raise ValueError(f"write_mode must be 'write_back' or 'write_through', got {write_mode!r}")
         if write_back_lag_s is not None and not write_back_lag_s >= 0:
@@ -105,6 +112,8 @@ class FileLink:
             raise ValueError(f"file tier stores {tier.chunk_bytes} B chunks, host slots hold {pool.chunk_bytes} B")
         self.tier = tier
         self.pool = pool
+        self.epoch = ""
+        self._make_tier = make_tier
         self.write_mode = write_mode
         self.write_back_lag_s = write_back_lag_s if write_mode == "write_back" else None
         n = pool.num_slots
@@ -131,6 +140,20 @@ class FileLink:
                 self._drainer.start()
 
     # ---- hooks of the transfer engine ------------------------------------
+    def follow_epoch(self, epoch: str) -> None:
+        """The scheduler reset the tiers (``epoch`` changed): move to that epoch's namespace."""
+        if epoch == self.epoch or self._make_tier is None:
+            return
+        new = self._make_tier(epoch)
+        with self._lock:
+            self.epoch = epoch
+            self.stats.reset_discarded += len(self._dirty)
+            self._dirty.clear()  # the old weights' KV: never written anywhere now
+            old, self.tier = self.tier, new
+            new.journal, old.journal = old.journal, None
+        logger.info("file tier: cache reset, now at %s; retiring %s", new.ns_dir, old.ns_dir)
+        threading.Thread(target=old.retire, kwargs={"timeout": 60}, name="fs-retire", daemon=True).start()
+
     def before_overwrite(self, slots: Sequence[int], keys: Sequence[bytes] | None,
                          evicted: Sequence[bytes] = (), salt: bytes = b"") -> None:
         """Slots are about to receive new bytes (a store or a promotion).

@@ -29,6 +29,7 @@ import numpy as np
 from tpu_offload.core.fs.format import HEADER_SIZE
 from tpu_offload.core.fs.auth import FsAuth, Names
 from tpu_offload.core.fs.layout import published_stat
+from tpu_offload.core.fs.reset import salted
 from tpu_offload.core.keys import LayoutFingerprint
 
 from gpu_offload.vllm.compat import CPULoadStoreSpec
@@ -42,11 +43,12 @@ class HostStoreSpec(CPULoadStoreSpec):
     """
 
     def __init__(self, slots: Sequence[int], keys: Sequence[bytes], evicted: Sequence[bytes] = (),
-                 salt: bytes = b""):
+                 salt: bytes = b"", epoch: str = ""):
         super().__init__(slots)
         self.keys = list(keys)
         self.evicted = list(evicted)
         self.salt = salt
+        self.epoch = epoch  # the reset epoch: a worker on another moves its file tier to this one first
 
 
 class HostLoadSpec(CPULoadStoreSpec):
@@ -54,13 +56,14 @@ class HostLoadSpec(CPULoadStoreSpec):
 
     def __init__(
         self, slots: Sequence[int], keys: Sequence[bytes], promote: Sequence[bool], evicted: Sequence[bytes] = (),
-        salt: bytes = b"",
+        salt: bytes = b"", epoch: str = "",
     ):
         super().__init__(slots)
         self.keys = list(keys)
         self.promote = np.asarray(promote, dtype=bool)
         self.evicted = list(evicted)
         self.salt = salt
+        self.epoch = epoch
 
 
 def fingerprint(config, rank: int) -> LayoutFingerprint:
@@ -101,11 +104,17 @@ class FileView:
     def __init__(self, root: str, fingerprints: Sequence[LayoutFingerprint], chunk_bytes: int,
                  secret: bytes | None = None):
         self.root = os.path.abspath(root)
-        auth = FsAuth(secret) if secret else None  # the workers' tiers name files the same way
-        self.names = [Names(self.root, fp, auth) for fp in fingerprints]
+        self._fps = list(fingerprints)
+        self._auth = FsAuth(secret) if secret else None  # the workers' tiers name files the same way
+        self.names = [Names(self.root, fp, self._auth) for fp in self._fps]
         self.ns_dirs = [n.ns_dir for n in self.names]
         self.file_bytes = HEADER_SIZE + chunk_bytes
         self.stats = 0  # stat calls made (tests, tuning)
+
+    def reset(self, epoch: str) -> None:
+        """Look only in the namespaces of reset ``epoch`` from now on (``core/fs/reset.py``)."""
+        self.names = [Names(self.root, salted(fp, epoch), self._auth) for fp in self._fps]
+        self.ns_dirs = [n.ns_dir for n in self.names]
 
     def contains(self, key: bytes, salt: bytes = b"") -> bool:
         """``salt``: the request's ``cache_salt`` (names differ per tenant with a secret)."""

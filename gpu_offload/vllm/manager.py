@@ -74,10 +74,14 @@ class HostTierManager(ManagerCompat, OffloadingManager):
         files: "FileView | None" = None,
         file_events: "FileEvents | None" = None,
         write_back: bool = False,
+        reset_epoch_file: str | None = None,
     ):
         """``chunk_bytes``: host bytes of one chunk summed over all workers.
-        ``file_events``: the file tier's KV events (``file_events``), with events on."""
+        ``file_events``: the file tier's KV events (``file_events``), with events on.
+        ``reset_epoch_file``: ``fs_reset_epoch_file`` (the file tier's namespace after a reset)."""
         self.files = files
+        self._epoch_file = reset_epoch_file
+        self.epoch = ""  # the file tier's reset epoch: sent to the workers in every spec
         self.file_events = file_events if enable_events else None
         self.write_back = write_back
         self.num_chunks = num_chunks
@@ -141,7 +145,7 @@ class HostTierManager(ManagerCompat, OffloadingManager):
         if not any(in_files):
             slots = self._lru.prepare_load(keys)
             self._count_hits(len(keys), 0)
-            return HostLoadSpec(slots.tolist(), keys, in_files, salt=salt)
+            return HostLoadSpec(slots.tolist(), keys, in_files, salt=salt, epoch=self.epoch)
         return self._prepare_promotion(keys, in_files, salt)
 
     def _prepare_promotion(self, keys: list, in_files: list[bool], salt: bytes = b"") -> HostLoadSpec:
@@ -174,7 +178,7 @@ class HostTierManager(ManagerCompat, OffloadingManager):
             logger.warning("file tier: no free host slot for %d chunk(s); they will be recomputed",
                            len(file_keys) - len(placed))
         self._count_hits(len(host_keys), len(placed))
-        return HostLoadSpec(slots, keys, in_files, evicted, salt=salt)
+        return HostLoadSpec(slots, keys, in_files, evicted, salt=salt, epoch=self.epoch)
 
     def _count_hits(self, host: int, files: int) -> None:
         self.hit_chunks += host
@@ -204,7 +208,7 @@ class HostTierManager(ManagerCompat, OffloadingManager):
             self._forgotten.difference_update(alloc.evicted)
         slots = alloc.slots.tolist()
         spec = CPULoadStoreSpec(slots) if self.files is None else \
-            HostStoreSpec(slots, alloc.keys, alloc.evicted, salt=request_salt(req_context))
+            HostStoreSpec(slots, alloc.keys, alloc.evicted, salt=request_salt(req_context), epoch=self.epoch)
         return PrepareStoreOutput(
             keys_to_store=list(alloc.keys),
             store_spec=spec,
@@ -281,6 +285,11 @@ class HostTierManager(ManagerCompat, OffloadingManager):
         self._unplaced.clear()
         if self.file_events is not None:
             self.file_events.reset()
+        if self.files is not None:  # old weights' KV must not come back from files either
+            from tpu_offload.core.fs.reset import reset_salt
+
+            self.epoch = reset_salt(self._epoch_file, self.epoch)
+            self.files.reset(self.epoch)  # the workers follow at their next spec
         self.resets += 1
 
     def get_stats(self):

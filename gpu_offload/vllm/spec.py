@@ -150,6 +150,7 @@ class HostOffloadSpec(HostSpecBase):
                 files=files,
                 file_events=FileEvents(self.world_size) if files is not None and self._events_on() else None,
                 write_back=self.offload_config.fs_write_mode == "write_back",
+                reset_epoch_file=self.offload_config.fs_reset_epoch_file,
             )
             HostOffloadSpec.live_parts.add(self._manager)
             logger.info(
@@ -218,11 +219,17 @@ class HostOffloadSpec(HostSpecBase):
                 "every file lookup will miss", chunk, self.worker_chunk_bytes,
             )
         worker.fs_metrics = metrics.worker_fs_metrics()
-        tier = FileTier.from_config(oc, fingerprint(self.config, self.config.parallel.rank), chunk,
-                                    fs_metrics=worker.fs_metrics)
+        fp = fingerprint(self.config, self.config.parallel.rank)
+        tier = FileTier.from_config(oc, fp, chunk, fs_metrics=worker.fs_metrics)
         if self._events_on():
             tier.journal = FileJournal()  # shipped to the scheduler each step (hooks, file_events)
-        worker.attach_files(tier, oc.fs_write_mode, write_back_lag_s=oc.fs_write_back_lag_s)
+
+        def after_reset(epoch: str) -> FileTier:  # the namespace of a reset epoch (core/fs/reset.py)
+            from tpu_offload.core.fs.reset import salted
+
+            return FileTier.from_config(oc, salted(fp, epoch), chunk, fs_metrics=worker.fs_metrics)
+
+        worker.attach_files(tier, oc.fs_write_mode, write_back_lag_s=oc.fs_write_back_lag_s, make_tier=after_reset)
         logger.info("file tier: %s, %s%s, %s", tier.ns_dir, oc.fs_write_mode,
                     f" (lag {oc.fs_write_back_lag_s:g} s)" if oc.fs_write_mode == "write_back" else "",
                     tier.state.value)

@@ -253,3 +253,21 @@ def test_a_failed_load_hides_only_the_chunks_that_failed(tmp_path, cfg):
         assert all(m.lookup(key(i), CTX) is not LookupResult.MISS for i in (1, 3, 4, 5)), "healthy chunks hidden"
     finally:
         m.shutdown()
+
+
+def test_a_connector_reset_hides_the_files_of_the_old_weights(tmp_path, cfg):
+    """reset_prefix_cache(reset_connector=True) after a weight update: files written before it are not found."""
+    publish(tmp_path, cfg, 0, [key(1)])
+    epoch = tmp_path / "epoch"
+    epoch.write_text("weights-v2")
+    view = FileView(str(tmp_path), [fingerprint(cfg, 0)], CHUNK)
+    m = HostTierManager(4, CHUNK, blocks_per_chunk=1, tokens_per_block=128, files=view,
+                        reset_epoch_file=str(epoch))
+    try:
+        assert m.lookup(key(1), CTX) is LookupResult.HIT
+        m.reset_cache()
+        assert m.lookup(key(1), CTX) is LookupResult.MISS, "old weights' KV came back from a file"
+        assert m.epoch.startswith("epoch-")
+        assert m.prepare_store([key(2)], CTX).store_spec.epoch == m.epoch  # the workers follow
+    finally:
+        m.shutdown()

@@ -323,3 +323,27 @@ def test_a_failed_promotion_names_just_its_chunk(root):
     assert blocks == {12, 13} and failures == {2: [key(2)]}
     for e in (a, b):
         e.shutdown()
+
+
+def test_a_reset_epoch_moves_the_worker_to_a_new_namespace_and_retires_the_old(root):
+    from tpu_offload.core.fs.reset import salted
+
+    a, ts = engine(root, mode="write_back")
+    old = a.fs.tier
+    a.fs._make_tier = lambda epoch: FileTier(str(root), salted(FP, epoch), a.pool.chunk_bytes,
+                                             capacity_bytes=None, threads=2)
+    store(a, 1, [0, 1], [0], [key(1)])
+    a.fs.drain(older_than=None)
+    assert a.fs.flush(10) and os.path.exists(old.path_of(key(1)))
+    store(a, 2, [2, 3], [1], [key(2)])  # dirty (write-back) when the reset comes: old weights' KV
+    a.submit_store(3, gpu([4, 5]), HostStoreSpec([2], [key(3)], epoch="e1"))
+    assert [r.job_id for r in a.get_finished()] == [3]
+    assert a.fs.tier is not old and a.fs.tier.ns_dir != old.ns_dir and a.fs.stats.reset_discarded == 1
+    deadline = time.monotonic() + 30
+    while os.path.exists(old.ns_dir) and any(f for _, _, fs in os.walk(old.ns_dir) for f in fs) \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(f for _, _, fs in os.walk(old.ns_dir) for f in fs if not f.startswith(".")), "old namespace leaked"
+    a.fs.close(10)
+    assert os.path.exists(a.fs.tier.path_of(key(3))) and not os.path.exists(a.fs.tier.path_of(key(2)))
+    a.shutdown()

@@ -17,7 +17,6 @@ only for now (a multi-host replica would need one namespace per process).
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import os
 import threading
@@ -30,6 +29,7 @@ from tpu_offload.core.fs import FileTier
 from tpu_offload.core.fs.journal import FileJournal
 from tpu_offload.core.fs.auth import FsAuth, Names
 from tpu_offload.core.fs.layout import published_stat
+from tpu_offload.core.fs.reset import reset_salt as _reset_salt, salted  # noqa: F401  (salted: re-exported)
 from tpu_offload.core.keys import ChunkKey, LayoutFingerprint
 
 log = logging.getLogger(__name__)
@@ -54,40 +54,8 @@ def fingerprint(vllm_config, kv_cache_config, blocks_per_chunk: int) -> LayoutFi
 
 
 def reset_salt(cfg: OffloadConfig, previous: str) -> str:
-    """The namespace salt after a reset: shared by every replica that resets to the same epoch.
-
-    Derived from the content of ``fs_reset_epoch_file`` (the operator writes
-    e.g. the weights version there before resetting), so replicas that reset
-    together keep sharing files. Without the file, if it cannot be read, or
-    if it did not change since the last reset (reusing the salt would serve
-    KV of the old weights), a random salt: safe, but this replica shares no
-    files with the others until they restart.
-    """
-    import hashlib
-    import uuid
-
-    path = cfg.fs_reset_epoch_file
-    why = "fs_reset_epoch_file is not set"
-    if path:
-        try:
-            with open(path, "rb") as f:
-                epoch = f.read(4097).strip()
-            if not epoch or len(epoch) > 4096:
-                raise ValueError(f"{len(epoch)} bytes; allowed 1..4096")
-            salt = "epoch-" + hashlib.blake2b(epoch, digest_size=16, person=b"tpuoff-reset").hexdigest()
-            if salt != previous:
-                return salt
-            why = f"{path} did not change since the last reset"
-        except (OSError, ValueError) as e:
-            why = f"{path} unreadable ({e})"
-    log.warning("tpu_offload: cache reset: %s; the file tier moves to a random namespace, so this replica "
-                "shares no files with others until they restart", why)
-    return uuid.uuid4().hex
-
-
-def salted(fp: LayoutFingerprint, salt: str) -> LayoutFingerprint:
-    """The namespace after a reset: KV written before it (old weights) is never found again."""
-    return fp if not salt else dataclasses.replace(fp, cache_salt=f"{fp.cache_salt}reset:{salt}")
+    """The namespace salt after a reset (``core/fs/reset.py``), from ``fs_reset_epoch_file``."""
+    return _reset_salt(cfg.fs_reset_epoch_file, previous)
 
 
 class FsLookup:
