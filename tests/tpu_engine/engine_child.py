@@ -101,6 +101,21 @@ def _timed_precompile() -> list[float]:
     return seconds
 
 
+def _record_batches(engine) -> dict[str, list[int]]:
+    """Chunks per store and per load call of our transfer engine (a call larger
+    than staging runs in several passes)."""
+    seen: dict[str, list[int]] = {"store": [], "load": []}
+    for kind in seen:
+        real = getattr(engine, kind)
+
+        def call(caches, chunks, *a, _real=real, _kind=kind, **kw):
+            seen[_kind].append(len(chunks))
+            return _real(caches, chunks, *a, **kw)
+
+        setattr(engine, kind, call)
+    return seen
+
+
 def counted_run(job: dict) -> dict:
     """A served engine: it starts (precompiling, as this process's env says),
     warms up (``warm_up``), then runs the round trip; every XLA compile after
@@ -127,9 +142,11 @@ def counted_run(job: dict) -> dict:
         m1 = compiles.mark()
         warm_up(eng)
         out["warmup_compiles"] = compiles.since(m1)
+        batches = _record_batches(wrk(eng).engine) if ours else {}
         m2 = compiles.mark()
         t1 = time.perf_counter()
         out.update(round_trip(eng, w, job.get("passes", 2)))
+        out["batches"] = batches
         out["served_s"] = time.perf_counter() - t1
         out["compiles_after_warmup"] = compiles.since(m2)
         out["totals"] = totals(eng) if job["kv"] else {}
