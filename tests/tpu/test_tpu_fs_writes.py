@@ -103,7 +103,7 @@ def test_queued_write_of_an_overwritten_slot_is_dropped_and_counted(make, tmp_pa
     h.add(prompt(4 * BS, 2), max_tokens=1)
     h.run()
     assert fs.pending_writes() == 2  # two copied into the (blocked) buffers, two wait for one
-    slot, key = next(iter(fs._pending.items()))
+    slot, (key, _salt) = next(iter(fs._pending.items()))
     old = slot_bytes(h, slot)
     fs.overwrite([slot])  # what the worker does before dispatching a store or promotion into it
     for v in h.wrk.engine.row_views(slot):

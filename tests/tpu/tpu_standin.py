@@ -293,7 +293,8 @@ class Harness:
     def wrk(self):
         return self.conn_w.worker
 
-    def add(self, prompt: list[int], max_tokens: int = 4, req_id: str | None = None) -> str:
+    def add(self, prompt: list[int], max_tokens: int = 4, req_id: str | None = None,
+            cache_salt: str | None = None) -> str:
         from vllm import SamplingParams
         from vllm.v1.request import Request
 
@@ -302,7 +303,7 @@ class Harness:
         sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         sp.update_from_generation_config({}, 2)
         self.sched.add_request(Request(request_id=req_id, prompt_token_ids=list(prompt), sampling_params=sp,
-                                       pooling_params=None, block_hasher=self._hasher))
+                                       pooling_params=None, block_hasher=self._hasher, cache_salt=cache_salt))
         return req_id
 
     def step(self):

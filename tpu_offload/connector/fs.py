@@ -9,6 +9,11 @@ a read fills a buffer on an I/O thread and the step loop copies it into the
 slot. When every buffer is busy a write waits in a queue (one entry per
 slot) and a read waits for the next step: bounded memory, never a block.
 
+Tenants: every lookup, write and read takes the request's ``cache_salt``
+(``salt``, carried in the scheduler's orders): with the tier's secret, files
+are named, signed and verified with keys derived from the secret and that
+salt (``core/fs/auth.py``), as on vLLM; b"" is the deployment's own keys.
+
 Modes: ``write_through`` writes every chunk when its host store completes;
 ``write_back`` writes a chunk when the host tier evicts it. Single process
 only for now (a multi-host replica would need one namespace per process).
@@ -73,7 +78,7 @@ class FsLookup:
         self._auth = FsAuth(cfg.fs_secret) if cfg.fs_secret else None  # names as the worker's tier has them
         self.names = Names(self._root, fp, self._auth)
         self.ns_dir = self.names.ns_dir
-        self._seen: set[ChunkKey] = set()
+        self._seen: set[tuple[ChunkKey, bytes]] = set()
 
     def reset(self, salt: str) -> None:
         """Look only in the namespace salted with ``salt`` from now on."""
@@ -81,12 +86,13 @@ class FsLookup:
         self.ns_dir = self.names.ns_dir
         self._seen.clear()
 
-    def contains(self, key: ChunkKey) -> bool:
-        if key in self._seen:
+    def contains(self, key: ChunkKey, salt: bytes = b"") -> bool:
+        """``salt``: the request's ``cache_salt`` (with a secret, each tenant's files have their own names)."""
+        if (key, salt) in self._seen:
             return True
         # Never os.path.exists: it follows a symlink planted at the key or on the way, and counts a FIFO.
-        if published_stat(self.ns_dir, self.names.file_id(key).hex()) is not None:
-            self._seen.add(key)
+        if published_stat(self.ns_dir, self.names.file_id(key, salt).hex()) is not None:
+            self._seen.add((key, salt))
             return True
         return False
 
@@ -118,7 +124,8 @@ class FsMover:
         self._lock = threading.Lock()
         self._reads: list[tuple[int, int, int, bool]] = []  # (op_id, slot, buf, ok) finished on I/O threads
         self._writing: list = []  # (WriteTicket, buf) in flight
-        self._pending: collections.OrderedDict[int, ChunkKey] = collections.OrderedDict()  # slot -> key, FIFO
+        # slot -> (key, the request's cache_salt), FIFO
+        self._pending: collections.OrderedDict[int, tuple[ChunkKey, bytes]] = collections.OrderedDict()
         self.drops: collections.Counter[str] = collections.Counter()
         self._drops_taken = 0
         self._warned_at = -1e9
@@ -154,11 +161,11 @@ class FsMover:
         threading.Thread(target=old.retire, kwargs={"timeout": 60}, name="tpu-offload-fs-retire", daemon=True).start()
 
     # ---- writes ------------------------------------------------------------
-    def write(self, key: ChunkKey, slot: int) -> None:
-        """Queue the slot's file write; copied out now or on a later ``pump``."""
+    def write(self, key: ChunkKey, slot: int, salt: bytes = b"") -> None:
+        """Queue the slot's file write (named and signed for ``salt``); copied out now or on a later ``pump``."""
         slot = int(slot)
         self._pending.pop(slot, None)
-        self._pending[slot] = key
+        self._pending[slot] = (key, bytes(salt))
         self.pump()
 
     def pending_writes(self) -> int:
@@ -170,24 +177,24 @@ class FsMover:
             buf = self._take()
             if buf is None:
                 return
-            slot, key = self._pending.popitem(last=False)
-            self._copy_out(key, slot, buf)
+            slot, (key, salt) = self._pending.popitem(last=False)
+            self._copy_out(key, slot, buf, salt)
 
     def overwrite(self, slots) -> None:
         """``slots`` are about to get new bytes: write their queued chunks now or drop them."""
         if not self._pending:
             return
         for slot in slots:
-            key = self._pending.pop(int(slot), None)
-            if key is None:
+            queued = self._pending.pop(int(slot), None)
+            if queued is None:
                 continue
             buf = self._take()
             if buf is None:
                 self._drop("slot_reused", 1)
             else:
-                self._copy_out(key, int(slot), buf)
+                self._copy_out(queued[0], int(slot), buf, queued[1])
 
-    def _copy_out(self, key: ChunkKey, slot: int, buf: int) -> None:
+    def _copy_out(self, key: ChunkKey, slot: int, buf: int, salt: bytes = b"") -> None:
         if not self.engine.valid[slot]:  # dropped from the host tier since it was queued
             self._give(buf)
             self._drop("slot_invalid", 1)
@@ -196,7 +203,7 @@ class FsMover:
         for view in self.engine.row_views(slot):
             out[off : off + view.size] = view
             off += view.size
-        ticket = self.tier.submit_write(key, out)
+        ticket = self.tier.submit_write(key, out, salt)
         if ticket is None:  # the tier refused it (read-only, closed): it counts its own metric
             self._give(buf)
             self._drop(f"tier_{self.tier.state.value}", 1, counted=True)
@@ -218,8 +225,8 @@ class FsMover:
                         "lacks those chunks", reason, self.dropped_writes, dict(self.drops))
 
     # ---- reads -------------------------------------------------------------
-    def read(self, op_id: int, key: ChunkKey, slot: int) -> bool:
-        """Queue a file read for ``slot``; False if no buffer is free (retry later)."""
+    def read(self, op_id: int, key: ChunkKey, slot: int, salt: bytes = b"") -> bool:
+        """Queue a file read for ``slot`` (verified with ``salt``'s keys); False if no buffer is free (retry later)."""
         buf = self._take()
         if buf is None:
             return False
@@ -228,7 +235,7 @@ class FsMover:
             with self._lock:
                 self._reads.append((op_id, slot, buf, ok))
 
-        if not self.tier.submit_read(key, self._bufs[buf], done):
+        if not self.tier.submit_read(key, self._bufs[buf], done, salt):
             done(False)
         return True
 

@@ -91,7 +91,8 @@ class LoadPlan:
     blocks: list[int]  # blocks_per_chunk destination ids per chunk
     ready: list[bool]  # pinned in the host tier (or failed: slot -1)
     to_promote: list[int] = dataclasses.field(default_factory=list)  # indices not yet sent
-    evict: list[tuple[int, bytes]] = dataclasses.field(default_factory=list)  # write-back before promoting
+    evict: list[tuple[int, bytes, bytes]] = dataclasses.field(default_factory=list)  # write-back before promoting
+    salt: bytes = b""  # the request's cache_salt (file tier: the tenant keys of its files)
     emitted: int = 0
     cancelled: bool = False
 
@@ -115,7 +116,7 @@ class LoadPlanner:
             if plan.to_promote and not plan.cancelled:
                 idx, plan.to_promote = plan.to_promote, []
                 op = PromoteOp(self._next_id(), req_id, [plan.slots[i] for i in idx],
-                               [bytes(plan.keys[i]) for i in idx], plan.evict)
+                               [bytes(plan.keys[i]) for i in idx], plan.evict, plan.salt)
                 plan.evict = []
                 meta.promotes.append(op)
                 self.promote_orders[op.op_id] = Order(req_id, [plan.keys[i] for i in idx], op.slots, idx)

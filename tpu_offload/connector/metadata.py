@@ -1,7 +1,10 @@
 """What the scheduler tells the workers each step, and what they report back.
 
 Work orders name chunk *slots* (the scheduler's manager owns the slot map)
-and engine block ids; the worker never sees a key. Every order has an id so
+and engine block ids; the worker sees a key only where it names a file.
+With the file tier, orders carry the request's ``cache_salt`` (``salt``):
+with a secret, the worker names, signs and verifies that request's files with
+the tenant's keys (``core/fs/auth.py``), as on vLLM. Every order has an id so
 completions from several processes can be counted per order: a chunk is
 loadable only once every process holding a shard of it has reported.
 """
@@ -30,8 +33,10 @@ class StoreOp:
     req_id: str
     slots: list[int]
     blocks: list[int]  # blocks_per_chunk source ids per slot
-    keys: list[bytes] = dataclasses.field(default_factory=list)  # filesystem write-through only
-    evict: list[tuple[int, bytes]] = dataclasses.field(default_factory=list)  # write-back: (slot, key) first
+    keys: list[bytes] = dataclasses.field(default_factory=list)  # filesystem only: the chunks' keys
+    # write-back: (slot, key, salt) of chunks this allocation evicts, written first
+    evict: list[tuple[int, bytes, bytes]] = dataclasses.field(default_factory=list)
+    salt: bytes = b""  # the request's cache_salt: the tenant keys of its files (b"": the deployment's)
 
 
 @dataclasses.dataclass
@@ -42,7 +47,8 @@ class PromoteOp:
     req_id: str
     slots: list[int]
     keys: list[bytes]
-    evict: list[tuple[int, bytes]] = dataclasses.field(default_factory=list)
+    evict: list[tuple[int, bytes, bytes]] = dataclasses.field(default_factory=list)
+    salt: bytes = b""  # the request's cache_salt: its files are verified with that tenant's keys
 
 
 @dataclasses.dataclass

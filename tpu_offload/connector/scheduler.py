@@ -18,7 +18,10 @@ Invariants this file keeps (each one a defect of the upstream connector):
 * A chunk becomes loadable only when every worker process has stored its
   shards (completions are counted per order and process).
 * With a shared filesystem (``fs``), a prefix may continue with chunks that
-  only exist as files; they are promoted into host slots, then loaded.
+  only exist as files; they are promoted into host slots, then loaded. Files
+  are looked up, named and signed with the request's ``cache_salt``
+  (``request_salt``; per-tenant keys with the tier's secret), and the salt
+  travels with every store, promotion and write-back order to the workers.
 * A chunk is loaded asynchronously for one request at a time: a request
   whose load would include a chunk another request is loading waits (its
   lookup returns ``None``) until vLLM has cached that request's blocks, then
@@ -48,6 +51,12 @@ from tpu_offload.core.lru import LRUChunkManager
 from tpu_offload.core.manager import Lookup
 
 log = logging.getLogger(__name__)
+
+
+def request_salt(request) -> bytes:
+    """The request's ``cache_salt`` as the file tier takes it (as gpu_offload's manager does); b"" if none."""
+    salt = getattr(request, "cache_salt", None)
+    return str(salt).encode() if salt else b""
 
 
 @dataclasses.dataclass
@@ -90,6 +99,7 @@ class OffloadScheduler:
         self.write_through = fs is not None and cfg.fs_write_mode == "write_through"
         self.write_back = fs is not None and not self.write_through
         self._slot_of: dict[ChunkKey, int] = {}  # for write-back: the slot an evicted chunk leaves
+        self._salt_of: dict[ChunkKey, bytes] = {}  # ... and its request's cache_salt (absent: b"")
         self._fs_bad: set[ChunkKey] = set()  # files that failed to promote: not offered again
         self._procs = 1  # worker processes that must report each order (learned from reports)
         self.expected_procs: int | None = None  # what get_finished_count told vLLM's aggregator
@@ -126,7 +136,7 @@ class OffloadScheduler:
                     return i
         return n
 
-    def _prefix(self, keys: list[ChunkKey]) -> tuple[int, list[bool]]:
+    def _prefix(self, keys: list[ChunkKey], salt: bytes = b"") -> tuple[int, list[bool]]:
         """Leading chunks any tier can serve, and which of them only exist as files.
 
         A file chunk needs a host slot to be promoted into, so the prefix stops
@@ -146,7 +156,7 @@ class OffloadScheduler:
                 if state is Lookup.HIT and k not in self._quarantine:
                     on_fs.append(False)
                     room -= 1
-                elif state is Lookup.MISS and k not in self._fs_bad and self.fs.contains(k):
+                elif state is Lookup.MISS and k not in self._fs_bad and self.fs.contains(k, salt):
                     on_fs.append(True)
                     n_fs += 1
                 else:
@@ -160,7 +170,7 @@ class OffloadScheduler:
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens any tier can serve beyond what vLLM computed; no side effects."""
         keys = self._keys(request)
-        n_hit, on_fs = self._prefix(keys)
+        n_hit, on_fs = self._prefix(keys, request_salt(request))
         hit_tokens = n_hit * self.chunk_tokens
         report = min(hit_tokens, request.num_tokens - 1)  # a full hit still computes one token
         n = max(0, report - num_computed_tokens) if hit_tokens > num_computed_tokens else 0
@@ -213,7 +223,8 @@ class OffloadScheduler:
                 self._add("lookup_tokens", queried)
             return
         keys = self._keys(request)
-        n_hit, on_fs = self._prefix(keys)
+        salt = request_salt(request)
+        n_hit, on_fs = self._prefix(keys, salt)
         hit_tokens = n_hit * self.chunk_tokens
         local = hit_tokens - num_external_tokens - (1 if hit_tokens >= request.num_tokens else 0)
         if local < 0 or local % self.s.block_size or hit_tokens <= local:
@@ -243,7 +254,7 @@ class OffloadScheduler:
                     ready[i] = True
                 fs_idx = []
             else:
-                evict = self._allocated(alloc)
+                evict = self._allocated(alloc, salt)
                 slot_of = dict(zip(alloc.keys, (int(x) for x in alloc.slots)))
                 for i in fs_idx:
                     slots[i] = slot_of[load_keys[i]]
@@ -253,7 +264,7 @@ class OffloadScheduler:
             for b in range(c * self.bpc, (c + 1) * self.bpc):
                 dst.append(block_ids[b] if b >= skip else -1)
         self.loads.add(LoadPlan(request.request_id, load_async, load_keys, slots, dst, ready,
-                                to_promote=fs_idx, evict=evict))
+                                to_promote=fs_idx, evict=evict, salt=salt))
         if load_async:
             self.loading.add(request.request_id, load_keys)
         if not st.looked_up:
@@ -298,15 +309,19 @@ class OffloadScheduler:
         self.metrics.core.record_deferred(direction, blocks)
         self._add(f"deferred_{direction}_blocks", blocks)
 
-    def _allocated(self, alloc) -> list[tuple[int, bytes]]:
-        """Book a successful prepare_store; returns (slot, key) of evicted chunks to write back."""
+    def _allocated(self, alloc, salt: bytes = b"") -> list[tuple[int, bytes, bytes]]:
+        """Book a successful prepare_store of a request with ``salt``; returns (slot, key, salt) of
+        evicted chunks to write back (a chunk restored from a snapshot has no known salt: b"")."""
         self.metrics.core.record_evictions(len(alloc.evicted))
         evict = []
         for k in alloc.evicted:
             slot = self._slot_of.pop(k, None)
+            ksalt = self._salt_of.pop(k, b"")
             if slot is not None and self.write_back:
-                evict.append((slot, bytes(k)))
+                evict.append((slot, bytes(k), ksalt))
         self._slot_of.update(zip(alloc.keys, (int(x) for x in alloc.slots)))
+        if salt and self.write_back:
+            self._salt_of.update((k, salt) for k in alloc.keys)
         return evict
 
     def _storable(self, st: _Req, computed_tokens: int) -> int:
@@ -356,7 +371,8 @@ class OffloadScheduler:
                     return True, budget
                 st.cursor = cand[0]
                 return False, budget
-            evict = self._allocated(alloc)
+            salt = request_salt(st.request) if self._fs_lookup is not None else b""
+            evict = self._allocated(alloc, salt)
             slot_of = dict(zip(alloc.keys, (int(x) for x in alloc.slots)))
             if block_ids is None:
                 block_ids = compat.request_block_ids(self.kv_cache_manager, st.request.request_id)
@@ -371,7 +387,8 @@ class OffloadScheduler:
                 self.events.record(k, st.request, c)
             if slots:
                 op = StoreOp(next(self._ids), st.request.request_id, slots, blocks,
-                             keys=[bytes(k) for k in okeys] if self.write_through else [], evict=evict)
+                             keys=[bytes(k) for k in okeys] if self.write_through else [], evict=evict,
+                             salt=salt)
                 meta.stores.append(op)
                 self._store_orders[op.op_id] = Order(op.req_id, okeys, slots)
                 budget -= len(slots) * self.bpc
@@ -400,10 +417,12 @@ class OffloadScheduler:
             for k in settle_store(self.manager, order, failed):
                 self.events.forget(k)
                 self._slot_of.pop(k, None)
+                self._salt_of.pop(k, None)
         for order, failed in self._complete(self.loads.promote_orders, report.promotes):
             for k in self.loads.promoted(order, failed):
                 self.events.forget(k)
                 self._slot_of.pop(k, None)
+                self._salt_of.pop(k, None)
                 self._fs_bad.add(k)
             if failed:
                 self.metrics.core.record_load_errors(len(failed), tier="fs")
@@ -479,6 +498,7 @@ class OffloadScheduler:
         self.manager.reset()
         self._quarantine.clear()
         self._slot_of.clear()
+        self._salt_of.clear()
         self._fs_bad.clear()
         self.events.reset()
         self.loads.invalidate()

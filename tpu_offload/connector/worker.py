@@ -82,7 +82,7 @@ class OffloadWorker:
         self._pidx = 0  # set at registration, once JAX (and jax.distributed) is initialized
         self._loaded_meta = None
         self._saved_meta = None
-        self._to_read: collections.deque = collections.deque()  # (op_id, key, slot) waiting for a buffer
+        self._to_read: collections.deque = collections.deque()  # (op_id, key, slot, salt) waiting for a buffer
         self._promoting: dict[int, tuple[set[int], list[int]]] = {}  # op_id -> (slots left, failed slots)
         self._restored_id: str | None = None  # id of the restored slabs (warm restart)
         self._snapshot_id = ""  # id to save under, from the scheduler
@@ -162,7 +162,7 @@ class OffloadWorker:
             self._promoting[op.op_id] = (set(op.slots), [])
             for slot, key in zip(op.slots, op.keys):
                 self.engine.valid[slot] = False
-                self._to_read.append((op.op_id, key, slot))
+                self._to_read.append((op.op_id, key, slot, op.salt))
         if meta.promotes:
             self._poll_fs()
         if not meta.loads:
@@ -260,7 +260,7 @@ class OffloadWorker:
     def _write_back(self, evict) -> None:
         if self.fs is None or not evict:
             return
-        slots = {slot for slot, _ in evict}
+        slots = {e[0] for e in evict}
         if any(not self.engine.valid[s] for s in slots):  # a small tier evicts a chunk whose store is in flight
             pending = [f for f in self._flights if f.kind == "store" and f.done is not None
                        and any(s in slots for op in f.ops for s in op.slots)]
@@ -271,22 +271,22 @@ class OffloadWorker:
                     pass  # _poll completes it as failed
             if pending:
                 self._poll()
-        for slot, key in evict:
+        for slot, key, *salt in evict:  # (slot, key, the evicted chunk's request salt)
             if self.engine.valid[slot]:
-                self.fs.write(key, slot)
+                self.fs.write(key, slot, salt[0] if salt else b"")
             else:  # its store failed: nothing to write
                 self.fs.count_drop("store_failed")
 
     def _poll_fs(self) -> None:
         """Start queued file reads, land finished ones in their slots, report done promotions."""
         if self.fs is None:
-            for op_id, _key, slot in self._to_read:  # no tier (should not happen): fail them
+            for op_id, _key, slot, _salt in self._to_read:  # no tier (should not happen): fail them
                 self._promoting[op_id][1].append(slot)
                 self._promoting[op_id][0].discard(slot)
             self._to_read.clear()
         while self._to_read:
-            op_id, key, slot = self._to_read[0]
-            if not self.fs.read(op_id, key, slot):
+            op_id, key, slot, salt = self._to_read[0]
+            if not self.fs.read(op_id, key, slot, salt):
                 break  # every buffer busy: the rest start on a later poll
             self._to_read.popleft()
         if self.fs is not None:
@@ -338,7 +338,7 @@ class OffloadWorker:
                 if self.fs is not None and op.keys:  # write-through
                     for slot, key in zip(op.slots, op.keys):
                         if slot in good:
-                            self.fs.write(key, slot)
+                            self.fs.write(key, slot, op.salt)
                 self._report.stores.append((op.op_id, self._pidx, failed))
                 self._store_ops_left[op.req_id] -= 1
                 if not self._store_ops_left[op.req_id]:
