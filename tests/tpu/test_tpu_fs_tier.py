@@ -27,7 +27,7 @@ def make(harnesses, tmp_path):
 
 
 def test_write_back_on_eviction_and_mixed_prefix(make, tmp_path):
-    h = make(fs_write_mode="write_back", num_cpu_chunks=4)
+    h = make(fs_write_mode="write_back", num_cpu_chunks=4, fs_write_back_lag_s=3600)  # eviction only
     p = prompt(6 * 2 * BS, 2)  # 6 chunks, the host tier holds 4
     h.add(p, max_tokens=1)
     h.run()

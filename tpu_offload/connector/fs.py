@@ -15,8 +15,18 @@ are named, signed and verified with keys derived from the secret and that
 salt (``core/fs/auth.py``), as on vLLM; b"" is the deployment's own keys.
 
 Modes: ``write_through`` writes every chunk when its host store completes;
-``write_back`` writes a chunk when the host tier evicts it. Single process
-only for now (a multi-host replica would need one namespace per process).
+``write_back`` keeps a stored chunk only in host RAM ("dirty") until the
+first of: ``fs_write_back_lag_s`` has passed (a background thread queues it,
+so an idle engine still publishes it), the host tier evicts it, or shutdown
+(``close`` writes every dirty chunk), as vLLM's ``FileLink`` does. A chunk
+the lag already wrote is not written again when it is evicted. Single
+process only for now (a multi-host replica would need one namespace per
+process).
+
+Threads: the step loop and the write-back thread share the write side
+(queue, buffers, dirty slots) under one lock, so the thread never copies a
+slot that the step loop is about to fill: ``overwrite`` takes the lock and
+forgets the slot before any store or promotion into it is dispatched.
 """
 
 from __future__ import annotations
@@ -129,10 +139,19 @@ class FsMover:
         self.drops: collections.Counter[str] = collections.Counter()
         self._drops_taken = 0
         self._warned_at = -1e9
-        if self.write_back and cfg.fs_write_back_lag_s:
-            log.warning("tpu_offload: fs_write_back_lag_s=%g is ignored by the TPU connector: write_back writes a "
-                        "chunk only when the host tier evicts it; use fs_write_mode=write_through for other "
-                        "replicas to see chunks at once", cfg.fs_write_back_lag_s)
+        self._wlock = threading.RLock()  # the write side: step loop and write-back thread
+        # write_back: slot -> (key, salt, when its store completed), oldest first; and slots whose
+        # current bytes the lag already queued (an eviction does not write them again)
+        self._dirty: collections.OrderedDict[int, tuple[ChunkKey, bytes, float]] = collections.OrderedDict()
+        self._clean: dict[int, ChunkKey] = {}
+        self.lag_writes = self.shutdown_writes = 0
+        self.write_back_lag_s = cfg.fs_write_back_lag_s if self.write_back else None
+        self._closed = False
+        self._wake = threading.Event()
+        self._drainer = None
+        if self.write_back_lag_s is not None:
+            self._drainer = threading.Thread(target=self._drain_loop, name="tpu-offload-fs-write-back", daemon=True)
+            self._drainer.start()
 
     @property
     def dropped_writes(self) -> int:
@@ -151,9 +170,13 @@ class FsMover:
         closes on a thread, so the step loop never waits on the filesystem.
         Writes still waiting for a buffer hold KV of the old weights: discarded.
         """
-        if self._pending:
-            log.info("tpu_offload: cache reset: %d queued file writes of old KV discarded", len(self._pending))
+        with self._wlock:
+            if self._pending or self._dirty:
+                log.info("tpu_offload: cache reset: %d queued and %d write-back file writes of old KV discarded",
+                         len(self._pending), len(self._dirty))
             self._pending.clear()
+            self._dirty.clear()
+            self._clean.clear()
         old, self.tier = self.tier, FileTier.from_config(self._cfg, salted(self._fp, salt), self._nbytes,
                                                          self._metrics)
         self.tier.journal, old.journal = old.journal, None  # the old namespace is retracted as a whole
@@ -164,26 +187,100 @@ class FsMover:
     def write(self, key: ChunkKey, slot: int, salt: bytes = b"") -> None:
         """Queue the slot's file write (named and signed for ``salt``); copied out now or on a later ``pump``."""
         slot = int(slot)
-        self._pending.pop(slot, None)
-        self._pending[slot] = (key, bytes(salt))
-        self.pump()
+        with self._wlock:
+            self._pending.pop(slot, None)
+            self._pending[slot] = (key, bytes(salt))
+            self.pump()
+
+    def stored(self, key: ChunkKey, slot: int, salt: bytes = b"") -> None:
+        """A store into ``slot`` completed: write it now (write_through) or within the lag (write_back)."""
+        if not self.write_back:
+            self.write(key, slot, salt)
+            return
+        with self._wlock:
+            slot = int(slot)
+            self._clean.pop(slot, None)
+            self._dirty.pop(slot, None)
+            self._dirty[slot] = (key, bytes(salt), time.monotonic())
+        if self.write_back_lag_s == 0:
+            self._wake.set()
+
+    def evicted(self, key: ChunkKey, slot: int, salt: bytes = b"") -> None:
+        """The host tier evicted the chunk in ``slot`` (write_back): write it unless the lag already did."""
+        with self._wlock:
+            slot = int(slot)
+            dirty = self._dirty.pop(slot, None)
+            if dirty is None and self._clean.get(slot) == key:
+                return  # written (or queued) since its store
+            self._clean.pop(slot, None)
+            self.write(key, slot, dirty[1] if dirty is not None and dirty[0] == key else salt)
+
+    @property
+    def dirty_chunks(self) -> int:
+        """write_back chunks only in host RAM so far."""
+        return len(self._dirty)
+
+    def drain(self, older_than: float | None, why: str = "lag") -> int:
+        """Queue the writes of dirty chunks stored at least ``older_than`` seconds ago (None: all), oldest first."""
+        queued = 0
+        with self._wlock:
+            cutoff = None if older_than is None else time.monotonic() - older_than
+            while self._dirty:
+                slot, (key, salt, t0) = next(iter(self._dirty.items()))
+                if cutoff is not None and t0 > cutoff:
+                    break
+                del self._dirty[slot]
+                self._pending.pop(slot, None)
+                self._pending[slot] = (key, salt)
+                self._clean[slot] = key
+                queued += 1
+            if queued:
+                if why == "shutdown":
+                    self.shutdown_writes += queued
+                else:
+                    self.lag_writes += queued
+                self.pump()
+        return queued
+
+    def _drain_loop(self) -> None:
+        lag = self.write_back_lag_s
+        period = min(max(lag / 4, 0.01), 1.0)
+        while not self._closed:
+            self._wake.wait(period)
+            self._wake.clear()
+            if self._closed:
+                return
+            try:
+                if self._pending or self._dirty:
+                    self.drain(older_than=lag)
+            except Exception:  # never let the thread die silently
+                log.exception("tpu_offload: file tier write-back drain failed")
 
     def pending_writes(self) -> int:
         return len(self._pending)
 
     def pump(self) -> None:
-        """Copy queued writes into free buffers, oldest first (step loop thread)."""
-        while self._pending:
-            buf = self._take()
-            if buf is None:
-                return
-            slot, (key, salt) = self._pending.popitem(last=False)
-            self._copy_out(key, slot, buf, salt)
+        """Copy queued writes into free buffers, oldest first (step loop and write-back threads)."""
+        with self._wlock:
+            while self._pending:
+                buf = self._take()
+                if buf is None:
+                    return
+                slot, (key, salt) = self._pending.popitem(last=False)
+                self._copy_out(key, slot, buf, salt)
 
     def overwrite(self, slots) -> None:
         """``slots`` are about to get new bytes: write their queued chunks now or drop them."""
-        if not self._pending:
-            return
+        with self._wlock:
+            if self._dirty or self._clean:
+                for slot in slots:
+                    self._clean.pop(int(slot), None)
+                    if self._dirty.pop(int(slot), None) is not None:  # evicted with no write-back order
+                        self._drop("slot_reused", 1)
+            if self._pending:
+                self._overwrite_pending(slots)
+
+    def _overwrite_pending(self, slots) -> None:
         for slot in slots:
             queued = self._pending.pop(int(slot), None)
             if queued is None:
@@ -227,7 +324,8 @@ class FsMover:
     # ---- reads -------------------------------------------------------------
     def read(self, op_id: int, key: ChunkKey, slot: int, salt: bytes = b"") -> bool:
         """Queue a file read for ``slot`` (verified with ``salt``'s keys); False if no buffer is free (retry later)."""
-        buf = self._take()
+        with self._wlock:
+            buf = self._take()
         if buf is None:
             return False
 
@@ -272,8 +370,13 @@ class FsMover:
             self._free.append(buf)
 
     def close(self, timeout: float = 30.0) -> None:
-        """Write what is queued (bounded by ``timeout``), then flush and close the tier."""
+        """Write what is queued and every write_back chunk (bounded by ``timeout``), then flush and close the tier."""
         deadline = time.monotonic() + timeout
+        self._closed = True
+        self._wake.set()
+        if self._drainer is not None:
+            self._drainer.join(timeout)
+        self.drain(older_than=None, why="shutdown")
         while self._pending and time.monotonic() < deadline:
             self.pump()
             time.sleep(0.001)

@@ -387,7 +387,7 @@ class OffloadScheduler:
                 self.events.record(k, st.request, c)
             if slots:
                 op = StoreOp(next(self._ids), st.request.request_id, slots, blocks,
-                             keys=[bytes(k) for k in okeys] if self.write_through else [], evict=evict,
+                             keys=[bytes(k) for k in okeys] if self._fs_lookup is not None else [], evict=evict,
                              salt=salt)
                 meta.stores.append(op)
                 self._store_orders[op.op_id] = Order(op.req_id, okeys, slots)

@@ -273,7 +273,7 @@ class OffloadWorker:
                 self._poll()
         for slot, key, *salt in evict:  # (slot, key, the evicted chunk's request salt)
             if self.engine.valid[slot]:
-                self.fs.write(key, slot, salt[0] if salt else b"")
+                self.fs.evicted(key, slot, salt[0] if salt else b"")  # unless the lag wrote it
             else:  # its store failed: nothing to write
                 self.fs.count_drop("store_failed")
 
@@ -335,10 +335,10 @@ class OffloadWorker:
                 good = [s for s in op.slots if s not in set(failed)]
                 self.engine.complete_store(good, True)
                 self.engine.complete_store(failed, False)
-                if self.fs is not None and op.keys:  # write-through
+                if self.fs is not None and op.keys:  # write-through now, write-back within the lag
                     for slot, key in zip(op.slots, op.keys):
                         if slot in good:
-                            self.fs.write(key, slot, op.salt)
+                            self.fs.stored(key, slot, op.salt)
                 self._report.stores.append((op.op_id, self._pidx, failed))
                 self._store_ops_left[op.req_id] -= 1
                 if not self._store_ops_left[op.req_id]:

@@ -324,7 +324,7 @@ class OffloadConfig:
     shared_storage_path: str | None = None
     # write_through: a stored chunk is queued for its file at once, so other
     # replicas (and a restart) find it. write_back: at most
-    # fs_write_back_lag_s later (vLLM path), on eviction, and at shutdown.
+    # fs_write_back_lag_s later (both engines), on eviction, and at shutdown.
     fs_write_mode: str = "write_through"
     fs_write_back_lag_s: float = 10.0
     fs_capacity_bytes: int | None = None
