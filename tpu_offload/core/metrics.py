@@ -17,13 +17,12 @@ their last value between readings.
 from __future__ import annotations
 
 import os
-import threading
-import time
 from typing import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, REGISTRY
 from prometheus_client.core import GaugeMetricFamily
 
+from tpu_offload.core.throttle import TrailingThrottle
 from tpu_offload.core.manager import TierStats
 
 DIRECTIONS = ("store", "load")  # store: device → host; load: host → device
@@ -109,9 +108,7 @@ class OffloadMetrics:
         self._live = _TierCollector(self._tiers, self.labels, self._extra)
         self._multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
         self._mirror: dict[str, Gauge] = {}
-        self._refreshed = 0.0
-        self._trailing: threading.Timer | None = None
-        self._refresh_lock = threading.Lock()
+        self._throttle = TrailingThrottle(self._mirror_now)
         if not self._multiprocess:
             self.registry.register(self._live)
 
@@ -134,29 +131,17 @@ class OffloadMetrics:
         refresh, so the files never stay stale once the engine goes idle (the
         last stores of a burst complete in steps that trigger no later call).
         """
-        if not self._multiprocess:
-            return
-        with self._refresh_lock:
-            wait = 1.0 - (time.monotonic() - self._refreshed)
-            if not force and wait > 0:
-                if self._trailing is None:
-                    self._trailing = threading.Timer(wait, self._trailing_refresh)
-                    self._trailing.daemon = True
-                    self._trailing.start()
-                return
-            self._refreshed = time.monotonic()
-            for name, doc, labelnames, labelvalues, value in self._live.samples():
-                gauge = self._mirror.get(name)
-                if gauge is None:
-                    gauge = self._mirror[name] = Gauge(
-                        name, doc, labelnames, registry=self.registry, multiprocess_mode="mostrecent"
-                    )
-                (gauge.labels(*labelvalues) if labelnames else gauge).set(value)
+        if self._multiprocess:
+            self._throttle(force)
 
-    def _trailing_refresh(self) -> None:
-        with self._refresh_lock:
-            self._trailing = None
-        self.refresh(force=True)
+    def _mirror_now(self) -> None:
+        for name, doc, labelnames, labelvalues, value in self._live.samples():
+            gauge = self._mirror.get(name)
+            if gauge is None:
+                gauge = self._mirror[name] = Gauge(
+                    name, doc, labelnames, registry=self.registry, multiprocess_mode="mostrecent"
+                )
+            (gauge.labels(*labelvalues) if labelnames else gauge).set(value)
 
     def record_lookup(self, queried_tokens: int, hits: Iterable[tuple[str, int, int]] = ()) -> None:
         """``hits``: (tier, chunks, tokens) per tier that served the request."""

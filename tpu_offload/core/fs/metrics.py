@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 import weakref
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
+
+from tpu_offload.core.throttle import TrailingThrottle
 
 _BUCKETS = (1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
 _CACHE: "weakref.WeakKeyDictionary[CollectorRegistry, FsMetrics]" = weakref.WeakKeyDictionary()
@@ -82,37 +83,23 @@ class FsMetrics:
         self._usage = _Usage(self.labels)
         self._multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
         self._mirror: dict[str, Gauge] = {}
-        self._refreshed = 0.0
-        self._trailing: threading.Timer | None = None
-        self._refresh_lock = threading.Lock()
+        self._throttle = TrailingThrottle(self._mirror_now)
         if not self._multiprocess:
             r.register(self._usage)
 
     def refresh(self, force: bool = False) -> None:
         """Multiprocess mode only: copy the live gauges into files the server reads (at most once a second)."""
-        if not self._multiprocess:
-            return
-        with self._refresh_lock:
-            wait = 1.0 - (time.monotonic() - self._refreshed)
-            if not force and wait > 0:
-                if self._trailing is None:
-                    self._trailing = threading.Timer(wait, self._trailing_refresh)
-                    self._trailing.daemon = True
-                    self._trailing.start()
-                return
-            self._refreshed = time.monotonic()
-            for fam in self._usage.collect():
-                gauge = self._mirror.get(fam.name)
-                for sample in fam.samples:
-                    if gauge is None:
-                        gauge = self._mirror[fam.name] = Gauge(fam.name, fam.documentation, list(sample.labels),
-                                                               registry=self.registry, multiprocess_mode="mostrecent")
-                    gauge.labels(**sample.labels).set(sample.value)
+        if self._multiprocess:
+            self._throttle(force)
 
-    def _trailing_refresh(self) -> None:
-        with self._refresh_lock:
-            self._trailing = None
-        self.refresh(force=True)
+    def _mirror_now(self) -> None:
+        for fam in self._usage.collect():
+            gauge = self._mirror.get(fam.name)
+            for sample in fam.samples:
+                if gauge is None:
+                    gauge = self._mirror[fam.name] = Gauge(fam.name, fam.documentation, list(sample.labels),
+                                                           registry=self.registry, multiprocess_mode="mostrecent")
+                gauge.labels(**sample.labels).set(sample.value)
 
     @classmethod
     def for_registry(cls, registry: CollectorRegistry, labels: dict[str, str] | None = None) -> "FsMetrics":
