@@ -232,3 +232,75 @@ def shutdown_worker_half(scheduler_connector) -> None:
     if not type(agent).__module__.startswith("tpu_offload."):
         return
     kv_transfer_state.ensure_kv_transfer_shutdown()
+
+
+# Executors whose shutdown never reaches the workers' connectors: a multi-host replica's Ray workers
+# are killed (tpu-inference's RayDistributedExecutorV2: ray.kill) or simply left to die with the job
+# (vLLM's RayDistributedExecutor, which tpu-inference's v1 executor inherits), and the EngineCore
+# shuts the executor down before its scheduler, so the scheduler half's shutdown comes too late.
+RAY_EXECUTOR_MODULES = (
+    "vllm.v1.executor.ray_executor",
+    "vllm.v1.executor.ray_executor_v2",
+    "tpu_inference.executors.ray_distributed_executor",
+    "tpu_inference.executors.ray_distributed_executor_v2",
+)
+_FLUSH_MARK = "_tpu_offload_flushes_workers"
+FLUSH_TIMEOUT_S = 120.0
+
+
+def shut_down_worker_connector(worker=None) -> bool:
+    """Run on every worker by ``collective_rpc``: shut our worker half down (drain transfers, land file
+    writes, save the warm-restart slabs). True if this process had one up."""
+    from vllm.distributed.kv_transfer import kv_transfer_state
+
+    agent = getattr(kv_transfer_state, "_KV_CONNECTOR_AGENT", None)
+    half = getattr(agent, "worker", None)
+    if half is None or not type(agent).__module__.startswith("tpu_offload.") or half.engine is None:
+        return False
+    half.shutdown()
+    return True
+
+
+def _flush_workers(executor) -> None:
+    if getattr(executor, "_tpu_offload_flushed", False) or getattr(executor, "shutting_down", False):
+        return
+    executor._tpu_offload_flushed = True
+    try:
+        executor.collective_rpc(shut_down_worker_connector, timeout=FLUSH_TIMEOUT_S)
+    except Exception as e:  # a dead or hung worker: the executor's own shutdown still runs
+        import logging
+
+        logging.getLogger(__name__).warning("tpu_offload: could not shut the workers' connectors down before the "
+                                            "executor (%s): their pending file writes and snapshots may be lost", e)
+
+
+def install_executor_flush(modules=None) -> int:
+    """Make the Ray executors' ``shutdown`` shut our workers' connectors down first (idempotent).
+
+    Only executor classes already imported are wrapped (in the EngineCore the
+    executor exists before the scheduler's connector). Returns the classes wrapped now.
+    """
+    import sys
+
+    done = 0
+    for name in RAY_EXECUTOR_MODULES if modules is None else modules:
+        mod = sys.modules.get(name)
+        if mod is None:
+            continue
+        for cls in list(vars(mod).values()):
+            if not (isinstance(cls, type) and cls.__module__ == name and "shutdown" in vars(cls)
+                    and hasattr(cls, "collective_rpc")):
+                continue
+            orig = vars(cls)["shutdown"]
+            if getattr(orig, _FLUSH_MARK, False):
+                continue
+
+            def shutdown(self, *args, _orig=orig, **kwargs):
+                _flush_workers(self)
+                return _orig(self, *args, **kwargs)
+
+            shutdown.__wrapped__ = orig
+            setattr(shutdown, _FLUSH_MARK, True)
+            cls.shutdown = shutdown
+            done += 1
+    return done

@@ -43,6 +43,8 @@ class TPUOffloadConnector(KVConnectorBase_V1):
 
                 fs = FsLookup(self.settings.config, fp)
             self.scheduler = OffloadScheduler(self.settings, metrics, fs=fs, fingerprint=fp)
+            if cfg.shared_storage_path or cfg.snapshot_path:
+                compat.install_executor_flush()  # Ray workers are killed, never shut down: flush them first
         else:
             from tpu_offload.connector.worker import OffloadWorker  # imports jax
 
