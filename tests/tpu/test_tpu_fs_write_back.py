@@ -97,3 +97,17 @@ def test_lag_zero_writes_at_once_and_a_reset_drops_dirty_chunks(make, tmp_path):
     z.add(prompt(4 * BS, 6), max_tokens=1)
     z.run()
     assert wait_files(z.sch.fs.ns_dir, 4, timeout=10) == 4 and z.wrk.fs.lag_writes == 4
+
+
+def test_an_idle_engine_publishes_more_chunks_than_copy_buffers(make, tmp_path):
+    h = make(fs_write_back_lag_s=0.2, fs_threads=1, fs_queue_depth=2)  # 2 copy buffers
+    assert len(h.wrk.fs._bufs) == 2
+    files = h.wrk.fs.tier.files
+    real = files.write
+    files.write = lambda *a, **kw: (time.sleep(0.05), real(*a, **kw))[1]
+    h.add(prompt(8 * BS, 7), max_tokens=1)
+    h.run()  # idle from here: the write-back thread alone copies the rest out as buffers free up
+    assert wait_files(tmp_path / "kv", 8) == 8
+    assert h.wrk.fs.pending_writes() == 0 and h.wrk.fs.dropped_writes == 0
+    for key in h.tokens:
+        assert file_bytes(h, key) == slot_bytes(h, h.sch.manager.slot_of(key))

@@ -234,11 +234,11 @@ class FsMover:
                 self._pending[slot] = (key, salt)
                 self._clean[slot] = key
                 queued += 1
-            if queued:
-                if why == "shutdown":
-                    self.shutdown_writes += queued
-                else:
-                    self.lag_writes += queued
+            if why == "shutdown":
+                self.shutdown_writes += queued
+            else:
+                self.lag_writes += queued
+            if self._pending:  # these and any still waiting for a buffer (an idle engine pumps nothing)
                 self.pump()
         return queued
 
