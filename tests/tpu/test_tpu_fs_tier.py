@@ -37,15 +37,16 @@ def test_write_back_on_eviction_and_mixed_prefix(make, tmp_path):
     matched = []
     orig = h.conn_s.get_num_new_matched_tokens
     h.conn_s.get_num_new_matched_tokens = lambda r, n: matched.append(orig(r, n)) or matched[-1]
+    core = h.sch.metrics.core  # hits by tier, as a router and the serving benchmark read them
+    hit = lambda tier: core.registry.get_sample_value(  # noqa: E731
+        "tpu_offload_hit_tokens_total", {"tier": tier, **core.labels}) or 0
+    before = hit("fs"), hit("cpu")  # the registry is process-wide
     h.add(p, max_tokens=2)
     h.run()
     # Chunks 0-1 come from files, 2-3 from host RAM; promoting needs 2 host slots, so the
     # prefix stops where the tier (4 slots) could not hold files and host hits together.
     assert matched[0] == (4 * 2 * BS, True)
-    core = h.sch.metrics.core  # hits by tier, as a router and the serving benchmark read them
-    hit = lambda tier: core.registry.get_sample_value(  # noqa: E731
-        "tpu_offload_hit_tokens_total", {"tier": tier, **core.labels}) or 0
-    assert (hit("fs"), hit("cpu")) == (2 * 2 * BS, 2 * 2 * BS)
+    assert (hit("fs") - before[0], hit("cpu") - before[1]) == (2 * 2 * BS, 2 * 2 * BS)
     assert h.wrk.totals["loaded_chunks"] == 4
     assert h.wrk.totals.get("load_errors", 0) == 0
     assert h.sch.manager.stats().pinned_chunks == 0 and not h.sch.has_pending_work()
