@@ -70,8 +70,9 @@ def main():
         cmd = json.loads(line)
         if cmd.get("invalidate") and jax.process_index() in cmd["invalidate_on"]:
             worker.engine.valid[cmd["invalidate"]] = False  # this host lost those bytes
-        meta = OffloadMetadata(loads=[LoadOp(**x) for x in cmd.get("loads", [])],
-                               stores=[StoreOp(**x) for x in cmd.get("stores", [])])
+        unhex = lambda op: {**op, **({"salt": bytes.fromhex(op["salt"])} if "salt" in op else {})}  # noqa: E731
+        meta = OffloadMetadata(loads=[LoadOp(**unhex(x)) for x in cmd.get("loads", [])],
+                               stores=[StoreOp(**unhex(x)) for x in cmd.get("stores", [])])
         if cmd["op"] == "store":
             worker.wait_for_save(meta)
         elif cmd["op"] == "load":

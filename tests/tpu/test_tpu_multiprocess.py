@@ -115,6 +115,11 @@ def aggregator_for(tiny_model_dir, world_size):
     return KVOutputAggregator.from_connector(conn, world_size)
 
 
+def wire(op) -> dict:
+    """An order as the children read it (JSON lines): bytes fields as hex."""
+    return {k: v.hex() if isinstance(v, bytes) else v for k, v in dataclasses.asdict(op).items()}
+
+
 def runner_output(reply):
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
@@ -141,7 +146,7 @@ def test_chunk_loadable_only_after_every_process_reported(tiny_model_dir):
         sched.update_state_after_alloc(a, None, 0)
         meta = sched.build_connector_meta(step_output("a", 3 * BS))
         assert len(meta.stores) == 1 and len(meta.stores[0].slots) == 3
-        cmd = {"op": "store", "stores": [dataclasses.asdict(op) for op in meta.stores]}
+        cmd = {"op": "store", "stores": [wire(op) for op in meta.stores]}
         for c in children:
             c.send(cmd)
         reports = [OffloadReport.coerce(c.recv()["report"]) for c in children]
@@ -160,7 +165,7 @@ def test_chunk_loadable_only_after_every_process_reported(tiny_model_dir):
         assert sched.manager.stats().pinned_chunks == 3
         meta = sched.build_connector_meta(SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={},
                                                           scheduled_cached_reqs=SimpleNamespace(req_ids=[])))
-        cmd = {"op": "load", "loads": [dataclasses.asdict(op) for op in meta.loads],
+        cmd = {"op": "load", "loads": [wire(op) for op in meta.loads],
                "expect": [[3, 10], [5, 11], [7, 12]]}
         for c in children:
             c.send(cmd)
@@ -182,7 +187,7 @@ def test_chunk_loadable_only_after_every_process_reported(tiny_model_dir):
         # collectives, stall it); only that host reports the chunk, so its blocks are recomputed.
         slots = meta.loads[0].slots
         op = LoadOp(op_id=99, req_id="c", slots=slots, blocks=[13, 14, 15], async_load=False, last=True)
-        cmd = {"op": "load", "loads": [dataclasses.asdict(op)], "invalidate": slots[1], "invalidate_on": [1],
+        cmd = {"op": "load", "loads": [wire(op)], "invalidate": slots[1], "invalidate_on": [1],
                "expect": [[3, 13], [7, 15]]}
         for c in children:
             c.send(cmd)
