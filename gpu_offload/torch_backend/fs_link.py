@@ -45,6 +45,7 @@ import numpy as np
 
 from gpu_offload._log import get_logger
 from tpu_offload.core.fs import FileTier, TierState, WriteTicket
+from tpu_offload.core.fs.lag import LagDrain
 from tpu_offload.core.pool import HostChunkPool
 
 logger = get_logger(__name__)
@@ -127,17 +128,14 @@ class FileLink:
         self.ring: HostChunkPool | None = None
         self._ring_tickets: list[WriteTicket | None] = []
         self._ring_next = 0
-        self._closed = False
-        self._wake = threading.Event()
-        self._drainer: threading.Thread | None = None
+        self._drainer: LagDrain | None = None
         if write_mode == "write_back":
             if ring_slots is None:
                 ring_slots = min(tier.queue_depth, RING_MAX_SLOTS, max(1, RING_MAX_BYTES // pool.stride))
             self.ring = HostChunkPool(max(1, ring_slots), pool.chunk_bytes)
             self._ring_tickets = [None] * self.ring.num_slots
             if self.write_back_lag_s is not None:
-                self._drainer = threading.Thread(target=self._drain_loop, name="fs-write-back", daemon=True)
-                self._drainer.start()
+                self._drainer = LagDrain(lambda lag: self.drain(older_than=lag), self.write_back_lag_s, "fs-write-back")
 
     # ---- hooks of the transfer engine ------------------------------------
     def follow_epoch(self, epoch: str) -> None:
@@ -187,8 +185,8 @@ class FileLink:
                 for slot in slots:
                     if self._slot_key[slot] is not None:
                         self._dirty[slot] = now
-                if self._dirty and self.write_back_lag_s == 0:
-                    self._wake.set()
+                if self._dirty and self.write_back_lag_s == 0 and self._drainer is not None:
+                    self._drainer.poke()
                 return
             for slot in slots:
                 key = self._slot_key[slot]
@@ -232,10 +230,8 @@ class FileLink:
 
     def close(self, timeout: float | None = 60.0) -> None:
         """Write every dirty chunk, wait for the queue, close the tier."""
-        self._closed = True
-        self._wake.set()
         if self._drainer is not None:
-            self._drainer.join(timeout)
+            self._drainer.stop(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         while self._dirty:
             before = len(self._dirty)
@@ -283,19 +279,6 @@ class FileLink:
             else:
                 self.stats.lag_writes += queued
         return queued
-
-    def _drain_loop(self) -> None:
-        lag = self.write_back_lag_s
-        period = min(max(lag / 4, 0.01), 1.0)
-        while not self._closed:
-            self._wake.wait(period)
-            self._wake.clear()
-            if self._closed:
-                return
-            try:
-                self.drain(older_than=lag)
-            except Exception:  # never let the thread die silently
-                logger.exception("file tier: write-back drain failed")
 
     # ---- internals ---------------------------------------------------------
     def _assign(self, slot: int, key: bytes | None) -> None:

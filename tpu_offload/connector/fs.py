@@ -41,6 +41,7 @@ import numpy as np
 
 from tpu_offload.core.config import ConfigError, OffloadConfig
 from tpu_offload.core.fs import FileTier
+from tpu_offload.core.fs.lag import LagDrain
 from tpu_offload.core.fs.journal import FileJournal
 from tpu_offload.core.fs.auth import FsAuth, Names
 from tpu_offload.core.fs.layout import published_stat
@@ -146,12 +147,10 @@ class FsMover:
         self._clean: dict[int, ChunkKey] = {}
         self.lag_writes = self.shutdown_writes = 0
         self.write_back_lag_s = cfg.fs_write_back_lag_s if self.write_back else None
-        self._closed = False
-        self._wake = threading.Event()
         self._drainer = None
         if self.write_back_lag_s is not None:
-            self._drainer = threading.Thread(target=self._drain_loop, name="tpu-offload-fs-write-back", daemon=True)
-            self._drainer.start()
+            self._drainer = LagDrain(lambda lag: self.drain(older_than=lag), self.write_back_lag_s,
+                                     "tpu-offload-fs-write-back", has_work=lambda: bool(self._pending or self._dirty))
 
     @property
     def dropped_writes(self) -> int:
@@ -202,8 +201,8 @@ class FsMover:
             self._clean.pop(slot, None)
             self._dirty.pop(slot, None)
             self._dirty[slot] = (key, bytes(salt), time.monotonic())
-        if self.write_back_lag_s == 0:
-            self._wake.set()
+        if self.write_back_lag_s == 0 and self._drainer is not None:
+            self._drainer.poke()
 
     def evicted(self, key: ChunkKey, slot: int, salt: bytes = b"") -> None:
         """The host tier evicted the chunk in ``slot`` (write_back): write it unless the lag already did."""
@@ -241,20 +240,6 @@ class FsMover:
             if self._pending:  # these and any still waiting for a buffer (an idle engine pumps nothing)
                 self.pump()
         return queued
-
-    def _drain_loop(self) -> None:
-        lag = self.write_back_lag_s
-        period = min(max(lag / 4, 0.01), 1.0)
-        while not self._closed:
-            self._wake.wait(period)
-            self._wake.clear()
-            if self._closed:
-                return
-            try:
-                if self._pending or self._dirty:
-                    self.drain(older_than=lag)
-            except Exception:  # never let the thread die silently
-                log.exception("tpu_offload: file tier write-back drain failed")
 
     def pending_writes(self) -> int:
         return len(self._pending)
@@ -372,10 +357,8 @@ class FsMover:
     def close(self, timeout: float = 30.0) -> None:
         """Write what is queued and every write_back chunk (bounded by ``timeout``), then flush and close the tier."""
         deadline = time.monotonic() + timeout
-        self._closed = True
-        self._wake.set()
         if self._drainer is not None:
-            self._drainer.join(timeout)
+            self._drainer.stop(timeout)
         self.drain(older_than=None, why="shutdown")
         while self._pending and time.monotonic() < deadline:
             self.pump()
