@@ -18,12 +18,13 @@ pytestmark = pytest.mark.engine
 BS = 16
 
 
-@pytest.fixture
-def make(harnesses):
+@pytest.fixture(params=["program", "device_put"])
+def make(harnesses, request):
+    """Both host paths: slabs written by compiled programs, and runtime device_put per slot (the TPU default)."""
     def _make(**extra):
         kw = {k: extra.pop(k) for k in ("num_blocks", "max_num_batched_tokens", "dtype", "async_scheduling")
               if k in extra}
-        return harnesses({"num_cpu_chunks": 64, "staging_blocks": 16, **extra}, **kw)
+        return harnesses({"num_cpu_chunks": 64, "staging_blocks": 16, "transfer_path": request.param, **extra}, **kw)
 
     return _make
 

@@ -357,15 +357,18 @@ class Harness:
     def check_tier(self) -> int:
         """Every ready chunk in the tier holds exactly its prefix's KV. Returns chunks checked."""
         eng = self.wrk.engine
-        slabs = [[np.asarray(s) for s in per_group] for per_group in eng.slabs]
+        slabs = [[np.asarray(s) for s in per_group] for per_group in eng.slabs] if eng.slabs is not None else None
         r = self.runner
         n = 0
         for key in self.sch.manager.keys_lru_order():
             slot = self.sch.manager.slot_of(key)
             if slot is None or key not in self.tokens:
                 continue
-            k, row = divmod(slot, eng.rows_per_slab)
-            got = slabs[0][k][row]
+            if slabs is None:  # device_put path: the slot's own host array
+                got = np.asarray(eng.host[slot][0])
+            else:
+                k, row = divmod(slot, eng.rows_per_slab)
+                got = slabs[0][k][row]
             want = expected_chunk(self.tokens[key], self._chunk_index(key), self.sch.chunk_tokens, r.layers,
                                   r.heads, r.dim, r.dtype, self.block_size)
             # Host layout: the cache's own block shape and dtype, sharded over heads like the cache.
