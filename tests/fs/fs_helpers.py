@@ -41,6 +41,19 @@ def aligned(nbytes: int = CHUNK) -> np.ndarray:
     return raw[off : off + nbytes]
 
 
+def filled(i: int, nbytes: int = CHUNK) -> np.ndarray:
+    """An O_DIRECT-aligned buffer holding key ``i``'s payload."""
+    b = aligned(nbytes)
+    b[:] = payload(i, nbytes)
+    return b
+
+
+def write_all(tier, *idx: int) -> None:
+    """Write keys ``idx`` through ``tier`` and wait for each."""
+    for i in idx:
+        assert tier.submit_write(key(i), filled(i)).wait(30)
+
+
 def child_env() -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from fs_helpers import CHUNK, aligned, key, layout, payload
+from fs_helpers import CHUNK, aligned, key, layout, payload, filled, write_all
 from tpu_offload.core.config import ConfigError, OffloadConfig
 from tpu_offload.core.fs.auth import FsAuth, Names
 from tpu_offload.core.fs.chunkfile import ChunkFiles
@@ -26,17 +26,6 @@ from tpu_offload.core.fs.format import HEADER_SIZE, parse_header
 
 SECRET = b"tenant-a-secret-0123456789abcdef"
 OTHER_SECRET = b"tenant-b-secret-0123456789abcdef"
-
-
-def _buf(i):
-    b = aligned()
-    b[:] = payload(i)
-    return b
-
-
-def _write(t, *idx):
-    for i in idx:
-        assert t.submit_write(key(i), _buf(i)).wait(30)
 
 
 def _forge_payload(path: str, evil: np.ndarray) -> None:
@@ -64,7 +53,7 @@ def _read(t, i):
 def test_forged_payload_is_served_without_a_secret(root, make_tier):
     """The attack itself: a checksum is not authentication (today's behaviour, kept without a secret)."""
     t = make_tier(root)
-    _write(t, 1)
+    write_all(t, 1)
     evil = payload(666)
     _forge_payload(t.path_of(key(1)), evil)
     ok, out = _read(t, 1)
@@ -73,7 +62,7 @@ def test_forged_payload_is_served_without_a_secret(root, make_tier):
 
 def test_forged_payload_is_a_miss_counted_and_left_in_place(root, make_tier):
     t = make_tier(root, secret=SECRET)
-    _write(t, 1, 2)
+    write_all(t, 1, 2)
     path = t.path_of(key(1))
     _forge_payload(path, payload(666))
     ok, out = _read(t, 1)
@@ -87,7 +76,7 @@ def test_forged_payload_is_a_miss_counted_and_left_in_place(root, make_tier):
 
 def test_unsigned_and_foreign_signed_files_are_refused(root, make_tier):
     t = make_tier(root, secret=SECRET)
-    _write(t, 1, 2)
+    write_all(t, 1, 2)
     # Someone without the MAC key writes a well-formed file under the right name (header copied: no MAC).
     unsigned = ChunkFiles(t.ns_dir, t.names.digest)
     fid = bytes.fromhex(os.path.basename(t.path_of(key(1))))
@@ -114,7 +103,7 @@ def test_keys_are_per_tenant_salt():
 def test_listing_and_headers_reveal_nothing(root, make_tier):
     """A lister who computes the keys of candidate prompts finds none of them; headers hold no key."""
     t = make_tier(root, secret=SECRET)
-    _write(t, *range(1, 9))
+    write_all(t, *range(1, 9))
     fp = layout()
     ns = os.path.basename(t.ns_dir)
     assert "llama" not in ns and fp.digest().hex() not in ns and ns != fp.namespace()
@@ -131,7 +120,7 @@ def test_listing_and_headers_reveal_nothing(root, make_tier):
 
 def test_replicas_with_one_secret_share_and_others_do_not(root, make_tier):
     a = make_tier(root, secret=SECRET)
-    _write(a, 1)
+    write_all(a, 1)
     b = make_tier(root, secret=SECRET)
     ok, out = _read(b, 1)
     assert ok and np.array_equal(out, payload(1))
@@ -144,7 +133,7 @@ def test_replicas_with_one_secret_share_and_others_do_not(root, make_tier):
 def test_lookups_name_files_like_the_tier(root, make_tier):
     """The scheduler's read-only view derives the same names from the same secret."""
     t = make_tier(root, secret=SECRET)
-    _write(t, 1)
+    write_all(t, 1)
     n = Names(root, layout(), FsAuth(SECRET))
     assert n.ns_dir == t.ns_dir
     assert os.path.join(n.ns_dir, *_fan(n.file_id(key(1)).hex())) == t.path_of(key(1))
@@ -217,14 +206,14 @@ def test_a_fifo_as_secret_file_is_refused_without_blocking(tmp_path):
 
 def test_a_tier_names_and_signs_each_request_salt_apart(root, make_tier):
     t = make_tier(root, secret=SECRET)
-    assert t.submit_write(key(1), _buf(1), b"tenant-a").wait(30)
+    assert t.submit_write(key(1), filled(1), b"tenant-a").wait(30)
     out = aligned()
     assert t.read_into(key(1), out, b"tenant-a") and np.array_equal(out, payload(1))
     assert t.contains(key(1), b"tenant-a") and not t.contains(key(1), b"tenant-b") and not t.contains(key(1))
     assert not t.read_into(key(1), out, b"tenant-b") and not t.read_into(key(1), out)
     # Tenant b's file planted under tenant a's name: it verifies under b's keys only.
     b_path, a_path = t.path_of(key(2), b"tenant-b"), t.path_of(key(2), b"tenant-a")
-    assert t.submit_write(key(2), _buf(666), b"tenant-b").wait(30)
+    assert t.submit_write(key(2), filled(666), b"tenant-b").wait(30)
     os.makedirs(os.path.dirname(a_path), exist_ok=True)
     os.rename(b_path, a_path)
     assert not t.read_into(key(2), out, b"tenant-a")
@@ -236,7 +225,7 @@ def test_a_tier_names_and_signs_each_request_salt_apart(root, make_tier):
 
 def test_encrypted_chunks_round_trip_and_hold_no_plaintext(root, make_tier):
     t = make_tier(root, secret=SECRET, encrypt=True)
-    _write(t, 1, 2)
+    write_all(t, 1, 2)
     with open(t.path_of(key(1)), "rb") as f:
         raw = f.read()
     body = payload(1).tobytes()
@@ -251,7 +240,7 @@ def test_encrypted_chunks_round_trip_and_hold_no_plaintext(root, make_tier):
 
 def test_a_forged_encrypted_chunk_fails_its_tag(root, make_tier):
     t = make_tier(root, secret=SECRET, encrypt=True)
-    _write(t, 1)
+    write_all(t, 1)
     _forge_payload(t.path_of(key(1)), payload(666))  # checksums fixed: only the GCM tag can tell
     assert not _read(t, 1)[0] and t.counters()["auth_failures"] == 1
     other = make_tier(root, secret=OTHER_SECRET, encrypt=True)
@@ -267,7 +256,7 @@ def test_encrypt_needs_a_secret(tmp_path):
 def test_gmac_chunks_round_trip_and_forgeries_fail(root, make_tier):
     """``fs_mac: gmac``: the AES-GCM tag over payload and header, several times HMAC's speed."""
     t = make_tier(root, secret=SECRET, mac="gmac")
-    _write(t, 1, 2)
+    write_all(t, 1, 2)
     with open(t.path_of(key(1)), "rb") as f:
         assert parse_header(f.read(HEADER_SIZE)).flags & 4
     ok, out = _read(t, 1)

@@ -14,16 +14,10 @@ import os
 import subprocess
 import sys
 
-from fs_helpers import FILE, aligned, key, payload
+from fs_helpers import FILE, filled, key, write_all
 from tpu_offload.core.fs import admin
 from tpu_offload.core.fs import layout as fslayout
 from tpu_offload.core.fs.format import MAGIC
-
-
-def _buf(i):
-    b = aligned()
-    b[:] = payload(i)
-    return b
 
 
 def _on_disk(ns_dir) -> int:
@@ -38,7 +32,7 @@ def test_writers_sharing_a_budget_stay_within_the_stated_tolerance(root, make_ti
     peak = 0
     for i in range(24):
         for w, t in enumerate(tiers):
-            assert t.submit_write(key(1000 * w + i), _buf(i)).wait(30)
+            assert t.submit_write(key(1000 * w + i), filled(i)).wait(30)
             peak = max(peak, _on_disk(tiers[0].ns_dir))
     assert peak <= bound, f"peak {peak / budget:.2f} x the budget, allowed {bound / budget:.2f} x"
     for t in tiers:
@@ -60,7 +54,7 @@ def test_temp_bytes_count_in_the_budget(root, make_tier):
     live = [_temp(t.ns_dir, fslayout.temp_name("00"), MAGIC + bytes(FILE - len(MAGIC))) for _ in range(2)]
     t.rescan()
     for i in range(6):
-        assert t.submit_write(key(i + 1), _buf(i)).wait(30)
+        assert t.submit_write(key(i + 1), filled(i)).wait(30)
     t.flush(10)
     assert all(os.path.exists(p) for p in live), "a live writer's temp was removed"
     assert _on_disk(t.ns_dir) <= 6 * FILE, "temps were outside the budget"

@@ -13,17 +13,11 @@ import time
 
 import numpy as np
 
-from fs_helpers import CHUNK, aligned, key, layout, mounted, payload, readonly_bind, run_child
+from fs_helpers import aligned, filled, key, layout, mounted, payload, readonly_bind, run_child
 from tpu_offload.core.fs import TierState
 from tpu_offload.core.fs import layout as fslayout
 
 BIG = 256 << 10
-
-
-def _buf(i, n=CHUNK):
-    b = aligned(n)
-    b[:] = payload(i, n)
-    return b
 
 
 def _warnings(caplog):
@@ -34,7 +28,7 @@ def test_enospc_on_a_small_tmpfs(make_tier, caplog):
     caplog.set_level(logging.INFO, logger="tpu_offload.fs")
     with mounted("tmpfs", "size=2m") as d:
         t = make_tier(d, chunk_bytes=BIG, threads=2, readonly_retry_s=0.5)
-        tickets = [t.submit_write(key(i), _buf(i, BIG)) for i in range(16)]
+        tickets = [t.submit_write(key(i), filled(i, BIG)) for i in range(16)]
         results = [x.wait(30) if x is not None else None for x in tickets]
         assert t.flush(30)
         assert t.state is TierState.READ_ONLY
@@ -43,7 +37,7 @@ def test_enospc_on_a_small_tmpfs(make_tier, caplog):
         assert len(_warnings(caplog)) == 1, [r.getMessage() for r in _warnings(caplog)]
         c = t.counters()
         assert c["dropped_enospc"] >= 1 and c["dropped"] == 16 - len(ok)
-        assert t.submit_write(key(99), _buf(99, BIG)) is None  # read-only: dropped at once
+        assert t.submit_write(key(99), filled(99, BIG)) is None  # read-only: dropped at once
         assert fslayout.scan_namespace(t.ns_dir).temps == [], "a failed write must remove its temp"
         out = aligned(BIG)
         for i in ok:  # what made it is still served
@@ -52,7 +46,7 @@ def test_enospc_on_a_small_tmpfs(make_tier, caplog):
         for i in ok:
             os.unlink(t.path_of(key(i)))
         time.sleep(0.6)
-        again = t.submit_write(key(50), _buf(50, BIG))
+        again = t.submit_write(key(50), filled(50, BIG))
         assert again is not None and again.wait(10)
         assert t.state is TierState.RW and t.contains(key(50))
         assert len(_warnings(caplog)) == 1
@@ -98,7 +92,7 @@ def test_file_size_limit_fallback_for_enospc(root):
 def test_read_only_bind_mount(root, make_tier, caplog):
     caplog.set_level(logging.INFO, logger="tpu_offload.fs")
     w = make_tier(root)
-    assert w.submit_write(key(1), _buf(1)).wait(10)
+    assert w.submit_write(key(1), filled(1)).wait(10)
     with readonly_bind(root) as ro:
         t = make_tier(ro)
         assert t.state is TierState.READ_ONLY
@@ -107,7 +101,7 @@ def test_read_only_bind_mount(root, make_tier, caplog):
         out = aligned()
         assert t.read_into(key(1), out) and np.array_equal(out, payload(1))
         for i in range(5):
-            assert t.submit_write(key(10 + i), _buf(i)) is None
+            assert t.submit_write(key(10 + i), filled(i)) is None
         assert t.counters()["dropped_read_only"] == 5
         t.touch(key(1))  # restamping fails quietly on a read-only mount
         assert t.flush(10)
@@ -120,14 +114,14 @@ def test_tmpfs_remounted_read_only_while_running(make_tier, caplog):
     import subprocess
     with mounted("tmpfs", "size=8m") as d:
         t = make_tier(d, threads=1)
-        assert t.submit_write(key(1), _buf(1)).wait(10)
+        assert t.submit_write(key(1), filled(1)).wait(10)
         subprocess.run(["mount", "-o", "remount,ro", d], check=True)
         try:
-            tickets = [t.submit_write(key(i), _buf(i)) for i in range(2, 6)]
+            tickets = [t.submit_write(key(i), filled(i)) for i in range(2, 6)]
             assert tickets[0] is not None and tickets[0].wait(10) is False
             assert t.state is TierState.READ_ONLY
             assert t.counters()["dropped_erofs"] == 1
-            assert t.submit_write(key(9), _buf(9)) is None
+            assert t.submit_write(key(9), filled(9)) is None
             assert t.read_into(key(1), aligned())
             assert len(_warnings(caplog)) == 1
         finally:
@@ -168,7 +162,7 @@ def _as_nobody(root):
 def test_permission_denied_namespace_is_off(root, make_tier):
     """Root-owned 0750 namespace: nobody can neither list nor create it."""
     w = make_tier(root)
-    assert w.submit_write(key(1), _buf(1)).wait(10)
+    assert w.submit_write(key(1), filled(1)).wait(10)
     os.chmod(root, 0o755)
     out = _as_nobody(root)
     assert out["uid"] != 0
@@ -179,7 +173,7 @@ def test_permission_denied_namespace_is_off(root, make_tier):
 def test_permission_denied_files_read_as_misses(root, make_tier):
     """Our directories, a root-owned 0600 file in them: the read fails EACCES, a miss; the file stays."""
     w = make_tier(root)
-    assert w.submit_write(key(1), _buf(1)).wait(10)
+    assert w.submit_write(key(1), filled(1)).wait(10)
     for dirpath, _, _ in os.walk(root):
         os.chmod(dirpath, 0o755)
         if dirpath != root:
@@ -195,7 +189,7 @@ def test_permission_denied_files_read_as_misses(root, make_tier):
 def test_a_namespace_another_uid_owns_is_not_adopted(root, make_tier):
     """Listable, but root's: nobody's tier turns off (one warning naming the owner) and touches nothing."""
     w = make_tier(root)
-    assert w.submit_write(key(1), _buf(1)).wait(10)
+    assert w.submit_write(key(1), filled(1)).wait(10)
     for dirpath, _, _ in os.walk(root):
         os.chmod(dirpath, 0o755)
     out = _as_nobody(root)

@@ -20,7 +20,7 @@ import time
 import numpy as np
 import pytest
 
-from fs_helpers import CHUNK, FILE, REPO, aligned, key, layout, payload, run_child
+from fs_helpers import CHUNK, FILE, REPO, aligned, key, layout, payload, run_child, filled, write_all
 from tpu_offload.core.config import ConfigError, OffloadConfig
 from tpu_offload.core.fs import FileTier, TierState, admin, snapshot_host_tier
 from tpu_offload.core.fs import layout as fslayout
@@ -32,17 +32,6 @@ from tpu_offload.core.pool import HostChunkPool
 
 
 OTHER = 0x12345678  # a key under another fan-out directory than key(0..65535)
-
-
-def _buf(i):
-    b = aligned()
-    b[:] = payload(i)
-    return b
-
-
-def _write(t, *idx):
-    for i in idx:
-        assert t.submit_write(key(i), _buf(i)).wait(30)
 
 
 @pytest.fixture
@@ -86,7 +75,7 @@ def _plant(kind: str, path: str, outside: str) -> None:
 @pytest.mark.parametrize("kind", ["fifo", "directory", "device", "symlink"])
 def test_non_regular_file_at_a_key_is_a_miss_and_never_hangs(root, make_tier, outside, kind):
     t = make_tier(root)
-    _write(t, 1, 2)
+    write_all(t, 1, 2)
     path = t.path_of(key(1))
     _plant(kind, path, outside)
     fresh = make_tier(root)  # an index built from the directory, and a stat for unknown keys
@@ -108,7 +97,7 @@ def test_non_regular_file_at_a_key_is_a_miss_and_never_hangs(root, make_tier, ou
 def test_verify_file_refuses_a_fifo_without_blocking(root, make_tier):
     """The race the scan cannot see: a file swapped for a FIFO between scan and check."""
     t = make_tier(root)
-    _write(t, 1)
+    write_all(t, 1)
     path = t.path_of(key(1))
     os.unlink(path)
     os.mkfifo(path)
@@ -147,7 +136,7 @@ def test_rescan_never_blocks_touch_or_reads(root, make_tier, monkeypatch):
     at 150k files); ``benchmarks/bench_fs_rescan.py`` measures the latency.
     """
     t = make_tier(root)
-    _write(t, *range(8))
+    write_all(t, *range(8))
     reached, release = threading.Event(), threading.Event()
     real_walk = fslayout.walk_namespace
 
@@ -161,7 +150,7 @@ def test_rescan_never_blocks_touch_or_reads(root, make_tier, monkeypatch):
         assert reached.wait(30)
         out = aligned()
         done, ok = _in_thread(lambda: (t.touch(key(1)), t.read_into(key(2), out), t.contains(key(3)),
-                                       t.submit_write(key(100), _buf(100)).wait(10)), timeout=10)
+                                       t.submit_write(key(100), filled(100)).wait(10)), timeout=10)
         assert done, "touch/read/write waited for the rescan"
         assert ok[1] and ok[2] and ok[3]
         assert t._index.remove(key(5)) is not None  # an eviction meanwhile
@@ -214,7 +203,7 @@ def test_unreadable_subdirectory_is_skipped_counted_and_the_rest_served(root, ma
     """
     n = 24
     w = make_tier(root)
-    _write(w, *range(n))
+    write_all(w, *range(n))
     w.close()
     for dirpath, dirs, files in os.walk(root):
         os.chown(dirpath, 65534, 65534)
@@ -256,17 +245,17 @@ def _symlink_fanout(t, k, target):
 def test_writes_never_land_outside_through_a_symlinked_fanout(root, make_tier, outside):
     t = make_tier(root)
     _symlink_fanout(t, key(1), outside)
-    ticket = t.submit_write(key(1), _buf(1))
+    ticket = t.submit_write(key(1), filled(1))
     assert ticket is not None and ticket.wait(10) is False
     assert os.listdir(outside) == [], "a write followed a symlink out of the root"
     assert t.counters()["dropped_unsafe_path"] == 1
     assert not t.contains(key(1))
-    _write(t, OTHER)  # keys under other fan-out directories still work
+    write_all(t, OTHER)  # keys under other fan-out directories still work
 
 
 def test_reads_evictions_and_touches_never_act_outside(root, make_tier, outside):
     t = make_tier(root, capacity_bytes=3 * FILE, touch_interval_s=0)
-    _write(t, 1)
+    write_all(t, 1)
     name = os.path.basename(t.path_of(key(1)))
     with open(os.path.join(outside, name), "wb") as f:  # a corrupt "chunk" of someone else's
         f.write(MAGIC + b"\0" * (FILE - len(MAGIC)))
@@ -276,7 +265,7 @@ def test_reads_evictions_and_touches_never_act_outside(root, make_tier, outside)
     assert t.read_into(key(1), aligned()) is False  # a corrupt read would delete the file it reached
     t.touch(key(1))
     t._index.add(key(1), FILE)  # as if still indexed: now make the budget evict it
-    _write(t, OTHER, OTHER + 1, OTHER + 2)
+    write_all(t, OTHER, OTHER + 1, OTHER + 2)
     t.flush(10)
     assert os.listdir(outside) == [name], "a file outside the root was deleted"
     assert os.stat(os.path.join(outside, name)).st_mtime == pytest.approx(old, abs=1), "restamped through a symlink"
@@ -286,7 +275,7 @@ def test_symlinked_namespace_directory_turns_the_tier_off(root, make_tier, outsi
     os.symlink(outside, os.path.join(root, layout().namespace()))
     t = make_tier(root)
     assert t.state is TierState.OFF
-    assert t.submit_write(key(1), _buf(1)) is None and os.listdir(outside) == []
+    assert t.submit_write(key(1), filled(1)) is None and os.listdir(outside) == []
 
 
 # ---- 5. evict deletes only what is ours --------------------------------------
@@ -294,7 +283,7 @@ def test_symlinked_namespace_directory_turns_the_tier_off(root, make_tier, outsi
 
 def test_evict_deletes_only_our_magic_files_and_our_temps(root, make_tier):
     t = make_tier(root, quarantine=True)
-    _write(t, *range(4))
+    write_all(t, *range(4))
     d = os.path.dirname(t.path_of(key(0)))
     qdir = os.path.join(t.ns_dir, fslayout.QUARANTINE)
     os.makedirs(qdir, exist_ok=True)
@@ -332,7 +321,7 @@ def test_evict_deletes_only_our_magic_files_and_our_temps(root, make_tier):
 ])
 def test_cli_refuses_bad_values_naming_flag_value_and_allowed(root, make_tier, capsys, flag, value):
     t = make_tier(root)
-    _write(t, 1, 2)
+    write_all(t, 1, 2)
     with pytest.raises(SystemExit) as e:
         cli_main(["evict", root, f"{flag}={value}"])
     err = capsys.readouterr().err
@@ -393,7 +382,7 @@ def test_snapshot_replaces_only_empty_dirs_and_its_own_snapshots(tmp_path):
 
 def test_future_mtime_is_clamped_and_still_evicted(root, make_tier):
     t = make_tier(root)
-    _write(t, 0, 1, 2)
+    write_all(t, 0, 1, 2)
     t.close()
     future, old = time.time() + 86400, time.time() - 3600
     os.utime(t.path_of(key(0)), (future, future))  # stamped by a host whose clock runs a day ahead
@@ -404,7 +393,7 @@ def test_future_mtime_is_clamped_and_still_evicted(root, make_tier):
     assert b.counters()["future_mtimes_clamped"] == 1
     for i in (3, 4, 5, 6):
         time.sleep(0.02)
-        _write(b, i)
+        write_all(b, i)
     b.flush(10)
     assert not os.path.exists(b.path_of(key(0))), "a file stamped in the future must still be evicted"
     assert sorted(b.keys_lru_order()) == sorted(key(i) for i in (4, 5, 6))
@@ -412,7 +401,7 @@ def test_future_mtime_is_clamped_and_still_evicted(root, make_tier):
 
 def test_cli_evict_clamps_future_mtimes(root, make_tier):
     t = make_tier(root)
-    _write(t, 0, 1)
+    write_all(t, 0, 1)
     future = time.time() + 86400
     os.utime(t.path_of(key(0)), (future, future))
     rep = admin.evict(root, budget_bytes=1 << 40)
@@ -423,7 +412,7 @@ def test_cli_evict_clamps_future_mtimes(root, make_tier):
 def test_a_clock_running_ahead_keeps_another_writers_temp(root, make_tier, monkeypatch):
     """Ages are judged on the file server's clock, not ours (here: an hour ahead)."""
     t = make_tier(root)
-    _write(t, 1)
+    write_all(t, 1)
     live = os.path.join(os.path.dirname(t.path_of(key(1))), fslayout.temp_name(key(1).hex()))
     with open(live, "wb") as f:
         f.write(b"being written by another host")
@@ -455,7 +444,7 @@ def test_capacity_below_one_chunk_is_refused(root, fp):
 def test_a_namespace_made_by_someone_else_or_writable_by_others_is_never_adopted(root, make_tier, owner, mode):
     """Another tenant creates our namespace first (sticky world-writable root) and plants a chunk."""
     planter = make_tier(root)  # writes a valid chunk the way any tenant could
-    _write(planter, 1)
+    write_all(planter, 1)
     planter.close()
     for dirpath, _, _ in os.walk(planter.ns_dir):
         os.chown(dirpath, owner, owner)
@@ -463,27 +452,27 @@ def test_a_namespace_made_by_someone_else_or_writable_by_others_is_never_adopted
     t = make_tier(root)
     assert t.state is TierState.OFF
     assert not t.contains(key(1)) and t.read_into(key(1), aligned()) is False
-    assert t.submit_write(key(2), _buf(2)) is None
+    assert t.submit_write(key(2), filled(2)) is None
     assert os.path.exists(planter.path_of(key(1))), "not ours: left alone"
 
 
 def test_a_fanout_directory_of_another_uid_is_not_used(root, make_tier):
     t = make_tier(root, capacity_bytes=8 * FILE)
-    _write(t, 1)
+    write_all(t, 1)
     d = os.path.dirname(t.path_of(key(1)))
     os.chown(d, 65534, 65534)  # as if another uid had made it (and put key(1)'s file there)
     t2 = make_tier(root)
     assert not t2.contains(key(1)) and t2.read_into(key(1), aligned()) is False
     assert t2.counters()["read_not_regular"] == 1
-    ticket = t2.submit_write(key(1), _buf(1))
+    ticket = t2.submit_write(key(1), filled(1))
     assert ticket is not None and ticket.wait(10) is False and t2.counters()["dropped_unsafe_path"] == 1
     assert key(1) not in t2.keys_lru_order(), "a rescan indexed a file in a directory that is not ours"
-    _write(t2, OTHER)  # other fan-out directories still work
+    write_all(t2, OTHER)  # other fan-out directories still work
 
 
 def test_a_hardlinked_chunk_is_not_served_and_its_other_name_never_restamped(root, make_tier, outside):
     t = make_tier(root, touch_interval_s=0)
-    _write(t, 1)
+    write_all(t, 1)
     far = os.path.join(outside, "linked")
     os.link(t.path_of(key(1)), far)
     old = time.time() - 7200
@@ -499,7 +488,7 @@ def test_a_hardlinked_chunk_is_not_served_and_its_other_name_never_restamped(roo
 
 def test_a_chunk_with_trailing_bytes_is_not_served(root, make_tier):
     t = make_tier(root)
-    _write(t, 1)
+    write_all(t, 1)
     with open(t.path_of(key(1)), "ab") as f:
         f.write(b"junk")
     out = aligned()
@@ -522,7 +511,7 @@ def _sparse(path, size, head=b"", age=86400):
 def test_a_sparse_foreign_file_never_makes_evict_delete_everyones_chunks(root, make_tier):
     """Tenant B's own namespace holds one sparse 1 TiB file without our magic: A's chunks are not evicted."""
     t = make_tier(root)
-    _write(t, *range(8))
+    write_all(t, *range(8))
     theirs = os.path.join(root, "tenant-b-namespace", "ab", "cd", "abcd" * 8)
     _sparse(theirs, 1 << 40)
     for _ in range(2):  # every cron run
@@ -535,7 +524,7 @@ def test_a_sparse_foreign_file_never_makes_evict_delete_everyones_chunks(root, m
 def test_a_sparse_chunk_in_the_namespace_counts_at_its_allocated_bytes(root, make_tier):
     """One sparse chunk-named file with our magic (1 TiB apparent) must not make a rescan evict the real chunks."""
     t = make_tier(root, capacity_bytes=10 * FILE)
-    _write(t, *range(8))
+    write_all(t, *range(8))
     name = "ee" * 36
     _sparse(os.path.join(t.ns_dir, "ee", "ee", name), 1 << 40, MAGIC, age=0)  # the most recent: evicted last
     t.rescan()
@@ -553,6 +542,6 @@ def test_the_tier_never_evicts_a_file_without_our_magic(root, make_tier):
         f.write(b"x" * FILE)
     os.utime(theirs, (time.time() - 86400,) * 2)
     t.rescan()
-    _write(t, 1, 2, 3, 4)
+    write_all(t, 1, 2, 3, 4)
     t.flush(10)
     assert os.path.exists(theirs), "the tier deleted a file without our magic"

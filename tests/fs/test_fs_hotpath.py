@@ -21,16 +21,10 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
-from fs_helpers import CHUNK, aligned, key, payload
+from fs_helpers import CHUNK, aligned, key, payload, filled
 from tpu_offload.core.fs import FileTier, FsMetrics
 from tpu_offload.core.fs import layout as fslayout
 from tpu_offload.core.fs import safedir
-
-
-def _buf(i):
-    b = aligned()
-    b[:] = payload(i)
-    return b
 
 
 @pytest.fixture
@@ -63,12 +57,12 @@ def _count(opens, fn):
 def test_each_operation_opens_only_the_fanout_dirs_and_the_file(root, make_tier, opens):
     t = make_tier(root, touch_interval_s=3600)  # no restamp during the counts
     k, kh = key(1), fslayout.key_hex(key(1))
-    assert t.submit_write(k, _buf(1)).wait(10)  # creates the fan-out and opens the namespace fd
+    assert t.submit_write(k, filled(1)).wait(10)  # creates the fan-out and opens the namespace fd
     os.unlink(t.path_of(k))
     out = aligned()
     # Two fan-out directories, then the temp file; the "already there" check shares that walk.
-    assert _count(opens, lambda: t.submit_write(k, _buf(1)).wait(10)) == (3, True)
-    assert _count(opens, lambda: t.submit_write(k, _buf(1)).wait(10)) == (2, True)  # already published
+    assert _count(opens, lambda: t.submit_write(k, filled(1)).wait(10)) == (3, True)
+    assert _count(opens, lambda: t.submit_write(k, filled(1)).wait(10)) == (2, True)  # already published
     assert t.counters()["writes_exist"] == 1
     assert _count(opens, lambda: t.read_into(k, out)) == (3, True)
     assert np.array_equal(out, payload(1))
@@ -84,39 +78,39 @@ def test_each_operation_opens_only_the_fanout_dirs_and_the_file(root, make_tier,
 def test_namespace_removed_and_recreated_under_the_tier(root, make_tier):
     t = make_tier(root)
     for i in (1, 2):
-        assert t.submit_write(key(i), _buf(i)).wait(10)
+        assert t.submit_write(key(i), filled(i)).wait(10)
     shutil.rmtree(t.ns_dir)
     os.mkdir(t.ns_dir)
     out = aligned()
     assert t.read_into(key(1), out) is False  # the old directory's file is gone: a miss
     assert t.files.stat(fslayout.key_hex(key(2))) is None  # (the index still lists it until a rescan)
-    assert t.submit_write(key(3), _buf(3)).wait(10)
+    assert t.submit_write(key(3), filled(3)).wait(10)
     assert os.path.isfile(t.path_of(key(3))), "the write went to the recreated directory"
     assert t.read_into(key(3), out) and np.array_equal(out, payload(3))
     shutil.rmtree(t.ns_dir)  # removed, not recreated: a read misses, a write recreates it (as before)
     assert t.read_into(key(3), out) is False
-    assert t.submit_write(key(4), _buf(4)).wait(10) and os.path.isfile(t.path_of(key(4)))
+    assert t.submit_write(key(4), filled(4)).wait(10) and os.path.isfile(t.path_of(key(4)))
     assert t.counters().get("read_errors", 0) == 0 and t.counters().get("writes_failed", 0) == 0
 
 
 def test_namespace_moved_away_is_left_within_the_recheck(root, make_tier):
     t = make_tier(root)
     t.files.ns.recheck_s = 0  # re-check the path before every operation
-    assert t.submit_write(key(1), _buf(1)).wait(10)
+    assert t.submit_write(key(1), filled(1)).wait(10)
     moved = os.path.join(root, "moved-away")
     os.rename(t.ns_dir, moved)
     os.mkdir(t.ns_dir)
-    assert t.submit_write(key(2), _buf(2)).wait(10)
+    assert t.submit_write(key(2), filled(2)).wait(10)
     assert os.path.isfile(t.path_of(key(2)))
     assert not any(fslayout.key_hex(key(2)) in f for _, _, fs in os.walk(moved) for f in fs)
 
 
 def test_namespace_replaced_by_a_symlink_under_the_tier(root, make_tier, outside):
     t = make_tier(root)
-    assert t.submit_write(key(1), _buf(1)).wait(10)
+    assert t.submit_write(key(1), filled(1)).wait(10)
     shutil.rmtree(t.ns_dir)
     os.symlink(outside, t.ns_dir)
-    ticket = t.submit_write(key(2), _buf(2))
+    ticket = t.submit_write(key(2), filled(2))
     assert ticket is not None and ticket.wait(10) is False
     assert t.counters()["dropped_unsafe_path"] == 1
     assert t.read_into(key(1), aligned()) is False and not t.contains(key(2))
@@ -141,7 +135,7 @@ def test_concurrent_io_while_the_namespace_is_recreated_leaks_no_fd(root, make_t
 
     th = threading.Thread(target=reader)
     th.start()
-    bufs = [_buf(i) for i in range(16)]
+    bufs = [filled(i) for i in range(16)]
     try:
         for _ in range(10):
             tickets = [t.submit_write(key(i), bufs[i]) for i in range(16)]
@@ -160,7 +154,7 @@ def test_concurrent_io_while_the_namespace_is_recreated_leaks_no_fd(root, make_t
 def test_estale_reopens_the_namespace_once(root, make_tier, monkeypatch):
     """NFS answers ESTALE for a directory the server no longer knows: re-open from the path."""
     t = make_tier(root)
-    assert t.submit_write(key(1), _buf(1)).wait(10)
+    assert t.submit_write(key(1), filled(1)).wait(10)
     real, fails = safedir.walk_at, [0]
 
     def stale_once(fd, names, **kw):
@@ -179,7 +173,7 @@ def test_estale_reopens_the_namespace_once(root, make_tier, monkeypatch):
 def test_an_unclosed_tier_leaks_no_namespace_fd(root, fp):
     before = len(os.listdir("/proc/self/fd"))
     t = FileTier(root, fp, CHUNK, capacity_bytes=None, threads=1, fs_metrics=FsMetrics(CollectorRegistry()))
-    assert t.submit_write(key(1), _buf(1)).wait(10) and t.files.stat(fslayout.key_hex(key(1))) is not None
+    assert t.submit_write(key(1), filled(1)).wait(10) and t.files.stat(fslayout.key_hex(key(1))) is not None
     t._workers.close(10)  # what an owner that forgets close() still ends: its threads
     del t
     gc.collect()

@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-from fs_helpers import FILE, aligned, key, layout, payload
+from fs_helpers import FILE, filled, key, layout, payload, write_all
 from tpu_offload.connector.fs import FsMover, reset_salt, salted
 from tpu_offload.core.config import OffloadConfig
 
@@ -17,17 +17,10 @@ def _files(ns_dir):
     return sorted(f for _, _, fs in os.walk(ns_dir) for f in fs if not f.startswith(".tmp."))
 
 
-def _write(t, *idx):
-    for i in idx:
-        b = aligned()
-        b[:] = payload(i)
-        assert t.submit_write(key(i), b).wait(30)
-
-
 def test_retire_deletes_the_namespace_files_ours_and_other_instances_but_not_foreign(root, make_tier):
     a, b = make_tier(root), make_tier(root)
-    _write(a, 1, 2)
-    _write(b, 3)  # another replica's, in the same namespace
+    write_all(a, 1, 2)
+    write_all(b, 3)  # another replica's, in the same namespace
     theirs = os.path.join(a.ns_dir, "ee", "ee", "ee" * 36)
     os.makedirs(os.path.dirname(theirs))
     with open(theirs, "wb") as f:

@@ -13,6 +13,7 @@ the stand-in forward checks every KV position A reads, so a forged hit would
 fail the run.
 """
 
+import functools
 import os
 
 import numpy as np
@@ -27,17 +28,12 @@ A, B = "tenant-a", "tenant-b"
 
 
 @pytest.fixture
-def make(harnesses, tmp_path):
+def make(fs_harness, tmp_path):
     secret = tmp_path / "secret"
     secret.write_text("deployment-secret-0123456789abcdef\n")
     os.chmod(secret, 0o600)
-
-    def _make(**extra):
-        return harnesses({"num_cpu_chunks": 32, "staging_blocks": 8, "blocks_per_chunk": 2,
-                          "shared_storage_path": str(tmp_path / "kv"), "fs_write_mode": "write_through",
-                          "fs_secret_file": str(secret), **extra})
-
-    return _make
+    return functools.partial(fs_harness, staging_blocks=8, blocks_per_chunk=2, fs_write_mode="write_through",
+                             fs_secret_file=str(secret))
 
 
 def auth_metric(h) -> float:

@@ -5,6 +5,7 @@ loaded; the stand-in forward checks every KV position it reads, so a wrong
 promotion fails the run.
 """
 
+import functools
 import os
 import time
 
@@ -18,12 +19,8 @@ BS = 16
 
 
 @pytest.fixture
-def make(harnesses, tmp_path):
-    def _make(**extra):
-        return harnesses({"num_cpu_chunks": 32, "staging_blocks": 8, "blocks_per_chunk": 2,
-                          "shared_storage_path": str(tmp_path / "kv"), **extra})
-
-    return _make
+def make(fs_harness):
+    return functools.partial(fs_harness, staging_blocks=8, blocks_per_chunk=2)
 
 
 def test_write_back_on_eviction_and_mixed_prefix(make, tmp_path):

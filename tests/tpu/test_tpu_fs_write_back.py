@@ -7,6 +7,7 @@ host tier evicts it, or the worker shuts down. A chunk the lag wrote is not
 written again on eviction; every file holds its slot's bytes.
 """
 
+import functools
 import time
 
 import numpy as np
@@ -20,12 +21,8 @@ BS = 16
 
 
 @pytest.fixture
-def make(harnesses, tmp_path):
-    def _make(**extra):
-        return harnesses({"num_cpu_chunks": 32, "staging_blocks": 16, "blocks_per_chunk": 1,
-                          "shared_storage_path": str(tmp_path / "kv"), "fs_write_mode": "write_back", **extra})
-
-    return _make
+def make(fs_harness):
+    return functools.partial(fs_harness, staging_blocks=16, blocks_per_chunk=1, fs_write_mode="write_back")
 
 
 def wait_files(root, n, timeout=20.0):

@@ -6,6 +6,7 @@ file with the slot's bytes. A queued write whose slot is overwritten first is
 dropped and counted, never written with the new bytes.
 """
 
+import functools
 import os
 import threading
 import time
@@ -21,13 +22,9 @@ BS = 16
 
 
 @pytest.fixture
-def make(harnesses, tmp_path):
-    def _make(**extra):
-        return harnesses({"num_cpu_chunks": 32, "staging_blocks": 16, "blocks_per_chunk": 1,
-                          "shared_storage_path": str(tmp_path / "kv"), "fs_write_mode": "write_through",
-                          "fs_threads": 1, "fs_queue_depth": 4, **extra})  # 2 copy buffers
-
-    return _make
+def make(fs_harness):
+    return functools.partial(fs_harness, staging_blocks=16, blocks_per_chunk=1, fs_write_mode="write_through",
+                             fs_threads=1, fs_queue_depth=4)  # 2 copy buffers
 
 
 def slow_writes(fs, gate: threading.Event | None = None, delay: float = 0.02):

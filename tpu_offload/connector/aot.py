@@ -26,7 +26,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from tpu_offload.jax_backend.engine import DEFAULT_MAX_SLAB_BYTES, plan_transfers
-from tpu_offload.jax_backend.layout import KVLayout
+from tpu_offload.jax_backend.layout import KVLayout, replicated_axes
 from tpu_offload.jax_backend.programs import Programs
 
 MIB = 1 << 20
@@ -197,6 +197,4 @@ def budget_failures(programs: Programs, figs: dict[str, Figures]) -> list[str]:
 
 def replicated_over(caches: Sequence, mesh: Mesh) -> tuple[str, ...]:
     """Mesh axes (of size > 1) over which every device of the cache holds the same bytes."""
-    spec = tuple(caches[0].sharding.spec)
-    used = {a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)}
-    return tuple(a for a in mesh.axis_names if mesh.shape[a] > 1 and a not in used)
+    return tuple(replicated_axes(mesh, tuple(caches[0].sharding.spec)))

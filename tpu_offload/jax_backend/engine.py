@@ -234,30 +234,44 @@ class TransferEngine:
         self.slabs = tuple(per_group[:k] + (s,) + per_group[k + 1:] for per_group, s in zip(self.slabs, new))
 
     def _load_pass(self, kv_caches, part: Sequence[LoadChunk]):
-        c, n = self.staging_chunks, self.staging_blocks
+        n = self.staging_blocks
         dst = np.concatenate([np.asarray(x.blocks, dtype=np.int64) for x in part])  # chunk i at staging chunk i
-        for i, x in enumerate(part if self.path == "device_put" else ()):
-            chunk = jax.device_put(self.host[x.slot], self.programs.chunk_sh)  # H2D, queued by the runtime
-            self.staging = self.programs.put_chunk()(self.staging, chunk, ints([i], 1, 0))
-        for k, pos, rows in self._by_slab([x.slot for x in part] if self.path == "program" else ()):
-            self.staging, _ = self.programs.load(self.programs.slab_rows[k])(
-                self.staging, tuple(g[k] for g in self.slabs), ints(rows, c, 0), ints(pos, c, 0), ints([len(pos)], 1, 0))
+        self._host_to_staging([x.slot for x in part])
         keep = np.flatnonzero(dst >= 0)  # -1: already computed, not written
         grouped, done = self.programs.scatter()(self._grouped(kv_caches), self.staging, ints(dst[keep], n, 0),
                                                ints(keep, n, 0), ints([len(keep)], 1, 0))
         return self._ungroup(grouped, kv_caches), done
 
     def _store_pass(self, kv_caches, part: Sequence[StoreChunk]):
-        c, n = self.staging_chunks, self.staging_blocks
+        n = self.staging_blocks
         ids = np.concatenate([np.asarray(x.blocks, dtype=np.int32) for x in part])
         self.staging = self.programs.gather()(self._grouped(kv_caches), self.staging, ints(ids, n, 0),
                                               ints([len(ids)], 1, 0))
+        return self._staging_to_host([x.slot for x in part])
+
+    def _host_to_staging(self, slots: Sequence[int]) -> None:
+        """Slot ``slots[i]`` into staging chunk i, by this engine's host path."""
+        if self.path == "device_put":
+            for i, slot in enumerate(slots):
+                chunk = jax.device_put(self.host[slot], self.programs.chunk_sh)  # H2D, queued by the runtime
+                self.staging = self.programs.put_chunk()(self.staging, chunk, ints([i], 1, 0))
+            return
+        c = self.staging_chunks
+        for k, pos, rows in self._by_slab(slots):
+            self.staging, _ = self.programs.load(self.programs.slab_rows[k])(
+                self.staging, tuple(g[k] for g in self.slabs), ints(rows, c, 0), ints(pos, c, 0), ints([len(pos)], 1, 0))
+
+    def _staging_to_host(self, slots: Sequence[int]) -> Done:
+        """Staging chunk i into slot ``slots[i]``, by this engine's host path."""
         dones = []
-        for i, x in enumerate(part if self.path == "device_put" else ()):
-            chunk = self.programs.take_chunk()(self.staging, ints([i], 1, 0))
-            self.host[x.slot] = jax.device_put(chunk, self.programs.host_chunk_sh)  # D2H, outside any program
-            dones.extend(self.host[x.slot])
-        for k, pos, rows in self._by_slab([x.slot for x in part] if self.path == "program" else ()):
+        if self.path == "device_put":
+            for i, slot in enumerate(slots):
+                chunk = self.programs.take_chunk()(self.staging, ints([i], 1, 0))
+                self.host[slot] = jax.device_put(chunk, self.programs.host_chunk_sh)  # D2H, outside any program
+                dones.extend(self.host[slot])
+            return Done(dones)
+        c = self.staging_chunks
+        for k, pos, rows in self._by_slab(slots):
             new, done = self.programs.store(self.programs.slab_rows[k])(
                 tuple(g[k] for g in self.slabs), self.staging, ints(rows, c, 0), ints(pos, c, 0), ints([len(pos)], 1, 0))
             self._set_slab(k, new)

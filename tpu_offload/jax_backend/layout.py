@@ -199,8 +199,7 @@ def _group(mesh: Mesh, key: tuple, layers: tuple, sharding: NamedSharding, num_b
         raise ValueError(
             f"the KV cache's block dimension is split over mesh axes {block_axes} ({split} ways): that is "
             "data-parallel attention, which the offload connector does not support (DP=1 only)")
-    used = {a for entry in spec for a in _axes(entry)}
-    copies = [a for a in mesh.axis_names if mesh.shape[a] > 1 and a not in used]
+    copies = replicated_axes(mesh, spec)
     if copies:
         raise ValueError(
             f"the KV cache (block shape {block_shape}) is replicated over mesh axes {copies} "
@@ -227,6 +226,12 @@ def _group(mesh: Mesh, key: tuple, layers: tuple, sharding: NamedSharding, num_b
         shards=math.prod(mesh.shape[a] for a in shard_axes), head_axes=head_axes, head_shards=head_shards,
         replicas=max(1, head_replicas),
     )
+
+
+def replicated_axes(mesh: Mesh, spec) -> list[str]:
+    """Mesh axes (of size > 1) a cache's spec does not split it over: every device along them holds the same bytes."""
+    used = {a for entry in spec for a in _axes(entry)}
+    return [a for a in mesh.axis_names if mesh.shape[a] > 1 and a not in used]
 
 
 def _spec(sharding, ndim: int) -> tuple:
