@@ -106,7 +106,8 @@ class Case:
             c = eng.staging_chunks
             idx = np.zeros(c, np.int32)
             idx[: self.n] = np.arange(self.n)
-            cnt = np.array([self.n], np.int32)
+            groups = len(eng.layout.groups)
+            idx, cnt = (idx,) * groups, np.full(groups, self.n, np.int32)
             store_prog, load_prog = eng.programs.store(), eng.programs.load()
 
             def xfer_store():

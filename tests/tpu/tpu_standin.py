@@ -103,8 +103,13 @@ class StandInRunner:
     """tpu-inference's runner surface plus a checking toy forward."""
 
     def __init__(self, mesh, *, num_blocks: int, block_size: int, layers: int = 2, kv_heads: int = 4,
-                 head_dim: int = 64, dtype=jnp.float32, max_tokens_per_step: int = 512):
+                 head_dim: int = 64, dtype=jnp.float32, max_tokens_per_step: int = 512,
+                 window: int | None = None):
         self.mesh = mesh
+        # Sliding-window layers (even ones, as gpt-oss): a token at p attends positions > p - window only,
+        # so those layers' KV is checked only there.
+        self.window = window
+        self.sliding = {i for i in range(layers) if i % 2 == 0} if window else set()
         self.devices = list(mesh.devices.flat)
         self.num_blocks, self.block_size = num_blocks, block_size
         self.layers, self.heads, self.dim = layers, 2 * kv_heads, head_dim
@@ -197,11 +202,12 @@ class StandInRunner:
                 pos = np.arange(start)
                 b = np.asarray(blocks)[pos // bs]
                 for layer in range(self.layers):
-                    want = kv_rows(h[:start], layer, self.heads, self.dim, self.dtype)
-                    got = host[layer][b, pos % bs]
+                    lo = max(0, start - self.window) if layer in self.sliding else 0  # what attention reads
+                    want = kv_rows(h[:start], layer, self.heads, self.dim, self.dtype)[lo:]
+                    got = host[layer][b[lo:], pos[lo:] % bs]
                     if not np.array_equal(got.view(np.uint8), want.view(np.uint8)):
-                        wrong = np.any((got.view(np.uint8) != want.view(np.uint8)).reshape(start, -1), axis=1)
-                        bad = int(np.argmax(wrong))
+                        wrong = np.any((got.view(np.uint8) != want.view(np.uint8)).reshape(start - lo, -1), axis=1)
+                        bad = lo + int(np.argmax(wrong))
                         suspects[rid] = (bad, layer)
                         break
                 self.checked_positions += start
@@ -228,13 +234,13 @@ class StandInRunner:
 # ---- the harness: real vLLM scheduler + our connector on both sides ----------
 def make_vllm_config(model_dir: str, *, block_size: int, num_blocks: int, extra: dict,
                      max_num_batched_tokens: int = 512, max_num_seqs: int = 8,
-                     failure_policy: str = "recompute", dtype: str = "float32"):
+                     failure_policy: str = "recompute", dtype: str = "float32", prefix_caching: bool = True):
     from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
 
     mc = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype=dtype, max_model_len=2048, seed=0)
     sc = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                          max_model_len=2048, enable_chunked_prefill=True, is_encoder_decoder=False)
-    cc = CacheConfig(block_size=block_size, enable_prefix_caching=True)
+    cc = CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching)
     kv = KVTransferConfig(kv_connector="TPUOffloadConnector", kv_connector_module_path="tpu_offload.connector",
                           kv_role="kv_both", kv_connector_extra_config=extra, kv_load_failure_policy=failure_policy)
     vc = VllmConfig(model_config=mc, scheduler_config=sc, cache_config=cc, kv_transfer_config=kv,
@@ -246,7 +252,8 @@ def make_vllm_config(model_dir: str, *, block_size: int, num_blocks: int, extra:
 class Harness:
     def __init__(self, mesh, model_dir: str, *, block_size: int = 16, num_blocks: int = 64, extra: dict,
                  dtype=jnp.float32, max_num_batched_tokens: int = 512, kv_heads: int = 4, head_dim: int = 64,
-                 layers: int = 2, async_scheduling: bool = False):
+                 layers: int = 2, async_scheduling: bool = False, window: int | None = None,
+                 prefix_caching: bool = True):
         from vllm.distributed.kv_transfer import kv_transfer_state
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -260,7 +267,12 @@ class Harness:
         tdtype = torch.bfloat16 if dtype == jnp.bfloat16 else torch.float32
         self.vc = make_vllm_config(model_dir, block_size=block_size, num_blocks=num_blocks, extra=extra,
                                    max_num_batched_tokens=max_num_batched_tokens,
-                                   dtype="bfloat16" if dtype == jnp.bfloat16 else "float32")
+                                   dtype="bfloat16" if dtype == jnp.bfloat16 else "float32",
+                                   prefix_caching=prefix_caching)
+        if window:  # the model config tpu-inference would read: sliding on even layers (as gpt-oss)
+            hf = self.vc.model_config.hf_config
+            hf.sliding_window, hf.num_hidden_layers = window, layers
+            hf.layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
         groups = [KVCacheGroupSpec([f"layers.{i}" for i in range(layers)],
                                    FullAttentionSpec(block_size=block_size, num_kv_heads=kv_heads,
                                                      head_size=head_dim, dtype=tdtype))]
@@ -275,7 +287,7 @@ class Harness:
         kv_transfer_state._KV_CONNECTOR_AGENT = self.conn_w
         self.runner = StandInRunner(mesh, num_blocks=num_blocks, block_size=block_size, layers=layers,
                                     kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
-                                    max_tokens_per_step=max_num_batched_tokens)
+                                    max_tokens_per_step=max_num_batched_tokens, window=window)
         self.conn_w.register_runner(self.runner)
         init_none_hash(sha256)
         self._hasher = get_request_block_hasher(block_size, sha256)
@@ -364,17 +376,21 @@ class Harness:
             slot = self.sch.manager.slot_of(key)
             if slot is None or key not in self.tokens:
                 continue
-            if slabs is None:  # device_put path: the slot's own host array
-                got = np.asarray(eng.host[slot][0])
-            else:
-                k, row = divmod(slot, eng.rows_per_slab)
-                got = slabs[0][k][row]
-            want = expected_chunk(self.tokens[key], self._chunk_index(key), self.sch.chunk_tokens, r.layers,
-                                  r.heads, r.dim, r.dtype, self.block_size)
-            # Host layout: the cache's own block shape and dtype, sharded over heads like the cache.
-            assert got.shape == want.shape and got.dtype == want.dtype, (got.shape, want.shape)
-            assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), \
-                f"host slot {slot} holds the wrong KV for its key"
+            want_all = expected_chunk(self.tokens[key], self._chunk_index(key), self.sch.chunk_tokens, r.layers,
+                                      r.heads, r.dim, r.dtype, self.block_size)
+            for gi, g in enumerate(eng.layout.groups):
+                if g.kv_group == 1 and not self.sch._tail.get(key):
+                    continue  # sliding-window layers of a chunk stored without them: nothing to check
+                if slabs is None:  # device_put path: the slot's own host array
+                    got = np.asarray(eng.host[slot][gi])
+                else:
+                    k, row = divmod(slot, eng.rows_per_slab)
+                    got = slabs[gi][k][row]
+                want = want_all[:, list(g.layers)]
+                # Host layout: the cache's own block shape and dtype, sharded over heads like the cache.
+                assert got.shape == want.shape and got.dtype == want.dtype, (got.shape, want.shape)
+                assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), \
+                    f"host slot {slot} holds the wrong KV for its key"
             n += 1
         return n
 

@@ -25,6 +25,9 @@ class LoadOp:
     blocks: list[int]  # blocks_per_chunk destination ids per slot; -1 = already computed
     async_load: bool  # report the request in finished_recving when its last op completes
     last: bool  # the request's final load op
+    # Sliding-window layers ("window" mode): their destination ids, as ``blocks``, -1 for blocks
+    # outside the window before the hit's end. Empty: those layers load ``blocks`` like the rest.
+    window: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -37,6 +40,7 @@ class StoreOp:
     # write-back: (slot, key, salt) of chunks this allocation evicts, written first
     evict: list[tuple[int, bytes, bytes]] = dataclasses.field(default_factory=list)
     salt: bytes = b""  # the request's cache_salt: the tenant keys of its files (b"": the deployment's)
+    window: list[int] = dataclasses.field(default_factory=list)  # as LoadOp's: -1 = not stored for those layers
 
 
 @dataclasses.dataclass

@@ -22,6 +22,11 @@ Invariants this file keeps (each one a defect of the upstream connector):
   are looked up, named and signed with the request's ``cache_salt``
   (``request_salt``; per-tenant keys with the tier's secret), and the salt
   travels with every store, promotion and write-back order to the workers.
+* Sliding-window layers in "window" mode (``connector/windows.py``): a
+  store carries their blocks only for the chunks within ``tail_blocks`` of
+  the end of what the request can store at that step, and ``_tail`` records
+  which chunks have them. A hit ends only where every chunk of the tail
+  before it has them; its load writes those layers' blocks only there.
 * A chunk is loaded asynchronously for one request at a time: a request
   whose load would include a chunk another request is loading waits (its
   lookup returns ``None``) until vLLM has cached that request's blocks, then
@@ -77,6 +82,8 @@ class OffloadScheduler:
         self.bpc = s.blocks_per_chunk
         self.chunk_tokens = s.chunk_tokens
         self.manager = LRUChunkManager(s.num_slots, s.chunk_bytes, enable_events=cfg.enable_events)
+        self.tail = s.tail_blocks  # 0: every layer stores every block
+        self._tail: dict[ChunkKey, bool] = {}  # "window" mode: chunks stored with their sliding-window layers
         self.async_load = not cfg.sync_load
         self.decode_save = cfg.decode_save
         self.events = EventTranslator(s.block_size, s.blocks_per_chunk)
@@ -136,6 +143,17 @@ class OffloadScheduler:
                     return i
         return n
 
+    def _tail_start(self, end: int) -> int:
+        """First chunk whose sliding-window blocks a prefix of ``end`` chunks needs."""
+        return max(0, end * self.bpc - self.tail) // self.bpc
+
+    def _window_hit(self, keys: list[ChunkKey], n: int, on_fs: list[bool]) -> int:
+        """The longest prefix (<= n chunks) whose tail chunks hold their sliding-window layers."""
+        for m in range(n, 0, -1):
+            if all(self._tail.get(keys[c], False) and not on_fs[c] for c in range(self._tail_start(m), m)):
+                return m
+        return 0
+
     def _prefix(self, keys: list[ChunkKey], salt: bytes = b"") -> tuple[int, list[bool]]:
         """Leading chunks any tier can serve, and which of them only exist as files.
 
@@ -165,6 +183,9 @@ class OffloadScheduler:
                     on_fs.pop()
                     break
                 n += 1
+        if self.tail and n:
+            n = self._window_hit(keys, n, on_fs)
+            on_fs = on_fs[:n]
         return n, on_fs
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -258,13 +279,18 @@ class OffloadScheduler:
                 slot_of = dict(zip(alloc.keys, (int(x) for x in alloc.slots)))
                 for i in fs_idx:
                     slots[i] = slot_of[load_keys[i]]
+                    self._tail[load_keys[i]] = False  # a file does not say whether it holds them
                     self.events.record(load_keys[i], request, first + i)
         dst: list[int] = []
         for c in range(first, n_hit):
             for b in range(c * self.bpc, (c + 1) * self.bpc):
                 dst.append(block_ids[b] if b >= skip else -1)
+        window: list[int] = []
+        if self.tail:
+            tail = self._tail_start(n_hit) * self.bpc
+            window = [b if (first * self.bpc + i) >= tail else -1 for i, b in enumerate(dst)]
         self.loads.add(LoadPlan(request.request_id, load_async, load_keys, slots, dst, ready,
-                                to_promote=fs_idx, evict=evict, salt=salt))
+                                to_promote=fs_idx, evict=evict, salt=salt, window=window))
         if load_async:
             self.loading.add(request.request_id, load_keys)
         if not st.looked_up:
@@ -376,24 +402,36 @@ class OffloadScheduler:
             slot_of = dict(zip(alloc.keys, (int(x) for x in alloc.slots)))
             if block_ids is None:
                 block_ids = compat.request_block_ids(self.kv_cache_manager, st.request.request_id)
-            slots, blocks, okeys = [], [], []
+            slots, blocks, okeys, window = [], [], [], []
+            tail = self._tail_start(n)
             for c in cand:
                 k = keys[c]
                 if k not in slot_of:
                     continue
                 slots.append(slot_of[k])
                 okeys.append(k)
-                blocks.extend(block_ids[c * self.bpc : (c + 1) * self.bpc])
+                ids = block_ids[c * self.bpc : (c + 1) * self.bpc]
+                blocks.extend(ids)
+                if self.tail:  # sliding-window layers: only the chunks a request continuing this one reads
+                    window.extend(ids if c >= tail else [-1] * len(ids))
+                    self._tail[k] = c >= tail
                 self.events.record(k, st.request, c)
+            if self.tail:
+                self._prune_tail()
             if slots:
                 op = StoreOp(next(self._ids), st.request.request_id, slots, blocks,
                              keys=[bytes(k) for k in okeys] if self._fs_lookup is not None else [], evict=evict,
-                             salt=salt)
+                             salt=salt, window=window)
                 meta.stores.append(op)
                 self._store_orders[op.op_id] = Order(op.req_id, okeys, slots)
                 budget -= len(slots) * self.bpc
         st.cursor = i
         return i >= n, budget
+
+    def _prune_tail(self) -> None:
+        """Forget evicted chunks, so ``_tail`` stays bounded by the tier's size."""
+        if len(self._tail) > 2 * self.s.num_slots + 64:
+            self._tail = {k: v for k, v in self._tail.items() if self.manager.lookup(k) is not Lookup.MISS}
 
     # ---- feedback ----------------------------------------------------------
     def update_connector_output(self, output) -> None:
@@ -497,6 +535,7 @@ class OffloadScheduler:
         """
         self.manager.reset()
         self._quarantine.clear()
+        self._tail.clear()
         self._slot_of.clear()
         self._salt_of.clear()
         self._fs_bad.clear()

@@ -15,7 +15,7 @@ import logging
 import os
 from typing import Mapping
 
-from tpu_offload.connector import compat
+from tpu_offload.connector import compat, windows as sliding
 from tpu_offload.core.config import ConfigError, OffloadConfig
 
 log = logging.getLogger(__name__)
@@ -31,6 +31,12 @@ class Settings:
     staging_blocks: int  # whole chunks' worth of blocks
     kv_replicas: int = 1  # times tpu-inference repeats each KV head (TP > KV heads); stored once
     hbm_utilization: float | None = None  # vLLM's gpu_memory_utilization: 1 - it stays the model's
+    windows: sliding.Windows | None = None  # sliding-window layers offloaded by their window only
+
+    @property
+    def tail_blocks(self) -> int:
+        """Blocks before a prefix's end whose sliding-window KV a hit needs (0: no windowed layers)."""
+        return self.windows.tail_blocks(self.block_size) if self.windows is not None else 0
 
     @property
     def chunk_tokens(self) -> int:
@@ -90,4 +96,5 @@ def resolve(vllm_config, kv_cache_config, env: Mapping[str, str] | None = None) 
         config=cfg, block_size=block_size, blocks_per_chunk=bpc, num_slots=num_slots,
         chunk_bytes=chunk_bytes, staging_blocks=cfg.staging_blocks // bpc * bpc, kv_replicas=kv_replicas,
         hbm_utilization=getattr(vllm_config.cache_config, "gpu_memory_utilization", None),
+        windows=sliding.resolve(cfg.sliding_window, vllm_config),
     )

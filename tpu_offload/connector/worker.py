@@ -92,6 +92,7 @@ class OffloadWorker:
         self._snapshot_checked = False
         self._reset_salt = ""  # the scheduler's latest reset (see OffloadScheduler.reset_cache)
         self._at_exit = None  # registered with atexit while file writes or a snapshot could be lost
+        self._windowed = False  # sliding-window layers stored by their window only (set at registration)
 
     # ---- setup -------------------------------------------------------------
     def register_runner(self, runner) -> None:
@@ -99,8 +100,11 @@ class OffloadWorker:
         self.runner = runner
         self._pidx = jax.process_index()
         self._report = OffloadReport(process_count=jax.process_count())
+        windows = self.s.windows  # "window" mode: sliding-window layers form their own groups (class 1)
+        classes = windows.cache_classes(runner, len(runner.kv_caches)) if windows is not None else None
         layout = KVLayout.from_caches(runner.kv_caches, getattr(runner, "mesh", None),
-                                      head_replicas=self.s.kv_replicas)
+                                      head_replicas=self.s.kv_replicas, kv_groups=classes)
+        self._windowed = layout.kv_groups > 1
         layout_name = runner.get_kv_cache_layout() if hasattr(runner, "get_kv_cache_layout") else "NHD"
         if layout_name not in (None, "NHD"):
             raise ValueError(f"KV cache layout {layout_name!r}: the offload connector needs NHD")
@@ -189,11 +193,11 @@ class OffloadWorker:
                     # A host that cannot serve a chunk still loads it (and reports its blocks as
                     # errors, so they are recomputed): a host that skipped it alone would launch a
                     # different program than its peers and stall their collectives.
-                    chunks.append(LoadChunk(slot, blocks))
+                    chunks.append(LoadChunk(slot, blocks, self._by_class(op, i)))
                 if not ok:
                     bad.setdefault(op.op_id, []).append(slot)
                     self._load_errors.update(b for b in blocks if b >= 0)
-        nbytes = len(chunks) * self.engine.chunk_bytes
+        nbytes = self.engine.moved_bytes(chunks)
         done = None
         if chunks:
             try:
@@ -206,6 +210,14 @@ class OffloadWorker:
                 self._fail_loads(meta.loads, bad)
                 done = None
         self._flights.append(_Flight(done, "load", list(meta.loads), bad, nbytes, time.perf_counter()))
+
+    def _by_class(self, op, i: int):
+        """Chunk ``i`` of ``op``'s ids per layer class: (full-attention layers, sliding-window layers)."""
+        if not self._windowed:
+            return None
+        bpc = self.s.blocks_per_chunk
+        blocks = op.blocks[i * bpc : (i + 1) * bpc]
+        return (blocks, op.window[i * bpc : (i + 1) * bpc] if op.window else blocks)
 
     def _hand_back(self, caches: list) -> None:
         self.runner.kv_caches = caches
@@ -222,7 +234,7 @@ class OffloadWorker:
             self._write_back(op.evict)  # before the slots get new bytes
         if meta.stores:
             bpc = self.s.blocks_per_chunk
-            chunks = [StoreChunk(slot, op.blocks[i * bpc : (i + 1) * bpc])
+            chunks = [StoreChunk(slot, op.blocks[i * bpc : (i + 1) * bpc], self._by_class(op, i))
                       for op in meta.stores for i, slot in enumerate(op.slots)]
             if self.fs is not None:
                 self.fs.overwrite([c.slot for c in chunks])  # never write a slot's next bytes under this key
@@ -234,7 +246,7 @@ class OffloadWorker:
                 done = None
                 bad = {op.op_id: list(op.slots) for op in meta.stores}
             self._flights.append(_Flight(done, "store", list(meta.stores), bad,
-                                         len(chunks) * self.engine.chunk_bytes, time.perf_counter()))
+                                         self.engine.moved_bytes(chunks), time.perf_counter()))
         self._poll()
 
     def _check_snapshot(self, meta: OffloadMetadata) -> None:

@@ -251,6 +251,7 @@ _SETTINGS: tuple[_Setting, ...] = (
     _Setting("host_memory_margin", _margin, "TPU_OFFLOAD_HOST_MEMORY_MARGIN", ("host_memory_margin",)),
     _Setting("transfer_path", _choice("auto", "program", "device_put"), "TPU_OFFLOAD_TRANSFER_PATH",
              ("transfer_path",)),
+    _Setting("sliding_window", _choice("auto", "window", "all"), "TPU_OFFLOAD_SLIDING_WINDOW", ("sliding_window",)),
     _Setting("skip_precompile", _bool, "TPU_OFFLOAD_SKIP_JAX_PRECOMPILE", ("skip_precompile",)),
     _Setting("block_buckets", _int_list, "TPU_OFFLOAD_BLOCK_SIZE_BUCKETS", ("block_buckets",)),  # accepted; no effect
     _Setting("save_threads", _int(1, 256), "TPU_OFFLOAD_SAVE_THREADS", ("save_threads",)),
@@ -315,6 +316,10 @@ class OffloadConfig:
     # TPU host path: "program" (preallocated slabs written by compiled programs), "device_put" (per-slot
     # host arrays sent by the runtime, overlapping compute), "auto" (device_put on TPU, program elsewhere)
     transfer_path: str = "auto"
+    # Sliding-window layers: "window" stores and loads only the blocks a later request can attend to (the
+    # window before a prefix's end); "all" moves every block; "auto": "window" where that is safe (see
+    # connector/windows.py), else "all".
+    sliding_window: str = "auto"
     skip_precompile: bool = False
     block_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     save_threads: int = 1

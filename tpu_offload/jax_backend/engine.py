@@ -50,12 +50,22 @@ DEFAULT_MAX_SLAB_BYTES = 16 << 30
 class LoadChunk:
     slot: int
     blocks: Sequence[int]  # bpc destination block ids; -1 = already computed, skip
+    # With several KV-cache groups: bpc ids per group (each group has its own block table); -1 = skip
+    # (a sliding-window group's blocks outside the window). None: ``blocks`` for every group.
+    by_group: Sequence[Sequence[int]] | None = None
+
+    def ids(self, kv_group: int) -> Sequence[int]:
+        return self.blocks if self.by_group is None else self.by_group[kv_group]
 
 
 @dataclasses.dataclass(frozen=True)
 class StoreChunk:
     slot: int
     blocks: Sequence[int]  # bpc source block ids
+    by_group: Sequence[Sequence[int]] | None = None  # as LoadChunk's: -1 = this group's block is not stored
+
+    def ids(self, kv_group: int) -> Sequence[int]:
+        return self.blocks if self.by_group is None else self.by_group[kv_group]
 
 
 PATHS = ("program", "device_put")
@@ -158,6 +168,11 @@ class TransferEngine:
     def slab_bytes(self) -> int:
         return self.num_slots * self.chunk_bytes
 
+    def moved_bytes(self, chunks: Sequence[LoadChunk | StoreChunk]) -> int:
+        """Distinct bytes (all devices) the blocks of ``chunks`` move: each group only its blocks that are not -1."""
+        return sum(g.block_bytes * sum(1 for c in chunks for b in c.ids(g.kv_group) if b >= 0)
+                   for g in self.layout.groups)
+
     def precompile(self) -> None:
         self.programs.precompile(self.path)
 
@@ -206,24 +221,15 @@ class TransferEngine:
     def row_views(self, slot: int) -> list[np.ndarray]:
         """This process's bytes of ``slot`` in every group's slab (writable views)."""
         if self.path == "device_put":
-            if self.host[slot] is None:  # a file read into a slot no store has made yet
-                self.host[slot] = tuple(jax.device_put(np.zeros(a.shape, a.dtype), a.sharding)
-                                        for a in self.programs.host_chunk_avals())
+            held = self.host[slot] or (None,) * len(self.layout.groups)
+            if any(a is None for a in held):  # a file read into a slot no store has (fully) made yet
+                self.host[slot] = tuple(jax.device_put(np.zeros(av.shape, av.dtype), av.sharding) if a is None else a
+                                        for a, av in zip(held, self.programs.host_chunk_avals()))
             return [v for a in self.host[slot] for v in hostview.array_views(a)]
         k, row = divmod(slot, self.rows_per_slab)
         return [v for per_group in self.slabs for v in hostview.row_views(per_group[k], row)]
 
     # ---- passes ------------------------------------------------------------
-    def _grouped(self, kv_caches):
-        return tuple(tuple(kv_caches[i] for i in g.layers) for g in self.layout.groups)
-
-    def _ungroup(self, grouped, like: list) -> list:
-        out = list(like)
-        for g, arrays in zip(self.layout.groups, grouped):
-            for i, a in zip(g.layers, arrays):
-                out[i] = a
-        return out
-
     def _by_slab(self, slots: Sequence[int]):
         """Chunk positions grouped by slab: [(slab, positions in ``slots``, rows in the slab)]."""
         slots = np.asarray(slots, dtype=np.int64)
@@ -233,47 +239,77 @@ class TransferEngine:
     def _set_slab(self, k: int, new) -> None:
         self.slabs = tuple(per_group[:k] + (s,) + per_group[k + 1:] for per_group, s in zip(self.slabs, new))
 
+    def _block_lists(self, part):
+        """Per group: (block ids, staging positions) of the blocks it moves (-1 ids are skipped;
+        chunk i of the pass is staging chunk i)."""
+        out = []
+        for g in self.layout.groups:
+            ids = np.concatenate([np.asarray(x.ids(g.kv_group), dtype=np.int64) for x in part])
+            keep = np.flatnonzero(ids >= 0)
+            out.append((ids[keep], keep))
+        return out
+
     def _load_pass(self, kv_caches, part: Sequence[LoadChunk]):
         n = self.staging_blocks
-        dst = np.concatenate([np.asarray(x.blocks, dtype=np.int64) for x in part])  # chunk i at staging chunk i
-        self._host_to_staging([x.slot for x in part])
-        keep = np.flatnonzero(dst >= 0)  # -1: already computed, not written
-        grouped, done = self.programs.scatter()(self._grouped(kv_caches), self.staging, ints(dst[keep], n, 0),
-                                               ints(keep, n, 0), ints([len(keep)], 1, 0))
-        return self._ungroup(grouped, kv_caches), done
+        lists = self._block_lists(part)
+        self._host_to_staging([x.slot for x in part], [self._chunks_moved(pos) for _, pos in lists])
+        caches, done = self.programs.scatter()(
+            tuple(kv_caches), self.staging, tuple(ints(ids, n, 0) for ids, _ in lists),
+            tuple(ints(pos, n, 0) for _, pos in lists), ints([len(ids) for ids, _ in lists], len(lists), 0))
+        return list(caches), done
 
     def _store_pass(self, kv_caches, part: Sequence[StoreChunk]):
         n = self.staging_blocks
-        ids = np.concatenate([np.asarray(x.blocks, dtype=np.int32) for x in part])
-        self.staging = self.programs.gather()(self._grouped(kv_caches), self.staging, ints(ids, n, 0),
-                                              ints([len(ids)], 1, 0))
-        return self._staging_to_host([x.slot for x in part])
+        lists = self._block_lists(part)
+        self.staging = self.programs.gather()(
+            tuple(kv_caches), self.staging, tuple(ints(ids, n, 0) for ids, _ in lists),
+            tuple(ints(pos, n, 0) for _, pos in lists), ints([len(ids) for ids, _ in lists], len(lists), 0))
+        return self._staging_to_host([x.slot for x in part], [self._chunks_moved(pos) for _, pos in lists])
 
-    def _host_to_staging(self, slots: Sequence[int]) -> None:
-        """Slot ``slots[i]`` into staging chunk i, by this engine's host path."""
+    def _chunks_moved(self, positions) -> np.ndarray:
+        """Which chunks of the pass (by index) a group moves at all."""
+        return np.unique(np.asarray(positions, dtype=np.int64) // self.bpc)
+
+    def _host_to_staging(self, slots: Sequence[int], moved: Sequence[np.ndarray]) -> None:
+        """Slot ``slots[i]`` into staging chunk i, by this engine's host path; group g only
+        for the chunks in ``moved[g]``."""
         if self.path == "device_put":
-            for i, slot in enumerate(slots):
-                chunk = jax.device_put(self.host[slot], self.programs.chunk_sh)  # H2D, queued by the runtime
-                self.staging = self.programs.put_chunk()(self.staging, chunk, ints([i], 1, 0))
+            staging = list(self.staging)
+            for gi, chunks in enumerate(moved):
+                put = self.programs.put_chunk(gi)
+                for i in chunks:
+                    host = self.host[slots[i]]
+                    if host is None or host[gi] is None:
+                        raise RuntimeError(f"host slot {slots[i]} holds nothing for layer group {gi}")
+                    chunk = jax.device_put(host[gi], self.programs.chunk_sh[gi])  # H2D, queued by the runtime
+                    staging[gi] = put(staging[gi], chunk, ints([i], 1, 0))
+            self.staging = tuple(staging)
             return
         c = self.staging_chunks
         for k, pos, rows in self._by_slab(slots):
+            sel = [np.isin(pos, chunks) for chunks in moved]
             self.staging, _ = self.programs.load(self.programs.slab_rows[k])(
-                self.staging, tuple(g[k] for g in self.slabs), ints(rows, c, 0), ints(pos, c, 0), ints([len(pos)], 1, 0))
+                self.staging, tuple(g[k] for g in self.slabs), tuple(ints(rows[m], c, 0) for m in sel),
+                tuple(ints(pos[m], c, 0) for m in sel), ints([int(m.sum()) for m in sel], len(sel), 0))
 
-    def _staging_to_host(self, slots: Sequence[int]) -> Done:
-        """Staging chunk i into slot ``slots[i]``, by this engine's host path."""
+    def _staging_to_host(self, slots: Sequence[int], moved: Sequence[np.ndarray]) -> Done:
+        """Staging chunk i into slot ``slots[i]``, by this engine's host path; group g only for the
+        chunks in ``moved[g]`` (a slot's other groups keep bytes no load will ask for)."""
         dones = []
         if self.path == "device_put":
             for i, slot in enumerate(slots):
                 chunk = self.programs.take_chunk()(self.staging, ints([i], 1, 0))
-                self.host[slot] = jax.device_put(chunk, self.programs.host_chunk_sh)  # D2H, outside any program
-                dones.extend(self.host[slot])
+                host = [jax.device_put(a, sh) if i in m else None  # D2H, outside any program
+                        for a, sh, m in zip(chunk, self.programs.host_chunk_sh, moved)]
+                self.host[slot] = tuple(host)
+                dones.extend(a for a in host if a is not None)
             return Done(dones)
         c = self.staging_chunks
         for k, pos, rows in self._by_slab(slots):
+            sel = [np.isin(pos, chunks) for chunks in moved]
             new, done = self.programs.store(self.programs.slab_rows[k])(
-                tuple(g[k] for g in self.slabs), self.staging, ints(rows, c, 0), ints(pos, c, 0), ints([len(pos)], 1, 0))
+                tuple(g[k] for g in self.slabs), self.staging, tuple(ints(rows[m], c, 0) for m in sel),
+                tuple(ints(pos[m], c, 0) for m in sel), ints([int(m.sum()) for m in sel], len(sel), 0))
             self._set_slab(k, new)
             dones.append(done)
         return Done(dones)

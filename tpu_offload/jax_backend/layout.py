@@ -3,7 +3,9 @@
 tpu-inference keeps one ``jax.Array`` per attention layer, shaped
 ``(num_blocks, *block_shape)`` (NHD: block_size, packed K/V heads, head_dim)
 and sharded with KV heads over the model axis. Layers of one shape form a
-group (hybrid models have several).
+group (hybrid models have several), and so do layers addressed by their own
+block ids: sliding-window layers in "window" mode move only the blocks of
+their window (``connector/windows.py``), so they get groups of their own.
 
 Our buffers (staging, host slabs) hold, per device, its own shard of each
 block in the cache's native block shape and dtype (a "piece"), so every
@@ -52,6 +54,7 @@ class LayerGroup:
     head_axes: tuple[str, ...]  # mesh axes of the KV-head dimension
     head_shards: int  # product of their sizes
     replicas: int = 1  # consecutive head shards holding identical bytes
+    kv_group: int = 0  # which of a chunk's id lists addresses these layers (LoadChunk.ids): 0 all, 1 windowed
 
     @property
     def local_elems(self) -> int:
@@ -108,9 +111,15 @@ class KVLayout:
 
     @classmethod
     def from_caches(cls, kv_caches: Sequence[jax.Array], mesh: Mesh | None = None,
-                    head_replicas: int = 1) -> "KVLayout":
+                    head_replicas: int = 1, kv_groups: Sequence[Sequence[int]] | None = None) -> "KVLayout":
         """``head_replicas``: how many times tpu-inference repeated each KV head
-        (padded heads / the model's heads; 1 when TP does not exceed the heads)."""
+        (padded heads / the model's heads; 1 when TP does not exceed the heads).
+
+        ``kv_groups[i]``: the id lists that address array ``i``'s blocks
+        (default ``(0,)``: the request's block ids). Sliding-window layers
+        stored by their window are ``(1,)``. An array in several lists (as
+        vLLM's hybrid KV-cache manager lays out layers of different groups in
+        one tensor) is in one of our groups per list."""
         if not kv_caches:
             raise ValueError("the runner has no KV caches to offload")
         first = kv_caches[0]
@@ -129,12 +138,13 @@ class KVLayout:
                 )
             s = cache.sharding
             spec = _spec(s, cache.ndim)
-            key = (tuple(cache.shape[1:]), np.dtype(cache.dtype), spec)
-            by_key.setdefault(key, []).append(i)
-            shardings.setdefault(key, s if isinstance(s, NamedSharding) else NamedSharding(mesh, PartitionSpec()))
+            for kv_group in (kv_groups[i] if kv_groups is not None else (0,)):
+                key = (int(kv_group), tuple(cache.shape[1:]), np.dtype(cache.dtype), spec)
+                by_key.setdefault(key, []).append(i)
+                shardings.setdefault(key, s if isinstance(s, NamedSharding) else NamedSharding(mesh, PartitionSpec()))
         groups = tuple(
             _group(mesh, key, tuple(layers), shardings[key], num_blocks, head_replicas)
-            for key, layers in sorted(by_key.items(), key=lambda kv: kv[1][0])
+            for key, layers in sorted(by_key.items(), key=lambda kv: (kv[0][0], kv[1][0]))
         )
         return cls(mesh=mesh, num_blocks=num_blocks, num_layers=len(kv_caches), groups=groups)
 
@@ -170,6 +180,11 @@ class KVLayout:
     def replicated_block_bytes(self) -> int:
         return sum(g.replicated_block_bytes for g in self.groups)
 
+    @property
+    def kv_groups(self) -> int:
+        """Id lists a chunk carries for these layers (2 with sliding-window layers in "window" mode)."""
+        return 1 + max(g.kv_group for g in self.groups)
+
     def device_block_bytes(self) -> int:
         """One device's share of a block in our buffers (sizes staging per device)."""
         return sum(g.device_block_bytes for g in self.groups)
@@ -192,7 +207,7 @@ def auto_mesh(mesh: Mesh) -> Mesh:
 
 def _group(mesh: Mesh, key: tuple, layers: tuple, sharding: NamedSharding, num_blocks: int,
            head_replicas: int) -> LayerGroup:
-    block_shape, dtype, spec = key
+    kv_group, block_shape, dtype, spec = key
     block_axes = _axes(spec[0])
     split = math.prod(mesh.shape[a] for a in block_axes)
     if split > 1:
@@ -224,7 +239,7 @@ def _group(mesh: Mesh, key: tuple, layers: tuple, sharding: NamedSharding, num_b
         layers=layers, block_shape=block_shape, dtype=dtype, cache_spec=spec, cache_sharding=sharding,
         local_block_shape=tuple(local), shard_axes=tuple(shard_axes),
         shards=math.prod(mesh.shape[a] for a in shard_axes), head_axes=head_axes, head_shards=head_shards,
-        replicas=max(1, head_replicas),
+        replicas=max(1, head_replicas), kv_group=kv_group,
     )
 
 

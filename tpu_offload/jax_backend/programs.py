@@ -54,17 +54,16 @@ class Programs:
         self._slab_dev_sh = tuple(layout.slab_sharding(g, "device") for g in g0)
         self.chunk_sh = tuple(layout.staging_sharding(g) for g in g0)  # one chunk on HBM (device_put path)
         self.host_chunk_sh = tuple(layout.sharding(*layout.staging_spec(g), memory_kind=memory_kind) for g in g0)
-        self._cache_sh = tuple(tuple(g.cache_sharding for _ in g.layers) for g in g0)  # the runner's own
-        self._cache_in_sh = tuple(layout.sharding(*g.cache_spec) for g in g0)  # the same on program_mesh
+        # Programs take the runner's caches as one flat tuple (an array may hold layers of several groups).
+        self._arrays = _arrays(layout)  # per cache array: the group that describes its shape and sharding
+        self._cache_sh = tuple(g.cache_sharding for g in self._arrays)  # the runner's own
+        self._cache_in_sh = tuple(layout.sharding(*g.cache_spec) for g in self._arrays)  # the same on program_mesh
         self._rep = layout.replicated()
 
     # ---- abstract values ----------------------------------------------
     def _caches_aval(self):
-        return tuple(
-            tuple(jax.ShapeDtypeStruct((self.layout.num_blocks, *g.block_shape), g.dtype, sharding=s)
-                  for _ in g.layers)
-            for g, s in zip(self.layout.groups, self._cache_in_sh)
-        )
+        return tuple(jax.ShapeDtypeStruct((self.layout.num_blocks, *g.block_shape), g.dtype, sharding=s)
+                     for g, s in zip(self._arrays, self._cache_in_sh))
 
     def _staging_aval(self):
         return tuple(
@@ -85,17 +84,23 @@ class Programs:
     def _ints(self, n: int):
         return jax.ShapeDtypeStruct((n,), jnp.int32, sharding=self._rep)
 
+    def _group_ints(self, n: int):
+        """One index vector per group: each group moves its own blocks (a sliding-window group fewer)."""
+        return tuple(self._ints(n) for _ in self.layout.groups)
+
     # ---- public: compiled programs --------------------------------------
     def gather(self) -> Callable:
-        """(caches, staging, src_ids[staging_blocks], count[1]) -> staging: blocks src_ids[:count] to 0..count-1."""
+        """(caches, staging, src_ids[g][n], dst_pos[g][n], count[groups]) -> staging: per group g,
+        block src_ids[g][i] to staging position dst_pos[g][i], for i < count[g]."""
         return self._get(("gather",), self._build_gather)
 
     def scatter(self) -> Callable:
-        """(caches, staging, dst_ids, src_pos, count[1]) -> (caches, done): staging[src_pos[i]] to dst_ids[i]."""
+        """(caches, staging, dst_ids[g][n], src_pos[g][n], count[groups]) -> (caches, done): per group g,
+        staging[src_pos[g][i]] to block dst_ids[g][i]."""
         return self._get(("scatter",), self._build_scatter)
 
     def store(self, rows: int | None = None) -> Callable:
-        """(one slab per group, staging, slab rows[c], staging chunks[c], count[1]) -> (slabs, done).
+        """(one slab per group, staging, slab rows[g][c], staging chunks[g][c], count[groups]) -> (slabs, done).
 
         One program per slab *size* (all slabs but the last share one), called
         once per slab a pass touches: one program over every slab made the
@@ -104,7 +109,7 @@ class Programs:
         return self._get(("store", rows), self._build_store, rows)
 
     def load(self, rows: int | None = None) -> Callable:
-        """(staging, one slab per group, slab rows[c], staging chunks[c], count[1]) -> (staging, done)."""
+        """(staging, one slab per group, slab rows[g][c], staging chunks[g][c], count[groups]) -> (staging, done)."""
         rows = self.slab_rows[0] if rows is None else rows
         return self._get(("load", rows), self._build_load, rows)
 
@@ -112,15 +117,18 @@ class Programs:
         """(staging, pos[1]) -> one chunk per group, (bpc, layers, *piece): what ``device_put`` sends to host."""
         return self._get(("take_chunk",), self._build_take_chunk)
 
-    def put_chunk(self) -> Callable:
-        """(staging, chunk per group, pos[1]) -> staging (donated): a chunk ``device_put`` brought back."""
-        return self._get(("put_chunk",), self._build_put_chunk)
+    def put_chunk(self, group: int = 0) -> Callable:
+        """(staging of ``group``, its chunk, pos[1]) -> that staging (donated): a chunk ``device_put``
+        brought back. One per group: a load brings back only the groups it needs."""
+        return self._get(("put_chunk", group), self._build_put_chunk, group)
 
     def all_programs(self, path: str = "program") -> dict[str, Callable]:
         """Every transfer program ``path`` uses, compiled (what precompile builds and the HBM check measures)."""
         if path == "device_put":
-            return {"gather": self.gather(), "scatter": self.scatter(), "take_chunk": self.take_chunk(),
-                    "put_chunk": self.put_chunk()}
+            out = {"gather": self.gather(), "scatter": self.scatter(), "take_chunk": self.take_chunk(),
+                   "put_chunk": self.put_chunk()}
+            out.update({f"put_chunk_{gi}": self.put_chunk(gi) for gi in range(1, len(self.layout.groups))})
+            return out
         out = {"gather": self.gather(), "scatter": self.scatter(), "store": self.store(), "load": self.load(),
                "alloc_slabs": self._slab_allocator()}
         if self.slab_rows[-1] != self.slab_rows[0]:  # the last, smaller slab
@@ -154,63 +162,71 @@ class Programs:
     def _build_gather(self):
         groups = self.layout.groups
 
-        def gather_local(caches, staging, ids, count):
-            def body(i, staging):
-                out = []
-                for g, layers, st in zip(groups, caches, staging):
+        def gather_local(caches, staging, ids, pos, count):
+            out = []
+            for gi, (g, st) in enumerate(zip(groups, staging)):
+                layers = [caches[a] for a in g.layers]
+
+                def body(i, st, g=g, gi=gi, layers=layers):
                     for li, c in enumerate(layers):
-                        block = lax.dynamic_index_in_dim(c, ids[i], 0, keepdims=True)  # (1, *local_block_shape)
+                        block = lax.dynamic_index_in_dim(c, ids[gi][i], 0, keepdims=True)  # (1, *local_block_shape)
                         if g.replicas > 1:  # keep only this device's slice of a head its replicas also hold
                             j = lax.axis_index(g.head_axes) % g.replicas
                             t = g.piece_shape[TOKEN_DIM]
                             block = lax.dynamic_slice_in_dim(block, j * t, t, axis=1 + TOKEN_DIM)
-                        st = lax.dynamic_update_slice(st, block[:, None], (i, li) + (0,) * len(g.piece_shape))
-                    out.append(st)
-                return tuple(out)
+                        st = lax.dynamic_update_slice(st, block[:, None], (pos[gi][i], li) + (0,) * len(g.piece_shape))
+                    return st
 
-            return lax.fori_loop(0, count[0], body, tuple(staging))
+                out.append(lax.fori_loop(0, count[gi], body, st))
+            return tuple(out)
 
-        body = self._local(gather_local, (self._cache_specs(), self._staging_specs(), P(), P()),
+        gp = tuple(P() for _ in groups)
+        body = self._local(gather_local, (self._cache_specs(), self._staging_specs(), gp, gp, P()),
                            self._staging_specs())
         jitted = jax.jit(body, donate_argnums=(1,), out_shardings=self._staging_sh)
         n = self.staging_blocks
-        return jitted.lower(self._caches_aval(), self._staging_aval(), self._ints(n), self._ints(1)).compile()
+        return jitted.lower(self._caches_aval(), self._staging_aval(), self._group_ints(n), self._group_ints(n),
+                            self._ints(len(groups))).compile()
 
     def _build_scatter(self):
         groups = self.layout.groups
         as_bits = collectives_as_bits(self.layout)
 
         def scatter_local(caches, staging, ids, pos, count):
-            def body(i, caches):
-                out = []
-                for g, layers, st in zip(groups, caches, staging):
-                    zeros = (0,) * len(g.piece_shape)
+            caches = list(caches)
+            for gi, (g, st) in enumerate(zip(groups, staging)):
+                zeros = (0,) * len(g.piece_shape)
+
+                def body(i, layers, g=g, gi=gi, st=st, zeros=zeros):
                     if g.replicas > 1:  # the whole head shard, from the slices this device's replicas kept
-                        row = lax.dynamic_index_in_dim(st, pos[i], 0, keepdims=True)  # (1, layers, *piece_shape)
+                        row = lax.dynamic_index_in_dim(st, pos[gi][i], 0, keepdims=True)  # (1, layers, *piece_shape)
                         new = list(layers)
                         for piece, offset in _replica_slices(row, g, as_bits):
-                            new = [lax.dynamic_update_slice(c, piece[:, li], (ids[i], offset) + zeros[1:])
+                            new = [lax.dynamic_update_slice(c, piece[:, li], (ids[gi][i], offset) + zeros[1:])
                                    for li, c in enumerate(new)]
-                        out.append(tuple(new))
-                        continue
+                        return tuple(new)
                     # slice each layer's block straight out of staging: no copy of the row
-                    out.append(tuple(
-                        lax.dynamic_update_slice(c, lax.dynamic_slice(st, (pos[i], li, *zeros), (1, 1, *g.piece_shape))[:, 0],
-                                                 (ids[i],) + zeros)
-                        for li, c in enumerate(layers)))
-                return tuple(out)
+                    return tuple(
+                        lax.dynamic_update_slice(
+                            c, lax.dynamic_slice(st, (pos[gi][i], li, *zeros), (1, 1, *g.piece_shape))[:, 0],
+                            (ids[gi][i],) + zeros)
+                        for li, c in enumerate(layers))
 
-            return lax.fori_loop(0, count[0], body, tuple(caches)), count
+                new = lax.fori_loop(0, count[gi], body, tuple(caches[a] for a in g.layers))
+                for a, arr in zip(g.layers, new):
+                    caches[a] = arr
+            return tuple(caches), count
 
-        body = self._local(scatter_local, (self._cache_specs(), self._staging_specs(), P(), P(), P()),
+        gp = tuple(P() for _ in groups)
+        body = self._local(scatter_local, (self._cache_specs(), self._staging_specs(), gp, gp, P()),
                            (self._cache_specs(), P()))
         jitted = jax.jit(body, donate_argnums=(0,), out_shardings=(self._cache_sh, self._rep))
         n = self.staging_blocks
-        return jitted.lower(self._caches_aval(), self._staging_aval(), self._ints(n), self._ints(n),
-                            self._ints(1)).compile()
+        return jitted.lower(self._caches_aval(), self._staging_aval(), self._group_ints(n), self._group_ints(n),
+                            self._ints(len(groups))).compile()
 
     def _cache_specs(self):
-        return tuple(tuple(P(*g.cache_spec) for _ in g.layers) for g in self.layout.groups)
+        return tuple(P(*g.cache_spec) for g in self._arrays)
 
     def _staging_specs(self):
         return tuple(P(*self.layout.staging_spec(g)) for g in self.layout.groups)
@@ -220,40 +236,40 @@ class Programs:
         slab_sh = self._slab_sh
 
         def store(slabs, staging, row, src, count):
-            def body(j, slabs):
-                out = []
-                for gi, (g, sl) in enumerate(zip(groups, slabs)):
-                    chunk = lax.dynamic_slice_in_dim(staging[gi], src[j] * bpc, bpc, axis=0)[None]
+            out = []
+            for gi, sl in enumerate(slabs):
+                def body(j, sl, gi=gi):
+                    chunk = lax.dynamic_slice_in_dim(staging[gi], src[gi][j] * bpc, bpc, axis=0)[None]
                     chunk = jax.device_put(chunk, slab_sh[gi])
-                    out.append(lax.dynamic_update_slice_in_dim(sl, chunk, row[j], axis=0))
-                return tuple(out)
+                    return lax.dynamic_update_slice_in_dim(sl, chunk, row[gi][j], axis=0)
 
-            return lax.fori_loop(0, count[0], body, tuple(slabs)), count
+                out.append(lax.fori_loop(0, count[gi], body, sl))
+            return tuple(out), count
 
         jitted = jax.jit(store, donate_argnums=(0,), out_shardings=(tuple(slab_sh), self._rep))
         c = self.staging_chunks
-        return jitted.lower(self._slab_aval(rows), self._staging_aval(), self._ints(c), self._ints(c),
-                            self._ints(1)).compile()
+        return jitted.lower(self._slab_aval(rows), self._staging_aval(), self._group_ints(c), self._group_ints(c),
+                            self._ints(len(groups))).compile()
 
     def _build_load(self, rows: int):
         bpc, groups = self.bpc, self.layout.groups
         st_sh, dev_sh = self._staging_sh, self._slab_dev_sh
 
         def load(staging, slabs, row, dst, count):
-            def body(j, staging):
-                out = []
-                for gi, (st, sl) in enumerate(zip(staging, slabs)):
-                    chunk = lax.dynamic_slice_in_dim(sl, row[j], 1, axis=0)
+            out = []
+            for gi, (st, sl) in enumerate(zip(staging, slabs)):
+                def body(j, st, gi=gi, sl=sl):
+                    chunk = lax.dynamic_slice_in_dim(sl, row[gi][j], 1, axis=0)
                     chunk = jax.device_put(chunk, dev_sh[gi])[0]
-                    out.append(lax.dynamic_update_slice_in_dim(st, chunk, dst[j] * bpc, axis=0))
-                return tuple(out)
+                    return lax.dynamic_update_slice_in_dim(st, chunk, dst[gi][j] * bpc, axis=0)
 
-            return lax.fori_loop(0, count[0], body, tuple(staging)), count
+                out.append(lax.fori_loop(0, count[gi], body, st))
+            return tuple(out), count
 
         jitted = jax.jit(load, donate_argnums=(0,), out_shardings=(st_sh, self._rep))
         c = self.staging_chunks
-        return jitted.lower(self._staging_aval(), self._slab_aval(rows), self._ints(c), self._ints(c),
-                            self._ints(1)).compile()
+        return jitted.lower(self._staging_aval(), self._slab_aval(rows), self._group_ints(c), self._group_ints(c),
+                            self._ints(len(groups))).compile()
 
     def host_chunk_avals(self):
         return tuple(jax.ShapeDtypeStruct(g.staging_shape(self.bpc), g.dtype, sharding=s)
@@ -271,14 +287,14 @@ class Programs:
 
         return jax.jit(take, out_shardings=self.chunk_sh).lower(self._staging_aval(), self._ints(1)).compile()
 
-    def _build_put_chunk(self):
+    def _build_put_chunk(self, group: int):
         bpc = self.bpc
 
         def put(staging, chunk, pos):
-            return tuple(lax.dynamic_update_slice_in_dim(st, c, pos[0] * bpc, axis=0) for st, c in zip(staging, chunk))
+            return lax.dynamic_update_slice_in_dim(staging, chunk, pos[0] * bpc, axis=0)
 
-        jitted = jax.jit(put, donate_argnums=(0,), out_shardings=self._staging_sh)
-        return jitted.lower(self._staging_aval(), self._chunk_aval(), self._ints(1)).compile()
+        jitted = jax.jit(put, donate_argnums=(0,), out_shardings=self._staging_sh[group])
+        return jitted.lower(self._staging_aval()[group], self._chunk_aval()[group], self._ints(1)).compile()
 
     # ---- allocation -------------------------------------------------------
     def alloc_staging(self):
@@ -311,6 +327,17 @@ class Programs:
 
         shardings = jax.tree.map(lambda a: a.sharding, avals)
         return jax.jit(make, out_shardings=shardings).lower().compile()
+
+
+def _arrays(layout: KVLayout) -> tuple:
+    """Per runner cache array, the first group holding it (every group that holds it sees the same array)."""
+    by_array: dict[int, object] = {}
+    for g in layout.groups:
+        for a in g.layers:
+            by_array.setdefault(a, g)
+    if sorted(by_array) != list(range(layout.num_layers)):
+        raise ValueError(f"the layout's groups cover cache arrays {sorted(by_array)}, not 0..{layout.num_layers - 1}")
+    return tuple(by_array[a] for a in range(layout.num_layers))
 
 
 def _replica_slices(piece, g, as_bits: bool):

@@ -1,0 +1,96 @@
+"""Sliding-window layers stored and loaded by their window only, under vLLM's real scheduler.
+
+The stand-in runner slides on even layers (as gpt-oss) and checks, every
+step, the KV attention would read: all of it for full layers, the window for
+sliding ones. So a window-only store or load that left out a block a token
+can attend to fails the run, while blocks outside every window may hold
+anything.
+"""
+
+import pytest
+
+from tpu_standin import prompt
+from tpu_offload.core.config import ConfigError
+
+pytestmark = pytest.mark.engine
+
+BS = 16
+WINDOW = 20  # tokens: a prefix's last ceil(20 / 16) = 2 blocks
+
+
+@pytest.fixture(params=["program", "device_put"])
+def windowed(harnesses, request):
+    def make(mode="auto", prefix_caching=False, **extra):
+        return harnesses({"num_cpu_chunks": 64, "staging_blocks": 16, "transfer_path": request.param,
+                          "sliding_window": mode, **extra}, window=WINDOW, prefix_caching=prefix_caching, layers=4)
+
+    return make
+
+
+def stored_bytes(h):
+    return h.wrk.totals.get("store_bytes", 0)
+
+
+def test_window_only_store_and_load_give_the_same_kv(windowed):
+    h = windowed()
+    assert h.wrk.engine.layout.kv_groups == 2  # full layers and sliding layers move separately
+    p = prompt(10 * BS, 3)
+    h.add(p, max_tokens=1)
+    h.run()
+    assert h.wrk.totals["stored_chunks"] == 10
+    assert sum(h.sch._tail.values()) == 2  # the sliding layers of the last 2 chunks only
+    assert h.check_tier() == 10
+    per_block_full = h.wrk.engine.layout.groups[0].block_bytes
+    per_block_sliding = h.wrk.engine.layout.groups[1].block_bytes
+    assert stored_bytes(h) == 10 * per_block_full + 2 * per_block_sliding
+    h.add(p + prompt(7, 30), max_tokens=3)  # prefix caching is off: all of it comes from our tier
+    h.run()
+    assert h.wrk.totals["loaded_chunks"] == 10
+    assert h.wrk.totals["load_bytes"] == 10 * per_block_full + 2 * per_block_sliding
+    assert h.runner.checked_positions > 0 and not h.runner.failures
+
+
+def test_a_shorter_shared_prefix_without_its_window_is_a_miss_not_wrong_kv(windowed):
+    h = windowed()
+    p = prompt(10 * BS, 4)
+    h.add(p, max_tokens=1)
+    h.run()
+    h.add(p[: 5 * BS] + prompt(8, 40), max_tokens=2)  # shares 5 chunks whose window was not stored
+    h.run()
+    assert h.wrk.totals.get("loaded_chunks", 0) == 0
+    assert not h.runner.failures
+
+
+def test_all_mode_stores_every_block(windowed):
+    h = windowed(mode="all")
+    assert h.wrk.engine.layout.kv_groups == 1
+    p = prompt(10 * BS, 5)
+    h.add(p, max_tokens=1)
+    h.run()
+    assert stored_bytes(h) == 10 * h.wrk.engine.layout.block_bytes
+    h.add(p[: 5 * BS] + prompt(9, 40), max_tokens=2)
+    h.run()
+    assert h.wrk.totals["loaded_chunks"] == 5  # every prefix can hit
+
+
+def test_prefix_caching_on_moves_every_block_or_refuses_window(windowed):
+    """With vLLM's prefix cache on, a window-only load would leave blocks that a shorter prefix
+    reuses from HBM without their sliding-window KV: auto moves every block, window refuses."""
+    h = windowed(mode="auto", prefix_caching=True)
+    assert h.wrk.engine.layout.kv_groups == 1
+    with pytest.raises(ConfigError, match=r"sliding_window='window'.*prefix cache"):
+        windowed(mode="window", prefix_caching=True)
+
+
+def test_control_a_window_one_block_short_is_caught(windowed):
+    """Control: with one tail block fewer than the window needs, the runner sees stale KV."""
+    h = windowed()
+    h.sch.tail = 1
+    p = prompt(10 * BS, 6)
+    h.add(p, max_tokens=1)
+    h.run()
+    h.add(prompt(11, 12 * BS), max_tokens=1)  # other KV into the blocks the first request freed
+    h.run()
+    with pytest.raises(AssertionError, match="wrong KV"):
+        h.add(p + prompt(7, 30), max_tokens=3)
+        h.run()

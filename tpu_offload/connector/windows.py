@@ -1,0 +1,102 @@
+"""Sliding-window layers: which ones, and whether storing only their window is safe.
+
+A token at position ``p`` of a sliding-window layer attends positions
+``> p - W``. A later request that reuses a prefix of ``L`` tokens computes
+from ``L`` on, so of that prefix its sliding-window layers only ever read the
+``ceil(W / block_size)`` blocks before ``L`` (one token more than vLLM's
+``cdiv(W - 1, block_size)``: a full-prompt hit recomputes token ``L - 1``).
+Storing and loading just those blocks for those layers moves a fraction of
+their bytes ("window" mode).
+
+When it is safe. tpu-inference 0.32's JAX models give every layer a
+full-attention KV spec (``kv_cache_manager.py``: ``sliding_window = None``,
+"re-enable once mixed dims with sliding_window is supported"), so vLLM keeps
+one block table for all layers and its prefix cache serves *any* prefix of a
+request's blocks. After a window-only load of ``L`` tokens, the blocks before
+the window hold no sliding-window KV, and a later request sharing only the
+first ``H < L`` tokens would get them from vLLM's prefix cache and attend to
+whatever those layers' blocks held before: wrong KV. So "window" needs vLLM's
+prefix caching off (``--no-enable-prefix-caching``); with it on, "auto" moves
+every block and says why once at start, and an explicit "window" is refused.
+
+Which layers. The engine's own rule, read from the model config: gpt-oss in
+tpu-inference slides on even layers (``gpt_oss.py``: ``i % 2 == 0``, whatever
+``layer_types`` says); other models by ``layer_types[i] ==
+"sliding_attention"`` (Gemma 4). Layers map to cache arrays through the
+runner's ``layer_name_to_kvcache_index`` (``layer.{i}``); an array shared by a
+sliding and a full layer is treated as full.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from tpu_offload.core.config import ConfigError
+
+log = logging.getLogger(__name__)
+
+SLIDING = "sliding_attention"
+EVEN_LAYERS_SLIDE = ("GptOssForCausalLM",)  # tpu-inference hard-codes the pattern for these
+
+
+@dataclasses.dataclass(frozen=True)
+class Windows:
+    tokens: int  # W
+    layers: frozenset[int]  # model layers that attend through the window
+
+    def tail_blocks(self, block_size: int) -> int:
+        """Blocks before a prefix's end that a request continuing it can attend to."""
+        return -(-self.tokens // block_size)
+
+    def cache_classes(self, runner, num_caches: int) -> list[tuple[int]]:
+        """Per cache array: ``(1,)`` if only sliding layers use it, else ``(0,)`` (the layout's groups)."""
+        index = dict(getattr(runner, "layer_name_to_kvcache_index", None) or {})
+        users: dict[int, set[bool]] = {}
+        for name, i in index.items():
+            if name.startswith("layer.") and name[6:].isdigit():
+                users.setdefault(int(i), set()).add(int(name[6:]) in self.layers)
+        if not users:  # no map: layer i uses cache i
+            users = {i: {i in self.layers} for i in range(num_caches)}
+        return [(1,) if users.get(i) == {True} else (0,) for i in range(num_caches)]
+
+
+def sliding_layers(vllm_config) -> Windows | None:
+    """The model's sliding-window layers as tpu-inference runs them (None: it has none)."""
+    model = getattr(vllm_config, "model_config", None)
+    hf = getattr(model, "hf_config", None)
+    if hf is None:
+        return None
+    text = getattr(hf, "text_config", None) or hf
+    window = getattr(text, "sliding_window", None)
+    n = int(getattr(text, "num_hidden_layers", 0) or 0)
+    if not window or not n:
+        return None
+    archs = tuple(getattr(hf, "architectures", None) or ())
+    if any(a in EVEN_LAYERS_SLIDE for a in archs):
+        layers = frozenset(i for i in range(n) if i % 2 == 0)
+    else:
+        types = list(getattr(text, "layer_types", None) or ())
+        layers = frozenset(i for i, t in enumerate(types[:n]) if t == SLIDING)
+    return Windows(int(window), layers) if layers else None
+
+
+def resolve(mode: str, vllm_config) -> Windows | None:
+    """The windows to offload by (None: move every block). Raises for a "window" that is not safe."""
+    if mode == "all":
+        return None
+    windows = sliding_layers(vllm_config)
+    if windows is None:
+        return None
+    caching = getattr(getattr(vllm_config, "cache_config", None), "enable_prefix_caching", True)
+    if caching is not False:
+        why = ("vLLM's prefix cache is on and tpu-inference gives sliding-window layers full-attention block "
+               "tables, so a later request sharing a shorter prefix would read sliding-window KV that a "
+               "window-only load never restored")
+        if mode == "window":
+            raise ConfigError(f"sliding_window='window' (TPU_OFFLOAD_SLIDING_WINDOW): {why}. Serve with "
+                              "--no-enable-prefix-caching, or set sliding_window to 'auto' or 'all'")
+        log.info("tpu_offload: %d sliding-window layers (window %d tokens) are offloaded whole: %s",
+                 len(windows.layers), windows.tokens, why)
+        return None
+    return windows
