@@ -94,3 +94,51 @@ def test_control_a_window_one_block_short_is_caught(windowed):
     with pytest.raises(AssertionError, match="wrong KV"):
         h.add(p + prompt(7, 30), max_tokens=3)
         h.run()
+
+
+def test_a_failed_window_load_recomputes_only_its_request_in_every_layer(windowed):
+    """Two requests load in one step; the sliding-window bytes of one request's tail chunk are bad.
+    That request is recomputed, and only it, from where its load began: restarting at the bad
+    chunk would leave its sliding layers without the window before it (the runner checks)."""
+    h = windowed(verify_checksums=True)
+    a, b = prompt(6 * BS, 21), prompt(6 * BS, 22)
+    h.add(a, max_tokens=1)
+    h.add(b, max_tokens=1)
+    h.run()
+    eng, sch = h.wrk.engine, h.sch
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    probe = Request("probe", a, SamplingParams(max_tokens=1), None, block_hasher=h._hasher)
+    tail_key = sch._keys(probe)[-1]
+    assert sch._tail[tail_key]
+    slot = sch.manager.slot_of(tail_key)
+    windowed_views = [v for gi, g in enumerate(eng.layout.groups) if g.kv_group == 1
+                      for v in _group_views(eng, slot, gi)]
+    for v in windowed_views:
+        v[...] = 0  # the checksum no longer matches
+    affected = []
+    real = h.sched._update_requests_with_invalid_blocks
+
+    def spy(requests, invalid, *args, **kw):
+        out = real(requests, invalid, *args, **kw)
+        affected.append(set(out[0]))
+        return out
+
+    h.sched._update_requests_with_invalid_blocks = spy
+    ra = h.add(a + prompt(31, 20), max_tokens=2)
+    rb = h.add(b + prompt(32, 20), max_tokens=2)
+    h.run()
+    assert h.wrk.totals["load_errors"] == 1
+    assert set().union(*affected) == {ra}, affected
+    assert not h.runner.failures
+
+
+def _group_views(eng, slot, gi):
+    """This process's writable bytes of ``slot`` in layer group ``gi``."""
+    from tpu_offload.jax_backend import hostview
+
+    if eng.path == "device_put":
+        return hostview.array_views(eng.host[slot][gi])
+    k, row = divmod(slot, eng.rows_per_slab)
+    return hostview.row_views(eng.slabs[gi][k], row)

@@ -28,6 +28,9 @@ class LoadOp:
     # Sliding-window layers ("window" mode): their destination ids, as ``blocks``, -1 for blocks
     # outside the window before the hit's end. Empty: those layers load ``blocks`` like the rest.
     window: list[int] = dataclasses.field(default_factory=list)
+    # With windowed layers: the request's first loaded block. A failed chunk recomputes the request from
+    # there, not from the chunk: a later restart would need sliding-window KV the load never brought.
+    restart: int = -1
 
 
 @dataclasses.dataclass

@@ -286,11 +286,13 @@ class OffloadScheduler:
             for b in range(c * self.bpc, (c + 1) * self.bpc):
                 dst.append(block_ids[b] if b >= skip else -1)
         window: list[int] = []
+        restart = -1
         if self.tail:
             tail = self._tail_start(n_hit) * self.bpc
             window = [b if (first * self.bpc + i) >= tail else -1 for i, b in enumerate(dst)]
+            restart = next(b for b in dst if b >= 0)
         self.loads.add(LoadPlan(request.request_id, load_async, load_keys, slots, dst, ready,
-                                to_promote=fs_idx, evict=evict, salt=salt, window=window))
+                                to_promote=fs_idx, evict=evict, salt=salt, window=window, restart=restart))
         if load_async:
             self.loading.add(request.request_id, load_keys)
         if not st.looked_up:

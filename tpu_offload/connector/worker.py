@@ -197,6 +197,8 @@ class OffloadWorker:
                 if not ok:
                     bad.setdefault(op.op_id, []).append(slot)
                     self._load_errors.update(b for b in blocks if b >= 0)
+                    if op.restart >= 0:
+                        self._load_errors.add(op.restart)
         nbytes = self.engine.moved_bytes(chunks)
         done = None
         if chunks:
@@ -278,6 +280,8 @@ class OffloadWorker:
         for op in ops:
             bad[op.op_id] = list(op.slots)
             self._load_errors.update(b for b in op.blocks if b >= 0)
+            if op.restart >= 0:
+                self._load_errors.add(op.restart)
 
     def _write_back(self, evict) -> None:
         if self.fs is None or not evict:
