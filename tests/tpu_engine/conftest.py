@@ -26,10 +26,11 @@ cpu_support.apply()
 
 import pytest  # noqa: E402
 
+from tiny_families import FAMILIES  # noqa: E402
 from tiny_models import KV1, KV4, QWEN3, QWEN3_SERVED  # noqa: E402
 from workloads import Workload  # noqa: E402
 
-MODELS = {m.name: m for m in (KV4, KV1, QWEN3, QWEN3_SERVED)}
+MODELS = {m.name: m for m in (KV4, KV1, QWEN3, QWEN3_SERVED)} | FAMILIES
 
 
 @pytest.fixture(scope="session")

@@ -43,7 +43,7 @@ def ragged_paged_attention(queries, keys, values, kv_cache, kv_lens, page_indice
                            use_causal_mask=True, update_kv_cache=True, sm_scale=1.0, sliding_window=None,
                            soft_cap=None, q_scale=None, k_scale=None, v_scale=None, **_kernel_tuning):
     """RPA v3: cache ``[pages, page_size, align(2*kv_heads, packing)//packing, packing, align(head_dim, 128)]``."""
-    return _rpa(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution,
+    return _rpa(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, None,
                 sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
                 use_causal_mask=use_causal_mask, update_kv_cache=update_kv_cache,
                 q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, layout="v3")
@@ -52,10 +52,15 @@ def ragged_paged_attention(queries, keys, values, kv_cache, kv_lens, page_indice
 def ragged_paged_attention_hd64(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution,
                                 attention_sink=None, *, sm_scale=1.0, sliding_window=None, soft_cap=None,
                                 q_scale=None, k_scale=None, v_scale=None, **_kernel_tuning):
-    """RPA v3, head_dim 64: cache ``[pages, page_size, align(kv_heads, packing)//packing, packing, 128]``."""
-    if attention_sink is not None:
-        raise NotImplementedError("attention sinks are not implemented in the CPU attention")
-    return _rpa(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution,
+    """RPA v3, head_dim 64: cache ``[pages, page_size, align(kv_heads, packing)//packing, packing, 128]``.
+
+    ``attention_sink`` (f32 ``[q_heads]``, gpt-oss): one extra logit per query
+    head that joins the softmax denominator and carries no value, so a token
+    may attend to "nothing". The kernel starts each head's running max at the
+    sink and its running sum at 1 (``exp(sink - sink)``); HF's eager GptOss
+    attention appends the sink as a last score column and drops its
+    probability. Both are what the running softmax here starts from."""
+    return _rpa(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, attention_sink,
                 sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, use_causal_mask=True,
                 update_kv_cache=True, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, layout="hd64")
 
@@ -81,7 +86,7 @@ def _split(layout: str, kv, kv_heads: int, head_dim: int):
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def _rpa(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, *, sm_scale,
+def _rpa(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, sinks, *, sm_scale,
          sliding_window, soft_cap, use_causal_mask, update_kv_cache, q_scale, k_scale, v_scale, layout):
     i32, f32 = jnp.int32, jnp.float32
     T, n_heads, head_dim = queries.shape
@@ -148,8 +153,12 @@ def _rpa(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, dist
         pv = jnp.einsum("tkgj,tjkd->tkgd", p, v.astype(f32), preferred_element_type=f32)
         return m_new, l, acc * alpha[..., None] + pv
 
-    init = (jnp.full((T, kv_heads, group), _NEG, f32), jnp.zeros((T, kv_heads, group), f32),
-            jnp.zeros((T, kv_heads, group, head_dim), f32))
+    if sinks is None:  # running max, running sum, accumulator
+        m0, l0 = jnp.full((T, kv_heads, group), _NEG, f32), jnp.zeros((T, kv_heads, group), f32)
+    else:  # the sink is a score already seen: max = sink, sum = exp(sink - sink)
+        m0 = jnp.broadcast_to(sinks.astype(f32).reshape(kv_heads, group), (T, kv_heads, group))
+        l0 = jnp.ones((T, kv_heads, group), f32)
+    init = (m0, l0, jnp.zeros((T, kv_heads, group, head_dim), f32))
     _, l, acc = lax.fori_loop(0, n_blocks, body, init)
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]
     if v_scale is not None:

@@ -42,9 +42,11 @@ def apply() -> None:
     _inspect_models_like_this_process()
     _no_tpu_compiler_options()  # before anything imports sampling.py
     _hbm_budget()
+    _no_torch_compile()
     _copy_host_inputs()
     _mesh()
     _attention()
+    _moe_gmm()
     _their_connector_scatter()
     _flax_model_at_exit()
     _applied = True
@@ -156,6 +158,19 @@ def _hbm_budget() -> None:
     utils.get_device_hbm_limit = lambda: HBM_BYTES
 
 
+def _no_torch_compile() -> None:
+    """Models tpu-inference serves through vLLM's torch implementation (its
+    ``MODEL_IMPL_TYPE=vllm`` path, the default for gpt-oss) keep vLLM's
+    ``@support_torch_compile`` wrapper, which calls ``torch.compile(fullgraph=True,
+    backend="eager")`` on the forward. The forward runs under torchax's
+    dispatch mode, where torch 2.13's dynamo compiles no frame and so raises
+    ("found no compiled frames"). tpu-inference jits the whole step with JAX
+    anyway (``TpuPlatform.simple_compile_backend = "eager"``: "torchax defers
+    all compilation to JAX"), so the forward is run as written: vLLM's
+    compilation mode NONE, which it selects when this variable is set."""
+    os.environ["TORCH_COMPILE_DISABLE"] = "1"
+
+
 # ---- 5. host inputs ----------------------------------------------------------
 def _copy_host_inputs() -> None:
     """The root cause of baseline runs that disagreed. On JAX's CPU backend
@@ -224,7 +239,78 @@ def _attention() -> None:
     hd64.ragged_paged_attention_hd64 = attention.ragged_paged_attention_hd64
 
 
-# ---- 8. tpu-inference's own offload connector --------------------------------
+# ---- 8. MoE -------------------------------------------------------------------
+def gmm(lhs, rhs, rhs_scale, rhs_bias, group_sizes, group_offset, fuse_act=None, preferred_element_type=None):
+    """``fused_moe_gmm.gmm_wrapper``'s contract in jittable JAX (tokamax's
+    ``gmm_v2`` is a Pallas TPU kernel: it asks ``get_tpu_info()`` even to tile).
+
+    Rows of ``lhs`` are sorted by expert: the first ``group_sizes[0]`` rows
+    belong to expert 0, and so on; this shard holds experts ``group_offset ..
+    group_offset + len(rhs) - 1`` (``rhs [experts, K, N]``, ``rhs_bias
+    [experts, 1, N]``, block scales ``[experts, blocks, 1, N]`` along K). Each
+    row is multiplied by its own expert's weights (accumulated in float32, as
+    the kernel does); rows of other shards' experts come out zero (the kernel
+    leaves them unwritten and the caller masks them). With ``fuse_act`` the
+    kernel's epilogue applies the gated activation to the two halves of N
+    (``[gate | up]``), so the result has N / 2 columns."""
+    import jax.numpy as jnp
+
+    f32 = jnp.float32
+    out_dtype = preferred_element_type or lhs.dtype
+    experts, k, n = rhs.shape
+    w = rhs.astype(f32)
+    if rhs_scale is not None:  # per-block scales along K
+        blocks = rhs_scale.shape[1]
+        w = (w.reshape(experts, blocks, k // blocks, n) * rhs_scale.astype(f32)).reshape(experts, k, n)
+    y = jnp.einsum("mk,ekn->emn", lhs.astype(f32), w, preferred_element_type=f32)
+    if rhs_bias is not None:
+        y = y + rhs_bias.astype(f32)
+    ends = jnp.cumsum(group_sizes)
+    expert = jnp.searchsorted(ends, jnp.arange(lhs.shape[0]), side="right") - jnp.reshape(group_offset, (-1,))[0]
+    mine = (expert >= 0) & (expert < experts)
+    y = jnp.take_along_axis(y, jnp.clip(expert, 0, experts - 1)[None, :, None], axis=0)[0]
+    if fuse_act is not None:
+        y = _gated(y, fuse_act)
+    return jnp.where(mine[:, None], y, 0).astype(out_dtype)
+
+
+def _gated(y, fuse_act):
+    """The kernel's fused epilogue (``apply_act_fn``) on ``[gate | up]`` halves,
+    with tokamax's own activation functions. (``apply_act_fn`` itself first
+    undoes the accumulator's lane interleave, asking ``get_tpu_info()``.)"""
+    import jax
+    from tokamax._src.ops.experimental.gmm_v2 import gmm_v2 as tk
+
+    gate, up = y[:, : y.shape[-1] // 2], y[:, y.shape[-1] // 2 :]
+    match fuse_act:
+        case "silu":
+            return jax.nn.silu(gate) * up
+        case "gelu":
+            return jax.nn.gelu(gate) * up
+        case "gelu_tanh":
+            return jax.nn.gelu(gate, approximate=True) * up
+        case "swigluoai":
+            return tk.swigluoai(gate, up)
+        case "silu_and_mul_with_clamp":
+            return tk.silu_and_mul_with_clamp(gate, up)
+        case str() if fuse_act.startswith("situ:"):
+            _, beta, linear_beta = fuse_act.split(":")
+            return tk.situ_and_mul(gate, up, float(beta), None if linear_beta == "none" else float(linear_beta))
+    raise NotImplementedError(f"fused activation {fuse_act!r}")
+
+
+def _moe_gmm() -> None:
+    """The grouped matmul above, and tpu-inference's own JAX path for the MoE's
+    un-permute: ``dense_gather_reduce`` falls back to it when
+    ``is_compatible`` says the SparseCore kernel cannot run, but asking
+    ``get_tpu_info().sparse_core`` raises on CPU instead of answering no."""
+    fused = importlib.import_module("tpu_inference.layers.common.fused_moe_gmm")
+    fused.gmm_wrapper = gmm  # moe_gmm_local looks it up here at trace time
+    sparse = importlib.import_module("tpu_inference.kernels.sparse_core.dense_gather_reduce")
+    sparse.is_compatible = lambda *a, **k: False
+
+
+# ---- 9. tpu-inference's own offload connector --------------------------------
 def _their_connector_scatter() -> None:
     """Its load scatter is a Pallas DMA kernel (CPU supports only interpret mode);
     its own ``pure_jax_update_kv_caches_one`` has the same signature and job."""
@@ -232,7 +318,7 @@ def _their_connector_scatter() -> None:
     conn.update_kv_caches_one = conn.pure_jax_update_kv_caches_one
 
 
-# ---- 9. exit ------------------------------------------------------------------
+# ---- 10. exit ------------------------------------------------------------------
 def _flax_model_at_exit() -> None:
     """Cosmetic: at shutdown vLLM walks ``model.modules()`` expecting a torch
     model; tpu-inference's model is flax, so the walk raises during exit."""
