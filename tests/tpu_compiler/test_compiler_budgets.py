@@ -15,7 +15,6 @@ import jax
 import pytest
 
 from tpu_offload.connector import aot
-from tpu_offload.connector.compat import unsupported_runner_mode
 from tpu_offload.core.config import _bytes as parse_bytes
 
 GIB = 1 << 30
@@ -27,6 +26,7 @@ DEPLOYMENTS = [
     ("TPU7x:2x2x1", 8, "Llama-3.1-8B", 40000, "720GiB", 1000),
     ("TPU7x:2x2x1", 8, "Qwen2.5-7B", 40000, "256GiB", 1000),  # 4 KV heads, each on 2 devices
     ("TPU7x:2x2x1", 8, "gpt-oss-120b", 40000, "256GiB", 1000),  # head_dim 64
+    ("TPU7x:2x2x1", 8, "DeepSeek-V3", 2000, "720GiB", 1000),  # MLA: a whole latent copy (20 GB) per device
     ("TPU7x:2x2x2", 16, "Llama-3.1-70B", 16000, "720GiB", 1000),  # two hosts, 8 KV heads over 16 devices
     ("v6e:2x4", 8, "Llama-3.1-8B", 6000, "128GiB", 256),
     ("v5e:2x2", 4, "Llama-3.1-8B", 3000, "64GiB", 128),
@@ -104,22 +104,20 @@ def test_replicated_heads_store_each_head_once():
     assert "bitcast-convert" not in programs.scatter().as_text()
 
 
-def test_mla_is_refused_with_the_reason():
-    """DeepSeek-V3's latent cache is whole on every device of the model axis: storing it would hold
-    8 copies. The engine adapter refuses it before start, the layout at registration."""
-    model = aot.MODELS["DeepSeek-V3"]
-    mesh = aot.compile_only_mesh("TPU7x:2x2x1", 8)
-    caches = aot.kv_cache_avals(mesh, model, 4000, 128)
-    assert aot.replicated_over(caches, mesh) == ("model",)
-    from tpu_offload.jax_backend.layout import KVLayout
-
-    with pytest.raises(ValueError, match=r"replicated over mesh axes \['model'\] \(8 identical copies"):
-        KVLayout.from_caches(caches, mesh)
-
-    class VC:
-        model_config = type("M", (), {"model": "deepseek-ai/DeepSeek-V3", "use_mla": True})()
-
-    assert "uses MLA" in unsupported_runner_mode(VC())
+def test_mla_latent_cache_is_stored_once():
+    """DeepSeek-V3's latent cache is whole on every device of the model axis (8 copies at TP 8).
+    Each device keeps an eighth of every block, so the host tier holds it once: bytes per token
+    (all layers) against Llama-3.1-70B, a GQA model with 8 KV heads."""
+    programs = build(*[d for d in DEPLOYMENTS if d[2] == "DeepSeek-V3"][0])
+    g = programs.layout.groups[0]
+    assert g.replica_axes == ("model",) and g.replicas == 8
+    assert g.block_shape == (4, 32, 640)  # 128-token page, 32-token packing, 512 latent + 64 rope padded to 128
+    per_token = programs.layout.block_bytes / 128
+    assert per_token == 61 * 640 * 2  # 78 KiB: one copy
+    assert programs.layout.replicated_block_bytes / 128 == per_token  # the cache's own spec is one copy too
+    gqa = build(*DEPLOYMENTS[1]).layout.block_bytes / 128  # Llama-3.1-70B: 80 layers x 8 heads x 2 x 128 x 2
+    assert gqa == 80 * 8 * 2 * 128 * 2 and per_token < gqa / 4
+    assert "collective-permute" in programs.scatter().as_text()  # the copies are reassembled on load
 
 
 def test_whole_deployment_compiles_in_seconds():

@@ -16,6 +16,12 @@ model's KV heads, tpu-inference repeats each head over ``replicas``
 consecutive shards of the head axes; those devices then hold identical
 bytes, so each keeps only a ``1/replicas`` slice of the block's tokens and
 the host tier holds every distinct head once (the model's real KV size).
+MLA's latent cache has no head axis at all: tpu-inference keeps the whole
+of it on every device of the model axis (``P(BATCH, KV_CONTEXT)``). Those
+devices also hold identical bytes, so the same rule applies over the axes
+the cache is not split on: each keeps a ``1/replicas`` slice of every block
+(along the first block dimension that divides), and the host tier holds the
+latent cache once, sharded over those devices.
 
 Every program is compiled against ``program_mesh``: the cache mesh's devices
 and axis names with ``AxisType.Auto`` axes. tpu-inference builds Auto meshes,
@@ -53,7 +59,9 @@ class LayerGroup:
     shards: int  # devices holding distinct-or-replicated pieces: product of shard_axes sizes
     head_axes: tuple[str, ...]  # mesh axes of the KV-head dimension
     head_shards: int  # product of their sizes
-    replicas: int = 1  # consecutive head shards holding identical bytes
+    replicas: int = 1  # devices holding identical bytes of a block (repeated heads, or MLA's copies)
+    split_dim: int = TOKEN_DIM  # the block dimension replicas split among themselves
+    replica_axes: tuple[str, ...] = ()  # MLA: the mesh axes its copies lie along (empty: the head axes)
     kv_group: int = 0  # which of a chunk's id lists addresses these layers (LoadChunk.ids): 0 all, 1 windowed
 
     @property
@@ -87,13 +95,31 @@ class LayerGroup:
 
     @property
     def piece_shape(self) -> tuple[int, ...]:
-        """One device's piece of a block: its shard, its replica's slice of the tokens."""
-        return (self.local_block_shape[TOKEN_DIM] // self.replicas, *self.local_block_shape[1:])
+        """One device's piece of a block: its shard, its replica's slice of it."""
+        return _divided(self.local_block_shape, self.split_dim, self.replicas)
 
     @property
     def global_piece_shape(self) -> tuple[int, ...]:
-        """The pieces of all devices as one array, laid out like the cache's block."""
-        return (self.block_shape[TOKEN_DIM] // self.replicas, *self.block_shape[1:])
+        """The pieces of all devices as one array, laid out like the cache's block (MLA's replicas
+        tile the split dimension; repeated heads' pieces sit at their heads' places)."""
+        return self.block_shape if self.replica_axes else _divided(self.block_shape, self.split_dim, self.replicas)
+
+    @property
+    def piece_spec(self) -> tuple:
+        """Sharding of the pieces' dimensions: the cache's, plus MLA's replica axes on the split dimension."""
+        spec = list(self.cache_spec[1:]) + [None] * (len(self.block_shape) + 1 - len(self.cache_spec))
+        if self.replica_axes:
+            spec[self.split_dim] = self.replica_axes if len(self.replica_axes) > 1 else self.replica_axes[0]
+        return tuple(spec[: len(self.block_shape)])
+
+    @property
+    def rep_axes(self) -> tuple[str, ...]:
+        """Mesh axes along which a block's replicas sit (for the ring that reassembles them)."""
+        return self.replica_axes or self.head_axes
+
+    @property
+    def rep_size(self) -> int:
+        return self.replicas if self.replica_axes else self.head_shards
 
     def staging_shape(self, blocks: int) -> tuple[int, ...]:
         return (blocks, len(self.layers), *self.global_piece_shape)
@@ -164,8 +190,8 @@ class KVLayout:
 
     @staticmethod
     def staging_spec(g: LayerGroup) -> tuple:
-        """(block, layer, *the cache's spec for a block's own dims)."""
-        return (None, None, *g.cache_spec[1:])
+        """(block, layer, *the pieces' spec for a block's own dims)."""
+        return (None, None, *g.piece_spec)
 
     def replicated(self) -> NamedSharding:
         return self.sharding()
@@ -214,12 +240,7 @@ def _group(mesh: Mesh, key: tuple, layers: tuple, sharding: NamedSharding, num_b
         raise ValueError(
             f"the KV cache's block dimension is split over mesh axes {block_axes} ({split} ways): that is "
             "data-parallel attention, which the offload connector does not support (DP=1 only)")
-    copies = replicated_axes(mesh, spec)
-    if copies:
-        raise ValueError(
-            f"the KV cache (block shape {block_shape}) is replicated over mesh axes {copies} "
-            f"({math.prod(mesh.shape[a] for a in copies)} identical copies, as tpu-inference keeps MLA's latent "
-            "cache): the offload connector would store every copy; not supported")
+    copies = tuple(replicated_axes(mesh, spec))
     local = list(block_shape)
     shard_axes: list[str] = []
     for dim, entry in enumerate(spec[1:]):
@@ -231,7 +252,19 @@ def _group(mesh: Mesh, key: tuple, layers: tuple, sharding: NamedSharding, num_b
         shard_axes += axes
     head_axes = _axes(spec[1 + HEAD_DIM]) if len(spec) > 1 + HEAD_DIM else ()
     head_shards = math.prod(mesh.shape[a] for a in head_axes)
-    if head_replicas > 1 and (head_shards % head_replicas or local[TOKEN_DIM] % head_replicas):
+    split_dim, replicas = TOKEN_DIM, max(1, head_replicas)
+    if copies:  # MLA: a whole copy on every device along these axes; each keeps a slice of it
+        if head_replicas > 1:
+            raise ValueError(f"a KV cache both replicated over mesh axes {list(copies)} and with repeated heads")
+        replicas = math.prod(mesh.shape[a] for a in copies)
+        split_dim = next((d for d, n in enumerate(local) if n % replicas == 0), None)
+        if split_dim is None:
+            raise ValueError(
+                f"the KV cache (block shape {block_shape}) is replicated over mesh axes {list(copies)} "
+                f"({replicas} identical copies, as tpu-inference keeps MLA's latent cache) and no block "
+                f"dimension divides into {replicas} slices: the connector would store every copy")
+        shard_axes += copies
+    elif head_replicas > 1 and (head_shards % head_replicas or local[TOKEN_DIM] % head_replicas):
         raise ValueError(
             f"KV heads repeated {head_replicas} times do not fit the cache layout: {head_shards} head shards over "
             f"mesh axes {head_axes}, {local[TOKEN_DIM]} tokens per device and block")
@@ -239,8 +272,12 @@ def _group(mesh: Mesh, key: tuple, layers: tuple, sharding: NamedSharding, num_b
         layers=layers, block_shape=block_shape, dtype=dtype, cache_spec=spec, cache_sharding=sharding,
         local_block_shape=tuple(local), shard_axes=tuple(shard_axes),
         shards=math.prod(mesh.shape[a] for a in shard_axes), head_axes=head_axes, head_shards=head_shards,
-        replicas=max(1, head_replicas), kv_group=kv_group,
+        replicas=replicas, kv_group=kv_group, split_dim=split_dim, replica_axes=copies,
     )
+
+
+def _divided(shape: tuple[int, ...], dim: int, by: int) -> tuple[int, ...]:
+    return tuple(n // by if d == dim else n for d, n in enumerate(shape))
 
 
 def replicated_axes(mesh: Mesh, spec) -> list[str]:

@@ -31,7 +31,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from tpu_offload.jax_backend.layout import TOKEN_DIM, KVLayout
+from tpu_offload.jax_backend.layout import KVLayout
 
 
 class Programs:
@@ -170,10 +170,10 @@ class Programs:
                 def body(i, st, g=g, gi=gi, layers=layers):
                     for li, c in enumerate(layers):
                         block = lax.dynamic_index_in_dim(c, ids[gi][i], 0, keepdims=True)  # (1, *local_block_shape)
-                        if g.replicas > 1:  # keep only this device's slice of a head its replicas also hold
-                            j = lax.axis_index(g.head_axes) % g.replicas
-                            t = g.piece_shape[TOKEN_DIM]
-                            block = lax.dynamic_slice_in_dim(block, j * t, t, axis=1 + TOKEN_DIM)
+                        if g.replicas > 1:  # keep only this device's slice of the bytes its replicas also hold
+                            j = lax.axis_index(g.rep_axes) % g.replicas
+                            t = g.piece_shape[g.split_dim]
+                            block = lax.dynamic_slice_in_dim(block, j * t, t, axis=1 + g.split_dim)
                         st = lax.dynamic_update_slice(st, block[:, None], (pos[gi][i], li) + (0,) * len(g.piece_shape))
                     return st
 
@@ -202,8 +202,8 @@ class Programs:
                         row = lax.dynamic_index_in_dim(st, pos[gi][i], 0, keepdims=True)  # (1, layers, *piece_shape)
                         new = list(layers)
                         for piece, offset in _replica_slices(row, g, as_bits):
-                            new = [lax.dynamic_update_slice(c, piece[:, li], (ids[gi][i], offset) + zeros[1:])
-                                   for li, c in enumerate(new)]
+                            at = (ids[gi][i],) + tuple(offset if d == g.split_dim else 0 for d in range(len(zeros)))
+                            new = [lax.dynamic_update_slice(c, piece[:, li], at) for li, c in enumerate(new)]
                         return tuple(new)
                     # slice each layer's block straight out of staging: no copy of the row
                     return tuple(
@@ -341,22 +341,23 @@ def _arrays(layout: KVLayout) -> tuple:
 
 
 def _replica_slices(piece, g, as_bits: bool):
-    """The ``replicas`` token slices of this device's head shard of one block, with their token offsets.
+    """The ``replicas`` slices of this device's shard of one block, with their offsets along ``split_dim``.
 
-    Replicas are consecutive shards of the head axes and each kept one slice
-    (see layout.py); ``replicas - 1`` ring shifts inside each group move only
+    Replicas are consecutive shards of the head axes (repeated heads) or the
+    devices along the axes MLA's latent cache is copied over, and each kept
+    one slice (see layout.py); ``replicas - 1`` ring shifts inside each group move only
     the missing slices (a full all-gather over the head axes would move every
     group's bytes to every device). Each slice is written at its own dynamic
     offset, so nothing is reordered or concatenated on the device.
     """
-    r, h = g.replicas, g.head_shards
-    j = lax.axis_index(g.head_axes) % r
-    t = g.piece_shape[TOKEN_DIM]
+    r, h = g.replicas, g.rep_size
+    j = lax.axis_index(g.rep_axes) % r
+    t = g.piece_shape[g.split_dim]
     raw = lax.bitcast_convert_type(piece, _bits(piece.dtype)) if as_bits else piece
     out = [(piece, j * t)]  # received from k shifts back: the slice of replica (j - k) mod r
     for k in range(1, r):
         perm = [(i, i // r * r + (i % r + k) % r) for i in range(h)]
-        got = lax.ppermute(raw, g.head_axes, perm)
+        got = lax.ppermute(raw, g.rep_axes, perm)
         got = lax.bitcast_convert_type(got, piece.dtype) if as_bits else got
         out.append((got, ((j - k) % r) * t))
     return out
