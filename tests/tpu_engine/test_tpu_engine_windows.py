@@ -1,0 +1,113 @@
+"""Sliding-window layers offloaded by their window, in the real engine (gpt-oss, Gemma 4).
+
+With vLLM's prefix caching off (what ``sliding_window: auto`` needs to use
+the window; see tpu_offload/connector/windows.py), each family runs the
+round trip with our connector: identical tokens to no connector, the second
+pass restored from our tier, and the sliding-window layers moving only the
+chunks at the end of each stored prefix. A tail chunk whose sliding-window
+bytes are bad recomputes its request with identical tokens.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine_run import Shape, kv_transfer_config
+from offload_helpers import OURS, delta, hit_tokens, settle, totals, valid_slots, wrk
+from test_tpu_engine_families import BLOCK, FAMILIES, ROUND, TP1, baseline
+
+pytestmark = pytest.mark.engine
+
+SHAPES = {f"{name}-tp1": TP1[name] for name in ("gpt-oss", "gemma4")}  # the families with sliding windows
+SHAPES["gpt-oss-tp2"] = Shape("gpt-oss", TP1["gpt-oss"].dtype, tp=2, block_size=BLOCK)
+
+
+@pytest.fixture(scope="module", params=sorted(SHAPES))
+def windowed(request, engines):
+    shape = SHAPES[request.param]
+    base = baseline(engines, TP1[shape.model], ROUND)
+    import os
+
+    os.environ.update(dict(FAMILIES[shape.model].engine_env))
+    eng = engines.get(("window", shape), shape, kv_transfer_config("offload.json", **OURS),
+                      enable_prefix_caching=False)
+    return shape, base, eng
+
+
+def test_window_only_round_trip_gives_identical_tokens(windowed):
+    shape, base, eng = windowed
+    layout = wrk(eng).engine.layout
+    sliding = [g for g in layout.groups if g.kv_group == 1]
+    assert sliding, "the sliding-window layers form their own groups"
+    t0 = totals(eng)
+    assert ROUND.run(eng) == base
+    settle(eng)
+    t1 = totals(eng)
+    chunks = delta(t1, t0, "stored_chunks")
+    assert chunks == sum(len(p) // BLOCK for p in ROUND.prompts)
+    every = chunks * layout.block_bytes
+    tail = wrk(eng).s.tail_blocks
+    windowed_bytes = sum(g.block_bytes for g in sliding)
+    with_window = sum(eng.scheduler_connector.scheduler._tail.values())
+    # each prompt's last `tail` chunks at least (a prefill split over steps leaves a tail per step)
+    assert tail * len(ROUND.prompts) <= with_window < chunks
+    assert delta(t1, t0, "store_bytes") == every - windowed_bytes * (chunks - with_window)
+    # prefix caching is off: the same prompts again come from our tier
+    assert ROUND.run(eng) == base
+    t2 = totals(eng)
+    assert delta(t2, t1, "hit_tokens") == sum(hit_tokens(len(p), BLOCK) for p in ROUND.prompts)
+    assert delta(t2, t1, "load_errors") == 0
+    assert delta(t2, t1, "load_bytes") < delta(t2, t1, "loaded_chunks") * layout.block_bytes
+
+
+def test_bad_window_bytes_recompute_the_request_with_identical_tokens(windowed):
+    shape, base, eng = windowed
+    w = wrk(eng).engine
+    sch = eng.scheduler_connector.scheduler
+    tails = [sch.manager.slot_of(k) for k, has in sch._tail.items() if has and sch.manager.slot_of(k) is not None]
+    assert tails
+    for slot in tails:  # the sliding-window layers' bytes of every tail chunk (checksums then fail)
+        for gi, g in enumerate(w.layout.groups):
+            if g.kv_group == 1:
+                for v in _group_views(w, slot, gi):
+                    v[...] = np.zeros_like(v)
+    t0 = totals(eng)
+    assert ROUND.run(eng) == base
+    t1 = totals(eng)
+    assert delta(t1, t0, "load_errors") == len(tails)  # each request's tail failed: all recomputed
+    assert valid_slots(eng)
+
+
+def _group_views(eng, slot, gi):
+    from tpu_offload.jax_backend import hostview
+
+    if eng.path == "device_put":
+        return hostview.array_views(eng.host[slot][gi])
+    k, row = divmod(slot, eng.rows_per_slab)
+    return hostview.row_views(eng.slabs[gi][k], row)
+
+
+def test_control_the_restored_window_is_what_sliding_layers_read(windowed):
+    """Negative control: zero only the sliding-window layers' bytes of the tail chunks, checksums
+    refreshed (a corruption no check can see): the restored tokens change."""
+    from workloads import NEGATIVE
+
+    shape, _, eng = windowed
+    w, sch = wrk(eng).engine, eng.scheduler_connector.scheduler
+    neg = NEGATIVE[BLOCK]
+    before = {k for k, has in sch._tail.items() if has}
+    first = neg.run(eng)
+    settle(eng)
+    assert neg.run(eng) == first  # restored from our tier (prefix caching is off)
+    tails = [sch.manager.slot_of(k) for k, has in sch._tail.items() if has and k not in before]
+    assert tails
+    for slot in tails:
+        for gi, g in enumerate(w.layout.groups):
+            if g.kv_group == 1:
+                for v in _group_views(w, slot, gi):
+                    v[...] = np.zeros_like(v)
+        w.checksums[slot] = w._checksum(slot)
+    t0 = totals(eng)
+    assert neg.run(eng) != first
+    assert delta(totals(eng), t0, "load_errors") == 0
