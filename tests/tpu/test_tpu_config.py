@@ -176,7 +176,7 @@ def test_data_parallelism_seen_before_tpu_inference_configures_it():
     ({"speculative_config": SimpleNamespace(method="eagle3")}, "speculative_config.method='eagle3'"),
     ({"speculative_config": SimpleNamespace(method="dflash")}, "draft model"),
     ({"model_config": SimpleNamespace(model="deepseek-ai/DeepSeek-V3", use_mla=True)},
-     "model 'deepseek-ai/DeepSeek-V3' uses MLA.*not supported"),
+     "model 'deepseek-ai/DeepSeek-V3' uses MLA: tpu-inference 0.32 serves MLA models only with DP attention.*DP=1 only"),
 ])
 def test_runner_modes_that_break_ordering_are_refused(attrs, needle):
     vc = vllm_config({"num_cpu_chunks": 4})

@@ -164,7 +164,7 @@ def unsupported_runner_mode(vllm_config) -> str | None:
       ``runner.kv_caches`` as a donated argument inside the connector context
       and rebinds the result only after it, so ``wait_for_save`` (and an
       async ``start_load_kv``) would read deleted arrays.
-    * MLA: its latent cache is replicated over the model axis (see the message).
+    * MLA: tpu-inference 0.32 serves it only with DP attention (see the message).
     * speculative decoding with a draft model (eagle3, dflash, mtp, ...): the
       drafter writes its own KV layers after the connector context has closed,
       so a stored chunk would hold the draft layers' previous bytes for the
@@ -172,10 +172,12 @@ def unsupported_runner_mode(vllm_config) -> str | None:
     """
     model = getattr(vllm_config, "model_config", None)
     if model is not None and getattr(model, "use_mla", False):
-        return (f"model {getattr(model, 'model', '?')!r} uses MLA: tpu-inference keeps its latent KV cache whole on "
-                "every device of the model axis (sharded P(BATCH, KV_CONTEXT), no head axis), so the connector "
-                "would stage and store one identical copy per device (8 at TP 8). Offloading MLA models is not "
-                "supported yet; serve this model without --kv-transfer-config")
+        return (f"model {getattr(model, 'model', '?')!r} uses MLA: tpu-inference 0.32 serves MLA models only with "
+                "DP attention (additional_config sharding_strategy.enable_dp_attention, required by its "
+                "TpuPlatform.check_and_update_config), which splits the latent cache's blocks over attention-DP "
+                "ranks and schedules them with its DPScheduler; the offload connector supports DP=1 only "
+                "(that scheduler forwards only tpu-inference's built-in connector's metadata). Serve this model "
+                "without --kv-transfer-config")
     extra = getattr(vllm_config, "additional_config", None) or {}
     if extra.get("enable_continue_decode"):
         return (f"additional_config.enable_continue_decode={extra.get('enable_continue_decode')!r}: tpu-inference's "

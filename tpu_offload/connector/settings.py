@@ -64,15 +64,15 @@ def resolve(vllm_config, kv_cache_config, env: Mapping[str, str] | None = None) 
     parallel = vllm_config.parallel_config
     if getattr(parallel, "pipeline_parallel_size", 1) > 1:
         raise ConfigError(f"pipeline_parallel_size={parallel.pipeline_parallel_size}: KV offloading supports PP=1 only")
+    why = compat.unsupported_runner_mode(vllm_config)  # first: MLA also implies DP, this names the model
+    if why is not None:
+        raise ConfigError(why)
     dp, source = compat.data_parallel(vllm_config)
     if dp > 1:
         raise ConfigError(
             f"data parallelism {dp} ({source}): the offload connector supports DP=1 only (tpu-inference's "
             "DPScheduler forwards only its built-in connector's metadata, so ours would get no orders). "
             "Run one engine per DP rank (DP=1 each), or disable enable_dp_attention / data_parallel_size")
-    why = compat.unsupported_runner_mode(vllm_config)
-    if why is not None:
-        raise ConfigError(why)
     if getattr(ktc, "kv_load_failure_policy", "recompute") != "recompute":
         log.warning(
             "kv_load_failure_policy=%r: a chunk that fails to load fails its request; set "
