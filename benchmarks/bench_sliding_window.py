@@ -20,7 +20,7 @@ Two parts.
   loaded (ours: the worker's counters; theirs: its ``record_d2h_bytes`` /
   ``record_h2d_bytes``) and vLLM's ``first_token_latency`` of the restored
   requests. The first repetition warms up (new shapes compile) and is not
-  counted. Results: table, ``results/sliding_window.json``.
+  counted. Results: table, ``results/sliding_window_<family>.json``.
 """
 
 from __future__ import annotations
@@ -190,7 +190,7 @@ def main() -> None:
                      "min": min(m["ttft_ms"])})
     print_table(rows, title=f"tiny {args.family} in tpu-inference on CPU, TP 1, bf16, 16-token blocks, prefix caching "
                             f"off, {args.batch} x {args.prompt_len}-token prompts per repetition, {args.reps} reps")
-    path = write_json("sliding_window", {"args": vars(args), "real_shapes": shapes, "measured_rows": rows,
+    path = write_json(f"sliding_window_{args.family}", {"args": vars(args), "real_shapes": shapes, "measured_rows": rows,
                                          "measured": measured})
     print(f"wrote {path}")
 
