@@ -114,7 +114,7 @@ def test_a_failed_window_load_recomputes_only_its_request_in_every_layer(windowe
     assert sch._tail[tail_key]
     slot = sch.manager.slot_of(tail_key)
     windowed_views = [v for gi, g in enumerate(eng.layout.groups) if g.kv_group == 1
-                      for v in _group_views(eng, slot, gi)]
+                      for v in eng.row_views(slot, gi)]
     for v in windowed_views:
         v[...] = 0  # the checksum no longer matches
     affected = []
@@ -133,12 +133,3 @@ def test_a_failed_window_load_recomputes_only_its_request_in_every_layer(windowe
     assert set().union(*affected) == {ra}, affected
     assert not h.runner.failures
 
-
-def _group_views(eng, slot, gi):
-    """This process's writable bytes of ``slot`` in layer group ``gi``."""
-    from tpu_offload.jax_backend import hostview
-
-    if eng.path == "device_put":
-        return hostview.array_views(eng.host[slot][gi])
-    k, row = divmod(slot, eng.rows_per_slab)
-    return hostview.row_views(eng.slabs[gi][k], row)

@@ -13,23 +13,37 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import os
+
 from engine_run import Shape, kv_transfer_config
 from offload_helpers import OURS, delta, hit_tokens, settle, totals, valid_slots, wrk
-from test_tpu_engine_families import BLOCK, FAMILIES, ROUND, TP1, baseline
+from tiny_families import FAMILIES
+from workloads import ROUNDTRIP
 
 pytestmark = pytest.mark.engine
 
-SHAPES = {f"{name}-tp1": TP1[name] for name in ("gpt-oss", "gemma4")}  # the families with sliding windows
+BLOCK = 16
+ROUND = ROUNDTRIP[BLOCK]
+WINDOWED = ("gpt-oss", "gemma4")  # the families with sliding-window layers
+TP1 = {n: Shape(n, "bfloat16" if FAMILIES[n].bf16_only else "float32", tp=1, block_size=BLOCK) for n in WINDOWED}
+SHAPES = {f"{n}-tp1": TP1[n] for n in WINDOWED}
 SHAPES["gpt-oss-tp2"] = Shape("gpt-oss", TP1["gpt-oss"].dtype, tp=2, block_size=BLOCK)
 
 
-@pytest.fixture(scope="module", params=sorted(SHAPES))
-def windowed(request, engines):
-    shape = SHAPES[request.param]
-    base = baseline(engines, TP1[shape.model], ROUND)
-    import os
+@pytest.fixture(scope="module", autouse=True)
+def family_env():
+    """Each family's engine environment for this module only."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
-    os.environ.update(dict(FAMILIES[shape.model].engine_env))
+
+@pytest.fixture(scope="module", params=sorted(SHAPES))
+def windowed(request, engines, family_env):
+    shape = SHAPES[request.param]
+    os.environ.update(dict(FAMILIES[shape.model].engine_env))  # as the families' own tests set it
+    base = engines.baseline(TP1[shape.model], ROUND, only=True)
     eng = engines.get(("window", shape), shape, kv_transfer_config("offload.json", **OURS),
                       enable_prefix_caching=False)
     return shape, base, eng
@@ -70,7 +84,7 @@ def test_bad_window_bytes_recompute_the_request_with_identical_tokens(windowed):
     for slot in tails:  # the sliding-window layers' bytes of every tail chunk (checksums then fail)
         for gi, g in enumerate(w.layout.groups):
             if g.kv_group == 1:
-                for v in _group_views(w, slot, gi):
+                for v in w.row_views(slot, gi):
                     v[...] = np.zeros_like(v)
     t0 = totals(eng)
     assert ROUND.run(eng) == base
@@ -79,13 +93,6 @@ def test_bad_window_bytes_recompute_the_request_with_identical_tokens(windowed):
     assert valid_slots(eng)
 
 
-def _group_views(eng, slot, gi):
-    from tpu_offload.jax_backend import hostview
-
-    if eng.path == "device_put":
-        return hostview.array_views(eng.host[slot][gi])
-    k, row = divmod(slot, eng.rows_per_slab)
-    return hostview.row_views(eng.slabs[gi][k], row)
 
 
 def test_control_the_restored_window_is_what_sliding_layers_read(windowed):
@@ -105,7 +112,7 @@ def test_control_the_restored_window_is_what_sliding_layers_read(windowed):
     for slot in tails:
         for gi, g in enumerate(w.layout.groups):
             if g.kv_group == 1:
-                for v in _group_views(w, slot, gi):
+                for v in w.row_views(slot, gi):
                     v[...] = np.zeros_like(v)
         w.checksums[slot] = w._checksum(slot)
     t0 = totals(eng)

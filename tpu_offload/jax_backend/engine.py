@@ -218,16 +218,17 @@ class TransferEngine:
             for s in slots:
                 self.checksums[s] = self._checksum(int(s))
 
-    def row_views(self, slot: int) -> list[np.ndarray]:
-        """This process's bytes of ``slot`` in every group's slab (writable views)."""
+    def row_views(self, slot: int, group: int | None = None) -> list[np.ndarray]:
+        """This process's bytes of ``slot`` in every group's slab, or in ``group``'s (writable views)."""
+        groups = range(len(self.layout.groups)) if group is None else (group,)
         if self.path == "device_put":
             held = self.host[slot] or (None,) * len(self.layout.groups)
             if any(a is None for a in held):  # a file read into a slot no store has (fully) made yet
                 self.host[slot] = tuple(jax.device_put(np.zeros(av.shape, av.dtype), av.sharding) if a is None else a
                                         for a, av in zip(held, self.programs.host_chunk_avals()))
-            return [v for a in self.host[slot] for v in hostview.array_views(a)]
+            return [v for g in groups for v in hostview.array_views(self.host[slot][g])]
         k, row = divmod(slot, self.rows_per_slab)
-        return [v for per_group in self.slabs for v in hostview.row_views(per_group[k], row)]
+        return [v for g in groups for v in hostview.row_views(self.slabs[g][k], row)]
 
     # ---- passes ------------------------------------------------------------
     def _by_slab(self, slots: Sequence[int]):
