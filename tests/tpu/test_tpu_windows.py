@@ -133,3 +133,18 @@ def test_a_failed_window_load_recomputes_only_its_request_in_every_layer(windowe
     assert set().union(*affected) == {ra}, affected
     assert not h.runner.failures
 
+
+
+def test_cache_classes_read_both_engine_paths_layer_names():
+    from types import SimpleNamespace
+
+    from tpu_offload.connector.windows import Windows
+
+    w = Windows(128, frozenset({0, 2}))
+    jax_path = SimpleNamespace(layer_name_to_kvcache_index={f"layer.{i}": i for i in range(4)})
+    vllm_path = SimpleNamespace(layer_name_to_kvcache_index={f"model.layers.{i}.attn.attn": i for i in range(4)})
+    shared = SimpleNamespace(layer_name_to_kvcache_index={"layer.0": 0, "layer.1": 0, "layer.2": 1, "layer.3": 2})
+    assert w.cache_classes(jax_path, 4) == w.cache_classes(vllm_path, 4) == [(1,), (0,), (1,), (0,)]
+    assert w.cache_classes(shared, 3) == [(0,), (1,), (0,)]  # an array a full layer also uses is full
+    with pytest.raises(ValueError, match="no layer index"):
+        w.cache_classes(SimpleNamespace(layer_name_to_kvcache_index={"attn": 0}), 1)

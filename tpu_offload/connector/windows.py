@@ -23,20 +23,25 @@ Which layers. The engine's own rule, read from the model config: gpt-oss in
 tpu-inference slides on even layers (``gpt_oss.py``: ``i % 2 == 0``, whatever
 ``layer_types`` says); other models by ``layer_types[i] ==
 "sliding_attention"`` (Gemma 4). Layers map to cache arrays through the
-runner's ``layer_name_to_kvcache_index`` (``layer.{i}``); an array shared by a
-sliding and a full layer is treated as full.
+runner's ``layer_name_to_kvcache_index`` (``layer.{i}`` on the JAX path,
+``model.layers.{i}.…`` on the vLLM-model path); an array shared by a sliding and
+a full layer is treated as full.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 
 from tpu_offload.core.config import ConfigError
 
 log = logging.getLogger(__name__)
 
 SLIDING = "sliding_attention"
+# A layer's index in the runner's layer names: "layer.3" (tpu-inference's JAX models),
+# "model.layers.3.attn.attn" (its vLLM-model path).
+LAYER_INDEX = re.compile(r"(?:^|\.)layers?\.(\d+)(?:\.|$)")
 EVEN_LAYERS_SLIDE = ("GptOssForCausalLM",)  # tpu-inference hard-codes the pattern for these
 
 
@@ -54,8 +59,10 @@ class Windows:
         index = dict(getattr(runner, "layer_name_to_kvcache_index", None) or {})
         users: dict[int, set[bool]] = {}
         for name, i in index.items():
-            if name.startswith("layer.") and name[6:].isdigit():
-                users.setdefault(int(i), set()).add(int(name[6:]) in self.layers)
+            m = LAYER_INDEX.search(name)
+            if m is None:
+                raise ValueError(f"KV layer name {name!r}: no layer index in it; cannot tell whether it slides")
+            users.setdefault(int(i), set()).add(int(m.group(1)) in self.layers)
         if not users:  # no map: layer i uses cache i
             users = {i: {i in self.layers} for i in range(num_caches)}
         return [(1,) if users.get(i) == {True} else (0,) for i in range(num_caches)]
