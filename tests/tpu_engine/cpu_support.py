@@ -237,6 +237,16 @@ def _attention() -> None:
     v3.ragged_paged_attention = attention.ragged_paged_attention
     iface.ragged_paged_attention_hd64 = attention.ragged_paged_attention_hd64
     hd64.ragged_paged_attention_hd64 = attention.ragged_paged_attention_hd64
+    _mla_attention(iface)
+
+
+def _mla_attention(iface) -> None:
+    """The same for DeepSeek's latent attention: the MLA kernel tpu-inference's
+    ``mla_attention`` calls (``kernels/mla/v2``) is Pallas, with a Pallas
+    transpose around it; ``cpu_mla`` does its job on its cache layout."""
+    import cpu_mla
+
+    iface.mla_ragged_paged_attention = cpu_mla.mla_ragged_paged_attention
 
 
 # ---- 8. MoE -------------------------------------------------------------------

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 
 from tiny_models import VOCAB, write_tokenizer
 
@@ -52,6 +53,9 @@ class TinyFamily:
     hf_class: str = ""  # HF's class for the checkpoint, when the engine serves it as another architecture
     served_architecture: str = ""  # the architecture config.json names for the engine (default: HF's class)
     bf16_only: bool = False  # the engine cannot run this family in float32
+    engine_kwargs: tuple[tuple[str, object], ...] = ()  # vllm.LLM arguments the engine needs for this family
+    block_size: int = 16  # KV block size the family's engine runs with
+    mla: bool = False  # multi-head latent attention (our connector refuses it)
 
     def hf_config(self, dtype: str):
         raise NotImplementedError
@@ -62,10 +66,11 @@ class TinyFamily:
         spec = json.dumps({**dataclasses.asdict(self), "dtype": dtype}, sort_keys=True)
         if not (os.path.exists(marker) and open(marker).read() == spec):
             import torch
-            from transformers import AutoModelForCausalLM
 
             torch.manual_seed(self.seed)
-            model = AutoModelForCausalLM.from_config(self.hf_config(dtype), dtype=torch.float32)
+            cls = self.hf_model_class()
+            cfg = self.hf_config(dtype)
+            model = cls.from_config(cfg, dtype=torch.float32) if hasattr(cls, "from_config") else cls(cfg).float()
             assert type(model).__name__ == (self.hf_class or self.architecture), type(model).__name__
             _noise_on_constants(model)
             model.to(getattr(torch, dtype)).save_pretrained(path, safe_serialization=True)
@@ -75,6 +80,13 @@ class TinyFamily:
                 f.write(spec)
         write_tokenizer(path, self.vocab_size)
         return path
+
+
+    def hf_model_class(self):
+        """HF's class for this checkpoint (also what the HF reference loads it with)."""
+        import transformers
+
+        return getattr(transformers, self.hf_class) if self.hf_class else transformers.AutoModelForCausalLM
 
 
 def _serve_as(path: str, architecture: str) -> None:
@@ -164,6 +176,111 @@ class TinyGemma4(TinyFamily):
                             initializer_range=self.init_range, tie_word_embeddings=False, dtype=dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class TinyDeepseekV3(TinyFamily):
+    """DeepSeek-V3: multi-head latent attention (a 64-wide compressed KV and a
+    32-wide roped key per token, one latent cache row per token for all
+    heads), a dense first layer (``first_k_dense_replace``), then MoE layers
+    with grouped top-k sigmoid routing and a shared expert.
+
+    Served through tpu-inference's vLLM-model path (``MODEL_IMPL_TYPE=vllm``).
+    Its JAX model (``models/jax/deepseek_v3.py``) cannot build a tiny one: it
+    takes every size from module constants fixed to DeepSeek-V3-671B (hidden
+    7168, 256 experts, vocab 129280, kv_lora_rank 512: "TODO: read these
+    configs from HF config"), and its MLA weight loader splits ``kv_b_proj``
+    only for an FP8 block-quantized checkpoint (``MLAEinsum.load_weights``
+    asserts a quant config). tpu-inference serves any MLA model only with
+    ``NEW_MODEL_DESIGN=1`` and DP attention on (``TpuPlatform.check_and_update_config``).
+    Latent-cache pages hold ``MLA_KV_PACKING_SIZE`` (32) tokens per row, so
+    the block size is 32. bf16 only, as every vLLM-model-path family.
+
+    The KV cache is fp8 (``kv_cache_dtype="fp8"``): on that path MLA needs an
+    8-bit cache. With ``auto`` (or ``bfloat16``) its MLA layer still
+    "quantizes" the absorbed key/value up-projections to the cache dtype
+    (``quantize_tensor(self.kv_cache_quantized_dtype, ...)`` with dtype None),
+    dividing by ``finfo(None).max`` (float64's), so every scale is 0 in
+    float32, every absorbed query 0 and the logits NaN (seen here: token 0
+    forever), on any device.
+
+    Routing: top-2 of 8 experts in 4 groups (top-2 groups), sigmoid scores
+    with a correction bias. A near-tie between two experts flips under bf16
+    and moves the logits by up to ~1 at the default ``routed_scaling_factor``
+    2.5 (HF's own bf16 run flips 20 of 380 argmaxes against its float32 run);
+    at 0.1 the routed experts still count, and engine and HF agree wherever
+    HF's margin is above ~0.07."""
+
+    bf16_only: bool = True
+    mla: bool = True
+    block_size: int = 32
+    q_lora_rank: int = 64
+    kv_lora_rank: int = 64
+    qk_nope_head_dim: int = 32
+    qk_rope_head_dim: int = 32
+    v_head_dim: int = 32
+    num_experts: int = 8
+    experts_per_token: int = 2
+    n_group: int = 4
+    topk_group: int = 2
+    moe_intermediate_size: int = 64
+    first_k_dense_replace: int = 1
+    routed_scaling_factor: float = 0.1
+
+    def hf_config(self, dtype: str):
+        from transformers import DeepseekV3Config
+
+        return DeepseekV3Config(
+            hidden_size=self.hidden_size, num_hidden_layers=self.num_layers, num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_heads, q_lora_rank=self.q_lora_rank, kv_lora_rank=self.kv_lora_rank,
+            qk_nope_head_dim=self.qk_nope_head_dim, qk_rope_head_dim=self.qk_rope_head_dim,
+            v_head_dim=self.v_head_dim, n_routed_experts=self.num_experts, num_experts_per_tok=self.experts_per_token,
+            n_group=self.n_group, topk_group=self.topk_group, n_shared_experts=1,
+            moe_intermediate_size=self.moe_intermediate_size, intermediate_size=self.intermediate_size,
+            first_k_dense_replace=self.first_k_dense_replace, routed_scaling_factor=self.routed_scaling_factor,
+            vocab_size=self.vocab_size,
+            max_position_embeddings=self.max_position, initializer_range=self.init_range,
+            tie_word_embeddings=False, dtype=dtype,
+            # what DeepSeek-V3's own config.json says, and what HF's model always does; vLLM reads
+            # them to build the router's score-correction bias and sigmoid scoring
+            topk_method="noaux_tc", scoring_func="sigmoid",
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class TinyLlama4(TinyFamily):
+    """Llama 4 (Scout/Maverick text model): every 4th layer without rope, the
+    others with rope and per-head L2 q/k norms; MoE layers (top-1 sigmoid
+    router plus a shared expert) interleaved with dense ones. Written as HF
+    writes Llama 4 checkpoints (``Llama4ForConditionalGeneration``, the text
+    model under ``language_model``, a tiny vision tower beside it) and served
+    text-only as ``Llama4ForCausalLM``, which tpu-inference's JAX model loads
+    (it reads ``hf_config.text_config`` and keeps ``language_model`` weights).
+    That model hard-codes rope theta 500000, NoPE every 4th layer and top-1
+    routing, which this config matches. bf16 only (its dtype is fixed)."""
+
+    bf16_only: bool = True
+    served_architecture: str = "Llama4ForCausalLM"
+    num_experts: int = 4
+    intermediate_size_mlp: int = 256
+    interleave_moe_layer_step: int = 2
+
+    def hf_config(self, dtype: str):
+        from transformers import Llama4Config, Llama4TextConfig, Llama4VisionConfig
+
+        text = Llama4TextConfig(
+            hidden_size=self.hidden_size, num_hidden_layers=self.num_layers, num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads, head_dim=self.head_dim, intermediate_size=self.intermediate_size,
+            intermediate_size_mlp=self.intermediate_size_mlp, num_local_experts=self.num_experts,
+            num_experts_per_tok=1, interleave_moe_layer_step=self.interleave_moe_layer_step,
+            vocab_size=self.vocab_size, max_position_embeddings=self.max_position,
+            initializer_range=self.init_range, tie_word_embeddings=False, dtype=dtype,
+        )
+        vision = Llama4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                    image_size=28, patch_size=14, vision_output_dim=32, projector_input_dim=32,
+                                    projector_output_dim=32)
+        return Llama4Config(text_config=text, vision_config=vision, initializer_range=self.init_range,
+                            tie_word_embeddings=False, dtype=dtype)
+
+
 # bf16 only (see TinyGptOss), and at init 0.2 this model is chaotic in bf16 (HF's own bf16 and
 # float32 logits then differ by up to ~4 at the 99th percentile, against a median top-2 margin of
 # 0.4); at 0.05 they differ by 0.03 against a median margin of 0.13.
@@ -172,4 +289,31 @@ GPT_OSS = TinyGptOss(name="gpt-oss", architecture="GptOssForCausalLM", init_rang
 GEMMA4 = TinyGemma4(name="gemma4", architecture="Gemma4ForCausalLM", hf_class="Gemma4ForConditionalGeneration",
                     head_dim=128)
 
-FAMILIES = {f.name: f for f in (GPT_OSS, GEMMA4)}
+DEEPSEEK_V3 = TinyDeepseekV3(
+    name="deepseek-v3", architecture="DeepseekV3ForCausalLM", num_layers=3, init_range=0.05,
+    engine_env=(("MODEL_IMPL_TYPE", "vllm"), ("NEW_MODEL_DESIGN", "1")),
+    engine_kwargs=(("additional_config", {"sharding": {"sharding_strategy": {"enable_dp_attention": True}}}),
+                   ("kv_cache_dtype", "fp8")),
+)
+
+LLAMA4 = TinyLlama4(name="llama4", architecture="Llama4ForCausalLM", hf_class="Llama4ForConditionalGeneration",
+                    num_layers=4, head_dim=128, init_range=0.05,
+                    # its shardings name the 'expert' mesh axis, which only the new model design's mesh has
+                    engine_env=(("NEW_MODEL_DESIGN", "1"),))
+
+FAMILIES = {f.name: f for f in (GPT_OSS, GEMMA4, DEEPSEEK_V3, LLAMA4)}
+ENGINE_ENV_KEYS = frozenset(k for f in FAMILIES.values() for k, _ in f.engine_env)
+
+
+def use_engine_env(family: TinyFamily | None) -> None:
+    """``family``'s engine environment and nothing left from another family's (None: no
+    family's). tpu-inference picks its sharding axis names once per process
+    (``layers/common/sharding.py:ShardingAxisName``, lazily, from NEW_MODEL_DESIGN): a
+    server runs one model, a test process several, so the choice is made afresh."""
+    for k in ENGINE_ENV_KEYS:
+        os.environ.pop(k, None)
+    if family is not None:
+        os.environ.update(dict(family.engine_env))
+    sharding = sys.modules.get("tpu_inference.layers.common.sharding")  # not imported yet: nothing chosen
+    if sharding is not None:
+        sharding.ShardingAxisName._cls = None

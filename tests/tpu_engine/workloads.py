@@ -69,3 +69,5 @@ PRESSURE = {16: Workload.of("pressure16", [[prompt(31 + i, 112)] for i in range(
                              + [[prompt(31, 260)], [prompt(32, 260)]], block_size=128)}
 DETERMINISM = Workload.of("determinism", [[prompt(41, 40), prompt(42, 100), prompt(43, 170), prompt(44, 70)]],
                           max_tokens=24)
+# 32-token blocks (an MLA model's latent cache packs 32 tokens per row): the same prompts as roundtrip16.
+ROUNDTRIP[32] = Workload.of("roundtrip32", [[prompt(1, 100), prompt(2, 165), prompt(3, 70)]], block_size=32)
