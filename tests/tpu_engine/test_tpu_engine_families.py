@@ -8,12 +8,17 @@ Per family (``tiny_families``: gpt-oss, Gemma 4, DeepSeek-V3, Llama 4):
 * TP 1 with our connector: identical tokens, and after vLLM's prefix cache
   is reset the second pass takes every full block from our tier (a negative
   control then zeroes those chunks: the tokens change). DeepSeek-V3 (MLA):
-  the engine refuses to start, naming the model and the reason;
+  the engine refuses to start, naming the model and the reason. gpt-oss
+  keeps vLLM's hybrid KV cache manager (a sliding-window group beside the
+  full one) only if our connector supports it (xfail, strict, while not);
 * TP 2, no connector: tokens agree with HF as at TP 1, and equal TP 1's
   (bit for bit in float32; in bf16 any divergence starts at a near-tie);
 * tpu-inference's own connector (a child process: it is configured by
   environment and exports the same metric names as ours): a round trip
-  with the no-connector tokens.
+  with the no-connector tokens and every full block from its tier;
+* gpt-oss's own JAX model (not the one tpu-inference serves it with) fails
+  to load with the flax tpu-inference pins: the exact error, so the day it
+  loads is noticed.
 
 The HF check is teacher-forced: HF reads the engine's own output and must
 choose each of its tokens wherever HF's top-2 margin is at least the
@@ -225,6 +230,29 @@ def test_tp1_our_connector_round_trip(name, engines):
     assert w.run(eng) != base
 
 
+def _ours_supports_hma() -> bool:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
+
+    from tpu_offload.connector.connector import TPUOffloadConnector
+
+    return issubclass(TPUOffloadConnector, SupportsHMA)
+
+
+@pytest.mark.xfail(not _ours_supports_hma(), strict=True,
+                   reason="our connector does not subclass vLLM's SupportsHMA, so vLLM turns its hybrid KV cache "
+                   "manager off ('Turning off hybrid kv cache manager because `--kv-transfer-config` selects a KV "
+                   "connector that does not support it'): gpt-oss's sliding-window layers are then allocated as "
+                   "full attention, in one KV cache group instead of two")
+def test_tp1_our_connector_keeps_the_hybrid_kv_cache_manager(engines):
+    """gpt-oss on tpu-inference's vLLM-model path: sliding-window layers get their own KV
+    cache group (vLLM frees their blocks past the window) without a connector."""
+    shape = TP1["gpt-oss"]
+    eng = engine(engines, ("ours", shape), shape, kv_transfer_config("offload.json", **OURS))
+    groups = eng.core.scheduler.kv_cache_config.kv_cache_groups
+    assert not eng.core.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
+    assert sorted(type(g.kv_cache_spec).__name__ for g in groups) == ["FullAttentionSpec", "SlidingWindowSpec"]
+
+
 @pytest.mark.parametrize("name", [n for n in NAMES if FAMILIES[n].mla])
 def test_tp1_our_connector_refuses_mla_at_start(name, engines, model_dir):
     """One clear error at engine start, naming the model and why (offloading MLA is not supported)."""
@@ -257,6 +285,33 @@ def test_tp2_tokens_agree_with_hf_and_tp1(name, engines, model_dir):
         d = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
         if d is not None:
             assert steps[d][1] < MARGIN[name], f"prompt {i}: TP 2 left TP 1 at step {d}, HF margin {steps[d][1]:.4f}"
+
+
+# ---- gpt-oss's own JAX model ----------------------------------------------------------------------
+_JAX_GPT_OSS = """
+import sys
+sys.path.insert(0, {here!r})
+import engine_run
+engine_run.prepare_process()
+engine_run.EngineRun({path!r}, engine_run.Shape("gpt-oss", "bfloat16", tp=1, block_size=16))
+"""
+
+
+def test_gpt_oss_jax_model_cannot_load_with_the_flax_tpu_inference_pins(model_dir):
+    """tpu-inference serves gpt-oss through vLLM's model by default; its own JAX model
+    (``MODEL_IMPL_TYPE=flax_nnx``) fails to load an unquantized checkpoint with the flax it
+    pins (0.12.10): ``GptOss._load_regular_param`` takes the partition spec from
+    ``param.sharding``, which is now the (abstract) array's sharding, None. When this test
+    fails, that path loads: run gpt-oss through it too. (A child process: the failed
+    start leaves vLLM's process-wide parallel state behind.)"""
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = _JAX_GPT_OSS.format(here=here, path=model_dir("gpt-oss", "bfloat16"))
+    env = {**os.environ, "MODEL_IMPL_TYPE": "flax_nnx",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode != 0
+    assert "_load_regular_param" in proc.stderr
+    assert "jax.P() argument after * must be an iterable, not NoneType" in proc.stderr
 
 
 # ---- tpu-inference's own connector ----------------------------------------------------------------
