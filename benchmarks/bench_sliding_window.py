@@ -12,9 +12,12 @@ Two parts.
 * Measured in the real tpu-inference 0.32 engine on JAX's CPU backend
   (tests/tpu_engine/cpu_support.py), a tiny random model of the family
   (tests/tpu_engine/tiny_families.py), each engine in its own process, with
-  vLLM's prefix caching off (the setting "window" needs; see windows.py):
-  ours with ``sliding_window: window``, ours with ``all``, and
-  tpu-inference's own connector. Every repetition sends ``--batch`` fresh
+  vLLM's prefix caching off (what "window" needs where the engine has one
+  block table for all layers, as on tpu-inference's JAX path; see windows.py):
+  ours with ``sliding_window: window`` (gpt-oss on tpu-inference's vLLM-model
+  path keeps vLLM's hybrid KV-cache manager: a sliding-window group of its
+  own), ours with ``all`` and the hybrid manager off, and tpu-inference's own
+  connector (which turns the hybrid manager off). Every repetition sends ``--batch`` fresh
   prompts (stored), then the same prompts plus a few new tokens one at a time
   (each restored from the host tier); the figures are bytes stored and
   loaded (ours: the worker's counters; theirs: its ``record_d2h_bytes`` /
@@ -123,7 +126,11 @@ def measure(kind: str, family: str, reps: int, batch: int, prompt_len: int) -> d
     dtype = "bfloat16"
     model_dir = fam.write(os.path.join(tempfile.gettempdir(), f"tpu_offload_bench_{family}_{dtype}"), dtype)
     shape = engine_run.Shape(family, dtype, tp=1, block_size=16, num_blocks=256, max_model_len=1024)
-    eng = engine_run.EngineRun(model_dir, shape, kv, enable_prefix_caching=False)
+    # "all": vLLM's hybrid KV-cache manager off too (with it on, it frees sliding-window blocks outside the
+    # window, so there is nothing more to store); tpu-inference's connector turns it off itself.
+    extra = {"disable_hybrid_kv_cache_manager": True} if kind == "all" else {}
+    eng = engine_run.EngineRun(model_dir, shape, kv, enable_prefix_caching=False, **extra)
+    groups = len(eng.core.scheduler.kv_cache_config.kv_cache_groups)
     ttft, per_rep = [], []
     try:
         from vllm import SamplingParams
@@ -151,7 +158,7 @@ def measure(kind: str, family: str, reps: int, batch: int, prompt_len: int) -> d
         hits = None if wrk is None else eng.scheduler_connector.scheduler.totals.get("hit_tokens", 0)
     finally:
         eng.close()
-    return {"ttft_ms": ttft, "bytes": per_rep, "hit_tokens": hits}
+    return {"ttft_ms": ttft, "bytes": per_rep, "hit_tokens": hits, "kv_cache_groups": groups}
 
 
 def main() -> None:
@@ -187,7 +194,7 @@ def main() -> None:
                      "stored KiB / prompt": sum(b["store"] for b in m["bytes"]) / reps / args.batch / 1024,
                      "loaded KiB / prompt": sum(b["load"] for b in m["bytes"]) / reps / args.batch / 1024,
                      "restored TTFT ms (median)": statistics.median(m["ttft_ms"]),
-                     "min": min(m["ttft_ms"])})
+                     "min": min(m["ttft_ms"]), "KV-cache groups": m["kv_cache_groups"]})
     print_table(rows, title=f"tiny {args.family} in tpu-inference on CPU, TP 1, bf16, 16-token blocks, prefix caching "
                             f"off, {args.batch} x {args.prompt_len}-token prompts per repetition, {args.reps} reps")
     path = write_json(f"sliding_window_{args.family}", {"args": vars(args), "real_shapes": shapes, "measured_rows": rows,

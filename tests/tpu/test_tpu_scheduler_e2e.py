@@ -85,7 +85,7 @@ def test_staging_smaller_than_request_defers_and_never_truncates(make):
     h = make(blocks_per_chunk=1, staging_blocks=2)
     p = prompt(10 * BS, 6)
     h.add(p, max_tokens=1)  # finishes right after prefill: most stores still deferred
-    finished = spy(h, "request_finished")
+    finished = spy(h, "request_finished_all_groups")
     h.run()
     assert finished[0][1] == (True, None)  # blocks kept for the final stores
     assert h.wrk.totals["stored_chunks"] == 10
@@ -128,7 +128,7 @@ def test_freed_block_control_detects_use_after_free(make):
         orig(request, block_ids)
         return False, None
 
-    h.conn_s.request_finished = free_at_once
+    h.conn_s.request_finished_all_groups = free_at_once  # what vLLM calls on a SupportsHMA connector
     # vLLM asserts that a request reported finished_sending still exists; the
     # contract broken above makes that report arrive for a freed request, and
     # whichever of the two failures comes first would depend on timing.

@@ -113,7 +113,7 @@ def test_a_failed_window_load_recomputes_only_its_request_in_every_layer(windowe
     tail_key = sch._keys(probe)[-1]
     assert sch._tail[tail_key]
     slot = sch.manager.slot_of(tail_key)
-    windowed_views = [v for gi, g in enumerate(eng.layout.groups) if g.kv_group == 1
+    windowed_views = [v for gi, g in enumerate(eng.layout.groups) if g.kv_group in h.wrk.sliding_classes
                       for v in eng.row_views(slot, gi)]
     for v in windowed_views:
         v[...] = 0  # the checksum no longer matches
@@ -148,3 +148,21 @@ def test_cache_classes_read_both_engine_paths_layer_names():
     assert w.cache_classes(shared, 3) == [(0,), (1,), (0,)]  # an array a full layer also uses is full
     with pytest.raises(ValueError, match="no layer index"):
         w.cache_classes(SimpleNamespace(layer_name_to_kvcache_index={"attn": 0}), 1)
+
+
+def test_kv_cache_groups_are_read_by_their_spec_class():
+    """vLLM's hybrid manager gives sliding layers a SlidingWindowSpec group; with it off, their window
+    is recorded on a FullAttentionSpec whose every block is kept (full, for the connector)."""
+    import torch
+    from types import SimpleNamespace
+
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
+
+    from tpu_offload.connector.compat import group_windows
+
+    kw = dict(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    hybrid = SimpleNamespace(kv_cache_groups=[KVCacheGroupSpec(["a"], SlidingWindowSpec(sliding_window=32, **kw)),
+                                              KVCacheGroupSpec(["b"], FullAttentionSpec(**kw))])
+    merged = SimpleNamespace(kv_cache_groups=[KVCacheGroupSpec(["a", "b"], FullAttentionSpec(sliding_window=32, **kw))])
+    assert group_windows(hybrid) == (32, None)
+    assert group_windows(merged) == (None,)

@@ -51,14 +51,46 @@ TPU_INFERENCE_CONNECTOR_NAMES = ("TPUConnector", "TPUConnectorHMA", "TPUOffloadC
 STATS_REPORT_KEY = "_tpu_offload_report"
 
 
-def blocks_of_group0(blocks) -> list[int]:
-    """Block ids of KV group 0 from a ``KVCacheBlocks`` (or a tuple of id lists)."""
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults, SupportsHMA
+except ImportError:  # pragma: no cover - vLLM without the hybrid KV-cache manager's connector API
+    SupportsHMA = object  # type: ignore[misc,assignment]
+    KVConnectorTransferResults = None  # type: ignore[misc,assignment]
+
+NULL_BLOCK = 0  # vLLM's null block: what a sliding-window group's table holds outside the window
+
+
+def block_ids_by_group(blocks) -> tuple[list[int], ...]:
+    """Block ids per KV-cache group from a ``KVCacheBlocks``, a tuple of id lists, or one list."""
     ids = blocks.get_block_ids() if hasattr(blocks, "get_block_ids") else blocks
-    return list(ids[0]) if ids and isinstance(ids[0], (list, tuple)) else list(ids)
+    if ids and isinstance(ids[0], (list, tuple)):
+        return tuple(list(g) for g in ids)
+    return (list(ids),)
 
 
-def request_block_ids(kv_cache_manager, req_id: str) -> list[int]:
-    return list(kv_cache_manager.get_block_ids(req_id)[0])
+def request_block_ids(kv_cache_manager, req_id: str) -> tuple[list[int], ...]:
+    return tuple(list(g) for g in kv_cache_manager.get_block_ids(req_id))
+
+
+def group_windows(kv_cache_config) -> tuple[int | None, ...]:
+    """Per vLLM KV-cache group: its sliding window in tokens, or None (every block is read).
+
+    More than one group exists only with vLLM's hybrid KV-cache manager, which
+    the connector keeps on (``SupportsHMA``); tpu-inference's vLLM-model path
+    then gives gpt-oss a sliding-window group and a full-attention one."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+    out = []
+    for g in groups:
+        spec = g.kv_cache_spec
+        kind = type(spec).__name__
+        if "Mamba" in kind or "ChunkedLocal" in kind or "CrossAttention" in kind:
+            raise ValueError(f"KV-cache group with {kind} (layers {list(g.layer_names)[:3]}...): the offload "
+                             "connector stores attention KV only (full or sliding-window)")
+        # A FullAttentionSpec may carry a sliding_window too (vLLM's hybrid manager off merges sliding layers
+        # into full attention and records the window): every block of it is allocated and kept, as full.
+        window = getattr(spec, "sliding_window", None) if "SlidingWindow" in kind else None
+        out.append(int(window) if window else None)
+    return tuple(out) or (None,)
 
 
 def lora_of(request) -> tuple[int | None, str | None]:

@@ -22,7 +22,7 @@ from tpu_offload.connector.stats import OffloadStats
 log = logging.getLogger(__name__)
 
 
-class TPUOffloadConnector(KVConnectorBase_V1):
+class TPUOffloadConnector(KVConnectorBase_V1, compat.SupportsHMA):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
         self.settings = resolve(vllm_config, kv_cache_config)
@@ -86,6 +86,16 @@ class TPUOffloadConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output) -> None:
         self.scheduler.update_connector_output(connector_output)
+
+    def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
+        return self.scheduler.request_finished(request, block_ids)
+
+    def get_transfer_results(self, finished_req_ids: set[str]):
+        """Finished sends and receives, and (several KV-cache groups) the requests whose load failed."""
+        results = super().get_transfer_results(finished_req_ids)
+        if self.worker is not None:
+            results.failed_recving = self.worker.take_failed_recving()
+        return results
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.request_finished(request, block_ids)

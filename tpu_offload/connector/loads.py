@@ -93,7 +93,7 @@ class LoadPlan:
     to_promote: list[int] = dataclasses.field(default_factory=list)  # indices not yet sent
     evict: list[tuple[int, bytes, bytes]] = dataclasses.field(default_factory=list)  # write-back before promoting
     salt: bytes = b""  # the request's cache_salt (file tier: the tenant keys of its files)
-    window: list[int] = dataclasses.field(default_factory=list)  # sliding-window layers' ids (LoadOp.window)
+    groups: list[list[int]] = dataclasses.field(default_factory=list)  # ids per layer class (LoadOp.groups)
     restart: int = -1  # LoadOp.restart
     emitted: int = 0
     cancelled: bool = False
@@ -147,7 +147,7 @@ class LoadPlanner:
         last = plan.cancelled or b == len(plan.keys)
         op = LoadOp(self._next_id(), plan.req_id, plan.slots[a:b], plan.blocks[a * self.bpc : b * self.bpc],
                     async_load=plan.async_load, last=last,
-                    window=plan.window[a * self.bpc : b * self.bpc] if plan.window else [], restart=plan.restart)
+                    groups=[g[a * self.bpc : b * self.bpc] for g in plan.groups], restart=plan.restart)
         pinned = [(k, s) for k, s in zip(plan.keys[a:b], plan.slots[a:b]) if s >= 0]
         if pinned:
             self.load_orders[op.op_id] = Order(plan.req_id, [k for k, _ in pinned], [s for _, s in pinned])

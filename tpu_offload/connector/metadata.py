@@ -25,9 +25,11 @@ class LoadOp:
     blocks: list[int]  # blocks_per_chunk destination ids per slot; -1 = already computed
     async_load: bool  # report the request in finished_recving when its last op completes
     last: bool  # the request's final load op
-    # Sliding-window layers ("window" mode): their destination ids, as ``blocks``, -1 for blocks
-    # outside the window before the hit's end. Empty: those layers load ``blocks`` like the rest.
-    window: list[int] = dataclasses.field(default_factory=list)
+    # Per layer class, destination ids as ``blocks`` (-1: not loaded). Classes: vLLM's KV-cache groups
+    # with its hybrid manager (each has its own block table; a sliding-window group's ids only in the
+    # window before the hit's end), else [every layer, sliding-window layers] in "window" mode.
+    # Empty: every layer loads ``blocks``.
+    groups: list[list[int]] = dataclasses.field(default_factory=list)
     # With windowed layers: the request's first loaded block. A failed chunk recomputes the request from
     # there, not from the chunk: a later restart would need sliding-window KV the load never brought.
     restart: int = -1
@@ -43,7 +45,7 @@ class StoreOp:
     # write-back: (slot, key, salt) of chunks this allocation evicts, written first
     evict: list[tuple[int, bytes, bytes]] = dataclasses.field(default_factory=list)
     salt: bytes = b""  # the request's cache_salt: the tenant keys of its files (b"": the deployment's)
-    window: list[int] = dataclasses.field(default_factory=list)  # as LoadOp's: -1 = not stored for those layers
+    groups: list[list[int]] = dataclasses.field(default_factory=list)  # as LoadOp's: -1 = not stored
 
 
 @dataclasses.dataclass

@@ -70,7 +70,7 @@ class _Req:
     cursor: int = 0  # chunks [0, cursor) are stored, in flight, or known present
     looked_up: bool = False  # lookup metrics recorded
     finishing: bool = False  # request_finished returned True: blocks are ours
-    final_blocks: list[int] | None = None
+    final_blocks: tuple[list[int], ...] | None = None  # per KV-cache group
     keys: list[ChunkKey] = dataclasses.field(default_factory=list)
     stale: bool = False  # holds KV computed before a reset (old weights): never stored
 
@@ -215,7 +215,7 @@ class OffloadScheduler:
         needs a promotion first), and only within this step's staging budget, so
         the step's stall stays as bounded as an asynchronous part's.
         """
-        if req_id not in self._waited:
+        if req_id not in self._waited or self.s.hybrid:  # several groups: failures need async loads
             return False
         blocks = -(-n // self.s.block_size)
         if blocks > self._sync_blocks_left or any(on_fs):
@@ -255,7 +255,8 @@ class OffloadScheduler:
             )
         first = local // self.chunk_tokens
         skip = local // self.s.block_size  # blocks already computed locally
-        block_ids = compat.blocks_of_group0(blocks)
+        by_group = compat.block_ids_by_group(blocks)
+        block_ids = by_group[self.s.full_group]
         load_keys = keys[first:n_hit]
         fs_idx = [i for i in range(len(load_keys)) if on_fs[first + i]]
         host_idx = [i for i in range(len(load_keys)) if not on_fs[first + i]]
@@ -285,14 +286,16 @@ class OffloadScheduler:
         for c in range(first, n_hit):
             for b in range(c * self.bpc, (c + 1) * self.bpc):
                 dst.append(block_ids[b] if b >= skip else -1)
-        window: list[int] = []
-        restart = -1
-        if self.tail:
-            tail = self._tail_start(n_hit) * self.bpc
-            window = [b if (first * self.bpc + i) >= tail else -1 for i, b in enumerate(dst)]
-            restart = next(b for b in dst if b >= 0)
+        groups: list[list[int]] = [[] for _ in self._classes()]
+        tail = self._tail_start(n_hit)
+        for c in range(first, n_hit):
+            span = [b for b in range(c * self.bpc, (c + 1) * self.bpc)]
+            per_class = self._chunk_ids(by_group, span, in_tail=c >= tail)
+            for lst, ids in zip(groups, per_class):
+                lst.extend(i if b >= skip else -1 for b, i in zip(span, ids))
+        restart = next(b for b in dst if b >= 0) if groups and not self.s.hybrid else -1
         self.loads.add(LoadPlan(request.request_id, load_async, load_keys, slots, dst, ready,
-                                to_promote=fs_idx, evict=evict, salt=salt, window=window, restart=restart))
+                                to_promote=fs_idx, evict=evict, salt=salt, groups=groups, restart=restart))
         if load_async:
             self.loading.add(request.request_id, load_keys)
         if not st.looked_up:
@@ -402,9 +405,10 @@ class OffloadScheduler:
             salt = request_salt(st.request) if self._fs_lookup is not None else b""
             evict = self._allocated(alloc, salt)
             slot_of = dict(zip(alloc.keys, (int(x) for x in alloc.slots)))
-            if block_ids is None:
+            if block_ids is None:  # the ids now: vLLM may have freed a sliding-window group's older blocks
                 block_ids = compat.request_block_ids(self.kv_cache_manager, st.request.request_id)
-            slots, blocks, okeys, window = [], [], [], []
+            slots, blocks, okeys = [], [], []
+            groups: list[list[int]] = [[] for _ in self._classes()]
             tail = self._tail_start(n)
             for c in cand:
                 k = keys[c]
@@ -412,23 +416,53 @@ class OffloadScheduler:
                     continue
                 slots.append(slot_of[k])
                 okeys.append(k)
-                ids = block_ids[c * self.bpc : (c + 1) * self.bpc]
-                blocks.extend(ids)
-                if self.tail:  # sliding-window layers: only the chunks a request continuing this one reads
-                    window.extend(ids if c >= tail else [-1] * len(ids))
-                    self._tail[k] = c >= tail
+                span = range(c * self.bpc, (c + 1) * self.bpc)
+                blocks.extend(block_ids[self.s.full_group][b] for b in span)
+                if groups:  # sliding-window layers: only the chunks a request continuing this one reads
+                    per_class = self._chunk_ids(block_ids, span, in_tail=c >= tail)
+                    for lst, ids in zip(groups, per_class):
+                        lst.extend(ids)
+                    self._tail[k] = self._holds_window(per_class)
                 self.events.record(k, st.request, c)
-            if self.tail:
+            if groups:
                 self._prune_tail()
             if slots:
                 op = StoreOp(next(self._ids), st.request.request_id, slots, blocks,
                              keys=[bytes(k) for k in okeys] if self._fs_lookup is not None else [], evict=evict,
-                             salt=salt, window=window)
+                             salt=salt, groups=groups)
                 meta.stores.append(op)
                 self._store_orders[op.op_id] = Order(op.req_id, okeys, slots)
                 budget -= len(slots) * self.bpc
         st.cursor = i
         return i >= n, budget
+
+    def _classes(self) -> range:
+        """Layer classes an order carries ids for (``LoadOp.groups``): none when every layer moves every block."""
+        if self.s.hybrid:
+            return range(len(self.s.group_windows))
+        return range(2) if self.tail else range(0)
+
+    def _chunk_ids(self, block_ids: tuple[list[int], ...], span, in_tail: bool) -> list[list[int]]:
+        """One chunk's ids per layer class: full-attention layers every block, sliding-window
+        layers only in the tail (and, with vLLM's hybrid manager, only blocks it has not freed)."""
+        if not self.s.hybrid:
+            ids = [block_ids[self.s.full_group][b] for b in span]
+            return [ids, ids if in_tail else [-1] * len(ids)]
+        out = []
+        for g, window in enumerate(self.s.group_windows):
+            table = block_ids[g]
+            if window is None:
+                out.append([table[b] for b in span])
+            else:
+                out.append([table[b] if in_tail and b < len(table) and table[b] != compat.NULL_BLOCK else -1
+                            for b in span])
+        return out
+
+    def _holds_window(self, per_class: list[list[int]]) -> bool:
+        """Whether a chunk is stored with every sliding-window layer's blocks."""
+        windowed = [ids for g, ids in enumerate(per_class)
+                    if (self.s.group_windows[g] is not None if self.s.hybrid else g == 1)]
+        return bool(windowed) and all(b >= 0 for ids in windowed for b in ids)
 
     def _prune_tail(self) -> None:
         """Forget evicted chunks, so ``_tail`` stays bounded by the tier's size."""
@@ -499,7 +533,7 @@ class OffloadScheduler:
         keys = self._req_keys(st, n)
         if any(self.manager.lookup(keys[i]) is Lookup.MISS for i in range(st.cursor, n)):
             st.finishing = True
-            st.final_blocks = list(block_ids)
+            st.final_blocks = compat.block_ids_by_group(block_ids)
             return True, None
         del self._reqs[req_id]
         return False, None

@@ -32,6 +32,19 @@ class Settings:
     kv_replicas: int = 1  # times tpu-inference repeats each KV head (TP > KV heads); stored once
     hbm_utilization: float | None = None  # vLLM's gpu_memory_utilization: 1 - it stays the model's
     windows: sliding.Windows | None = None  # sliding-window layers offloaded by their window only
+    # Per vLLM KV-cache group: its sliding window (None: full attention) and its layers. More than
+    # one group: vLLM's hybrid KV-cache manager is on, each group has its own block table.
+    group_windows: tuple[int | None, ...] = (None,)
+    group_layers: tuple[tuple[str, ...], ...] = ()
+
+    @property
+    def hybrid(self) -> bool:
+        return len(self.group_windows) > 1
+
+    @property
+    def full_group(self) -> int:
+        """The first full-attention group: its block ids name a chunk's blocks."""
+        return next(g for g, w in enumerate(self.group_windows) if w is None)
 
     @property
     def tail_blocks(self) -> int:
@@ -81,6 +94,8 @@ def resolve(vllm_config, kv_cache_config, env: Mapping[str, str] | None = None) 
         )
     block_size = vllm_config.cache_config.block_size
     bpc = cfg.resolve_blocks_per_chunk(block_size)
+    group_windows = compat.group_windows(kv_cache_config) if kv_cache_config is not None else (None,)
+    windows = sliding.for_groups(group_windows, cfg, vllm_config)
     kv_replicas = compat.kv_head_replicas(vllm_config, kv_cache_config)
     chunk_bytes = kv_bytes_per_block(kv_cache_config) * bpc // kv_replicas  # each distinct head once
     if cfg.num_cpu_chunks is None and chunk_bytes == 0:
@@ -96,5 +111,6 @@ def resolve(vllm_config, kv_cache_config, env: Mapping[str, str] | None = None) 
         config=cfg, block_size=block_size, blocks_per_chunk=bpc, num_slots=num_slots,
         chunk_bytes=chunk_bytes, staging_blocks=cfg.staging_blocks // bpc * bpc, kv_replicas=kv_replicas,
         hbm_utilization=getattr(vllm_config.cache_config, "gpu_memory_utilization", None),
-        windows=sliding.resolve(cfg.sliding_window, vllm_config),
+        windows=windows, group_windows=group_windows,
+        group_layers=tuple(tuple(g.layer_names) for g in getattr(kv_cache_config, "kv_cache_groups", ()) or ()),
     )

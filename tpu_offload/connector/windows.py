@@ -8,16 +8,22 @@ from ``L`` on, so of that prefix its sliding-window layers only ever read the
 Storing and loading just those blocks for those layers moves a fraction of
 their bytes ("window" mode).
 
-When it is safe. tpu-inference 0.32's JAX models give every layer a
+When it is safe. With vLLM's hybrid KV-cache manager on (the connector
+supports it), a model whose sliding-window layers get a ``SlidingWindowSpec``
+has a KV-cache group for them with a block table of its own (``for_groups``):
+vLLM frees their blocks outside the window and asks that group for the window
+before any prefix hit, so the window is always safe; tpu-inference's
+vLLM-model path does this for gpt-oss. Its JAX models give every layer a
 full-attention KV spec (``kv_cache_manager.py``: ``sliding_window = None``,
 "re-enable once mixed dims with sliding_window is supported"), so vLLM keeps
 one block table for all layers and its prefix cache serves *any* prefix of a
 request's blocks. After a window-only load of ``L`` tokens, the blocks before
 the window hold no sliding-window KV, and a later request sharing only the
 first ``H < L`` tokens would get them from vLLM's prefix cache and attend to
-whatever those layers' blocks held before: wrong KV. So "window" needs vLLM's
-prefix caching off (``--no-enable-prefix-caching``); with it on, "auto" moves
-every block and says why once at start, and an explicit "window" is refused.
+whatever those layers' blocks held before: wrong KV. So there "window" needs
+vLLM's prefix caching off (``--no-enable-prefix-caching``); with it on, "auto"
+moves every block and says why once at start, and an explicit "window" is
+refused.
 
 Which layers. The engine's own rule, read from the model config: gpt-oss in
 tpu-inference slides on even layers (``gpt_oss.py``: ``i % 2 == 0``, whatever
@@ -86,6 +92,36 @@ def sliding_layers(vllm_config) -> Windows | None:
         types = list(getattr(text, "layer_types", None) or ())
         layers = frozenset(i for i, t in enumerate(types[:n]) if t == SLIDING)
     return Windows(int(window), layers) if layers else None
+
+
+def for_groups(group_windows: tuple[int | None, ...], cfg, vllm_config) -> Windows | None:
+    """The windows for this engine's KV-cache groups (see ``resolve`` for a single group).
+
+    With vLLM's hybrid KV-cache manager (several groups), a sliding-window group
+    has its own block table: vLLM frees its blocks outside the window and its
+    prefix cache asks that group for the window before any hit, so storing and
+    loading the window is safe with prefix caching on, and all there is to load.
+    A failed load must then be reported per request (vLLM cannot map block ids
+    of several groups back to requests), which it takes from asynchronous loads
+    only."""
+    if all(w is not None for w in group_windows):
+        raise ConfigError(f"every KV-cache group has a sliding window ({', '.join(map(str, group_windows))} tokens): "
+                          "vLLM frees their blocks outside the window, and the offload connector needs a "
+                          "full-attention group to name a chunk's blocks; serve this model without "
+                          "--kv-transfer-config")
+    if len(group_windows) <= 1:
+        return resolve(cfg.sliding_window, vllm_config)
+    if cfg.sync_load:
+        raise ConfigError(f"sync_load=True (TPU_OFFLOAD_SYNC_LOAD) with {len(group_windows)} KV-cache groups: vLLM "
+                          "recovers a failed load of such a model only as a failed asynchronous load; set sync_load "
+                          "to false")
+    sliding_windows = [w for w in group_windows if w is not None]
+    if not sliding_windows:
+        return None
+    if cfg.sliding_window == "all":
+        log.info("tpu_offload: sliding_window='all' has no effect with vLLM's hybrid KV-cache manager: it frees "
+                 "sliding-window blocks outside the window, so only the window is there to store")
+    return Windows(max(sliding_windows), frozenset())
 
 
 def resolve(mode: str, vllm_config) -> Windows | None:

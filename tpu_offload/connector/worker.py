@@ -80,6 +80,7 @@ class OffloadWorker:
         self._releasing: set[str] = set()  # finished reqs to report once their stores are done
         self._finished_sending: set[str] = set()
         self._finished_recving: set[str] = set()
+        self._failed_recving: set[str] = set()  # hybrid KV-cache groups: failed loads, per request
         self._load_errors: set[int] = set()
         self._report = OffloadReport()
         self._pidx = 0  # set at registration, once JAX (and jax.distributed) is initialized
@@ -100,8 +101,7 @@ class OffloadWorker:
         self.runner = runner
         self._pidx = jax.process_index()
         self._report = OffloadReport(process_count=jax.process_count())
-        windows = self.s.windows  # "window" mode: sliding-window layers form their own groups (class 1)
-        classes = windows.cache_classes(runner, len(runner.kv_caches)) if windows is not None else None
+        classes = self._layer_classes(runner)
         layout = KVLayout.from_caches(runner.kv_caches, getattr(runner, "mesh", None),
                                       head_replicas=self.s.kv_replicas, kv_groups=classes)
         self._windowed = layout.kv_groups > 1
@@ -196,9 +196,7 @@ class OffloadWorker:
                     chunks.append(LoadChunk(slot, blocks, self._by_class(op, i)))
                 if not ok:
                     bad.setdefault(op.op_id, []).append(slot)
-                    self._load_errors.update(b for b in blocks if b >= 0)
-                    if op.restart >= 0:
-                        self._load_errors.add(op.restart)
+                    self._load_failed(op, blocks)
         nbytes = self.engine.moved_bytes(chunks)
         done = None
         if chunks:
@@ -213,13 +211,39 @@ class OffloadWorker:
                 done = None
         self._flights.append(_Flight(done, "load", list(meta.loads), bad, nbytes, time.perf_counter()))
 
+    def _layer_classes(self, runner) -> list[tuple[int, ...]] | None:
+        """Per cache array, the layer classes (``LoadOp.groups`` indices) whose blocks it holds.
+
+        Several vLLM KV-cache groups: each group is a class, and an array is in
+        every group one of its layers belongs to (vLLM lays out layers of
+        different groups in one tensor). Else, in "window" mode, sliding-window
+        arrays are class 1. None: one class, every layer moves every block."""
+        if self.s.hybrid:
+            index = dict(getattr(runner, "layer_name_to_kvcache_index", None) or {})
+            classes: dict[int, set[int]] = {}
+            for g, names in enumerate(self.s.group_layers):
+                for name in names:
+                    if name not in index:
+                        raise ValueError(f"KV-cache group {g} layer {name!r} is not among the runner's caches")
+                    classes.setdefault(int(index[name]), set()).add(g)
+            return [tuple(sorted(classes.get(i, ()))) for i in range(len(runner.kv_caches))]
+        if self.s.windows is not None:
+            return self.s.windows.cache_classes(runner, len(runner.kv_caches))
+        return None
+
+    @property
+    def sliding_classes(self) -> set[int]:
+        """The layer classes that move only their window (``LayerGroup.kv_group`` values)."""
+        if self.s.hybrid:
+            return {g for g, w in enumerate(self.s.group_windows) if w is not None}
+        return {1} if self._windowed else set()
+
     def _by_class(self, op, i: int):
-        """Chunk ``i`` of ``op``'s ids per layer class: (full-attention layers, sliding-window layers)."""
-        if not self._windowed:
+        """Chunk ``i`` of ``op``'s ids per layer class (``LoadOp.groups``); None: ``blocks`` for every layer."""
+        if not self._windowed or not op.groups:
             return None
         bpc = self.s.blocks_per_chunk
-        blocks = op.blocks[i * bpc : (i + 1) * bpc]
-        return (blocks, op.window[i * bpc : (i + 1) * bpc] if op.window else blocks)
+        return tuple(g[i * bpc : (i + 1) * bpc] for g in op.groups)
 
     def _hand_back(self, caches: list) -> None:
         self.runner.kv_caches = caches
@@ -279,9 +303,18 @@ class OffloadWorker:
     def _fail_loads(self, ops: Sequence[LoadOp], bad: dict[int, list[int]]) -> None:
         for op in ops:
             bad[op.op_id] = list(op.slots)
-            self._load_errors.update(b for b in op.blocks if b >= 0)
-            if op.restart >= 0:
-                self._load_errors.add(op.restart)
+            self._load_failed(op, op.blocks)
+
+    def _load_failed(self, op: LoadOp, blocks) -> None:
+        """Tell vLLM what to recompute: the blocks (and, with windowed layers, the request's first
+        loaded one), or with several KV-cache groups, whose block ids vLLM cannot map back to
+        requests, the request (it then recomputes the request from its start)."""
+        if self.s.hybrid:
+            self._failed_recving.add(op.req_id)
+            return
+        self._load_errors.update(b for b in blocks if b >= 0)
+        if op.restart >= 0:
+            self._load_errors.add(op.restart)
 
     def _write_back(self, evict) -> None:
         if self.fs is None or not evict:
@@ -404,6 +437,10 @@ class OffloadWorker:
         sending, recving = self._finished_sending, self._finished_recving
         self._finished_sending, self._finished_recving = set(), set()
         return sending or None, recving or None
+
+    def take_failed_recving(self) -> set[str]:
+        failed, self._failed_recving = self._failed_recving, set()
+        return failed
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
