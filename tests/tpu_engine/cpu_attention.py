@@ -85,6 +85,22 @@ def _split(layout: str, kv, kv_heads: int, head_dim: int):
     return kv[..., :head_dim], kv[..., head_dim : 2 * head_dim]
 
 
+def token_positions(T: int, kv_lens, cu_q_lens, distribution):
+    """Which sequence each of ``T`` query tokens belongs to, whether it is a real token (padding and
+    sequences past ``distribution[2]`` are not), its sequence's KV length and its position there."""
+    i32 = jnp.int32
+    S = kv_lens.shape[0]
+    num_seqs = distribution[2].astype(i32)
+    starts, ends = cu_q_lens[:S].astype(i32), cu_q_lens[1 : S + 1].astype(i32)
+    ends_sorted = jnp.where(jnp.arange(S) < num_seqs, ends, jnp.iinfo(i32).max)
+    t = jnp.arange(T, dtype=i32)
+    seq = jnp.clip(jnp.searchsorted(ends_sorted, t, side="right"), 0, S - 1).astype(i32)
+    valid = (t < cu_q_lens[num_seqs]) & (seq < num_seqs)
+    kv_len = jnp.where(valid, kv_lens[seq].astype(i32), 0)
+    pos = jnp.where(valid, kv_len - (ends[seq] - starts[seq]) + (t - starts[seq]), 0)
+    return seq, valid, kv_len, pos
+
+
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def _rpa(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, sinks, *, sm_scale,
          sliding_window, soft_cap, use_causal_mask, update_kv_cache, q_scale, k_scale, v_scale, layout):
@@ -97,15 +113,7 @@ def _rpa(queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, dist
     P = page_indices.shape[0] // S
     table = jnp.clip(page_indices.reshape(S, P).astype(i32), 0, num_pages - 1)
 
-    # Which sequence each token belongs to and its position there; padding is invalid.
-    num_seqs = distribution[2].astype(i32)
-    starts, ends = cu_q_lens[:S].astype(i32), cu_q_lens[1 : S + 1].astype(i32)
-    ends_sorted = jnp.where(jnp.arange(S) < num_seqs, ends, jnp.iinfo(i32).max)
-    t = jnp.arange(T, dtype=i32)
-    seq = jnp.clip(jnp.searchsorted(ends_sorted, t, side="right"), 0, S - 1).astype(i32)
-    valid = (t < cu_q_lens[num_seqs]) & (seq < num_seqs)
-    kv_len = jnp.where(valid, kv_lens[seq].astype(i32), 0)
-    pos = jnp.where(valid, kv_len - (ends[seq] - starts[seq]) + (t - starts[seq]), 0)
+    seq, valid, kv_len, pos = token_positions(T, kv_lens, cu_q_lens, distribution)
 
     if update_kv_cache:  # the step's K/V into their pages; padding goes out of bounds (dropped)
         page = table[seq, jnp.clip(pos // page_size, 0, P - 1)]

@@ -30,8 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-BLOCK_TOKENS = 128
-_NEG = -1e30
+from cpu_attention import _NEG, BLOCK_TOKENS, token_positions  # the same token bookkeeping and masking
 _STATIC = ("sm_scale", "sliding_window", "soft_cap", "q_scale", "k_scale", "v_scale")
 
 
@@ -65,15 +64,7 @@ def _mla(ql_nope, q_pe, new_kv_c, new_k_pe, cache_kv, kv_lens, page_indices, cu_
     P = page_indices.shape[0] // S
     table = jnp.clip(page_indices.reshape(S, P).astype(i32), 0, num_pages - 1)
 
-    # Which sequence each token belongs to and its position there; padding is invalid.
-    num_seqs = distribution[2].astype(i32)
-    starts, ends = cu_q_lens[:S].astype(i32), cu_q_lens[1 : S + 1].astype(i32)
-    ends_sorted = jnp.where(jnp.arange(S) < num_seqs, ends, jnp.iinfo(i32).max)
-    t = jnp.arange(T, dtype=i32)
-    seq = jnp.clip(jnp.searchsorted(ends_sorted, t, side="right"), 0, S - 1).astype(i32)
-    valid = (t < cu_q_lens[num_seqs]) & (seq < num_seqs)
-    kv_len = jnp.where(valid, kv_lens[seq].astype(i32), 0)
-    pos = jnp.where(valid, kv_len - (ends[seq] - starts[seq]) + (t - starts[seq]), 0)
+    seq, valid, kv_len, pos = token_positions(T, kv_lens, cu_q_lens, distribution)
 
     # The kernel family's own cache write (sequences past distribution[2] and padding write nothing).
     cache_kv = update_kv_cache(new_kv_c.astype(cache_kv.dtype), new_k_pe.astype(cache_kv.dtype), cache_kv, kv_lens,
