@@ -166,3 +166,26 @@ def test_kv_cache_groups_are_read_by_their_spec_class():
     merged = SimpleNamespace(kv_cache_groups=[KVCacheGroupSpec(["a", "b"], FullAttentionSpec(sliding_window=32, **kw))])
     assert group_windows(hybrid) == (32, None)
     assert group_windows(merged) == (None,)
+
+
+def test_window_every_n_chunks_keeps_shorter_prefixes_hittable(windowed):
+    """With window_every_chunks=5 the window before chunk 5 is kept too: a request sharing the first
+    5 chunks (a system prompt) hits them, at the cost of that tail's sliding-window bytes."""
+    h = windowed(window_every_chunks=5)
+    p = prompt(10 * BS, 41)
+    h.add(p, max_tokens=1)
+    h.run()
+    assert sorted(i for i, k in enumerate(h.sch._keys(_probe(h, p))) if h.sch._tail.get(k)) == [3, 4, 8, 9]
+    g = h.wrk.engine.layout.groups
+    assert h.wrk.totals["store_bytes"] == 10 * g[0].block_bytes + 4 * g[1].block_bytes
+    h.add(p[: 5 * BS] + prompt(42, 40), max_tokens=2)
+    h.run()
+    assert h.wrk.totals["loaded_chunks"] == 5
+    assert not h.runner.failures
+
+
+def _probe(h, tokens):
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    return Request("probe", tokens, SamplingParams(max_tokens=1), None, block_hasher=h._hasher)

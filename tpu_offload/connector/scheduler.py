@@ -83,6 +83,7 @@ class OffloadScheduler:
         self.chunk_tokens = s.chunk_tokens
         self.manager = LRUChunkManager(s.num_slots, s.chunk_bytes, enable_events=cfg.enable_events)
         self.tail = s.tail_blocks  # 0: every layer stores every block
+        self.every = cfg.window_every_chunks  # also a tail before every N-th chunk boundary (0: none)
         self._tail: dict[ChunkKey, bool] = {}  # "window" mode: chunks stored with their sliding-window layers
         self.async_load = not cfg.sync_load
         self.decode_save = cfg.decode_save
@@ -146,6 +147,16 @@ class OffloadScheduler:
     def _tail_start(self, end: int) -> int:
         """First chunk whose sliding-window blocks a prefix of ``end`` chunks needs."""
         return max(0, end * self.bpc - self.tail) // self.bpc
+
+    def _in_a_tail(self, c: int, end: int) -> bool:
+        """Whether chunk ``c`` of a prefix stored up to ``end`` chunks keeps its sliding-window layers:
+        it is in the tail before ``end``, or before a boundary every ``window_every_chunks``."""
+        if c >= self._tail_start(end):
+            return True
+        if not self.every:
+            return False
+        boundary = (c // self.every + 1) * self.every  # the first boundary after chunk c
+        return boundary <= end and c >= self._tail_start(boundary)
 
     def _window_hit(self, keys: list[ChunkKey], n: int, on_fs: list[bool]) -> int:
         """The longest prefix (<= n chunks) whose tail chunks hold their sliding-window layers."""
@@ -409,7 +420,6 @@ class OffloadScheduler:
                 block_ids = compat.request_block_ids(self.kv_cache_manager, st.request.request_id)
             slots, blocks, okeys = [], [], []
             groups: list[list[int]] = [[] for _ in self._classes()]
-            tail = self._tail_start(n)
             for c in cand:
                 k = keys[c]
                 if k not in slot_of:
@@ -419,7 +429,7 @@ class OffloadScheduler:
                 span = range(c * self.bpc, (c + 1) * self.bpc)
                 blocks.extend(block_ids[self.s.full_group][b] for b in span)
                 if groups:  # sliding-window layers: only the chunks a request continuing this one reads
-                    per_class = self._chunk_ids(block_ids, span, in_tail=c >= tail)
+                    per_class = self._chunk_ids(block_ids, span, in_tail=self._in_a_tail(c, n))
                     for lst, ids in zip(groups, per_class):
                         lst.extend(ids)
                     self._tail[k] = self._holds_window(per_class)

@@ -252,6 +252,7 @@ _SETTINGS: tuple[_Setting, ...] = (
     _Setting("transfer_path", _choice("auto", "program", "device_put"), "TPU_OFFLOAD_TRANSFER_PATH",
              ("transfer_path",)),
     _Setting("sliding_window", _choice("auto", "window", "all"), "TPU_OFFLOAD_SLIDING_WINDOW", ("sliding_window",)),
+    _Setting("window_every_chunks", _int(0), "TPU_OFFLOAD_WINDOW_EVERY_CHUNKS", ("window_every_chunks",)),
     _Setting("skip_precompile", _bool, "TPU_OFFLOAD_SKIP_JAX_PRECOMPILE", ("skip_precompile",)),
     _Setting("block_buckets", _int_list, "TPU_OFFLOAD_BLOCK_SIZE_BUCKETS", ("block_buckets",)),  # accepted; no effect
     _Setting("save_threads", _int(1, 256), "TPU_OFFLOAD_SAVE_THREADS", ("save_threads",)),
@@ -320,6 +321,9 @@ class OffloadConfig:
     # window before a prefix's end); "all" moves every block; "auto": "window" where that is safe (see
     # connector/windows.py), else "all".
     sliding_window: str = "auto"
+    # "window" mode: also keep the window before every N-th chunk boundary of a prompt, so a request
+    # sharing only part of it (a system prompt) can still hit there. 0: only at the end of each step's stores.
+    window_every_chunks: int = 0
     skip_precompile: bool = False
     block_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     save_threads: int = 1
