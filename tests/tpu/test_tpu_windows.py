@@ -38,7 +38,7 @@ def test_window_only_store_and_load_give_the_same_kv(windowed):
     h.add(p, max_tokens=1)
     h.run()
     assert h.wrk.totals["stored_chunks"] == 10
-    assert sum(h.sch._tail.values()) == 2  # the sliding layers of the last 2 chunks only
+    assert sum(h.sch.tails.held.values()) == 2  # the sliding layers of the last 2 chunks only
     assert h.check_tier() == 10
     per_block_full = h.wrk.engine.layout.groups[0].block_bytes
     per_block_sliding = h.wrk.engine.layout.groups[1].block_bytes
@@ -85,7 +85,7 @@ def test_prefix_caching_on_moves_every_block_or_refuses_window(windowed):
 def test_control_a_window_one_block_short_is_caught(windowed):
     """Control: with one tail block fewer than the window needs, the runner sees stale KV."""
     h = windowed()
-    h.sch.tail = 1
+    h.sch.tails.blocks = 1
     p = prompt(10 * BS, 6)
     h.add(p, max_tokens=1)
     h.run()
@@ -111,7 +111,7 @@ def test_a_failed_window_load_recomputes_only_its_request_in_every_layer(windowe
 
     probe = Request("probe", a, SamplingParams(max_tokens=1), None, block_hasher=h._hasher)
     tail_key = sch._keys(probe)[-1]
-    assert sch._tail[tail_key]
+    assert sch.tails.held[tail_key]
     slot = sch.manager.slot_of(tail_key)
     windowed_views = [v for gi, g in enumerate(eng.layout.groups) if g.kv_group in h.wrk.sliding_classes
                       for v in eng.row_views(slot, gi)]
@@ -175,7 +175,7 @@ def test_window_every_n_chunks_keeps_shorter_prefixes_hittable(windowed):
     p = prompt(10 * BS, 41)
     h.add(p, max_tokens=1)
     h.run()
-    assert sorted(i for i, k in enumerate(h.sch._keys(_probe(h, p))) if h.sch._tail.get(k)) == [3, 4, 8, 9]
+    assert sorted(i for i, k in enumerate(h.sch._keys(_probe(h, p))) if h.sch.tails.held.get(k)) == [3, 4, 8, 9]
     g = h.wrk.engine.layout.groups
     assert h.wrk.totals["store_bytes"] == 10 * g[0].block_bytes + 4 * g[1].block_bytes
     h.add(p[: 5 * BS] + prompt(42, 40), max_tokens=2)

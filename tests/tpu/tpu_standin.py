@@ -379,7 +379,7 @@ class Harness:
             want_all = expected_chunk(self.tokens[key], self._chunk_index(key), self.sch.chunk_tokens, r.layers,
                                       r.heads, r.dim, r.dtype, self.block_size)
             for gi, g in enumerate(eng.layout.groups):
-                if g.kv_group in self.wrk.sliding_classes and not self.sch._tail.get(key):
+                if g.kv_group in self.wrk.sliding_classes and not self.sch.tails.held.get(key):
                     continue  # sliding-window layers of a chunk stored without them: nothing to check
                 if slabs is None:  # device_put path: the slot's own host array
                     got = np.asarray(eng.host[slot][gi])

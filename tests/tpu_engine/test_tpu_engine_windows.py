@@ -76,7 +76,7 @@ def test_window_only_round_trip_gives_identical_tokens(windowed):
     every = chunks * layout.block_bytes
     tail = wrk(eng).s.tail_blocks
     windowed_bytes = sum(g.block_bytes for g in sliding)
-    with_window = sum(eng.scheduler_connector.scheduler._tail.values())
+    with_window = sum(eng.scheduler_connector.scheduler.tails.held.values())
     # each prompt's last `tail` chunks at least (a prefill split over steps leaves a tail per step)
     assert tail * len(ROUND.prompts) <= with_window < chunks
     assert delta(t1, t0, "store_bytes") == every - windowed_bytes * (chunks - with_window)
@@ -92,7 +92,7 @@ def test_bad_window_bytes_recompute_the_request_with_identical_tokens(windowed):
     shape, base, eng, caching = windowed
     w = wrk(eng).engine
     sch = eng.scheduler_connector.scheduler
-    tails = [sch.manager.slot_of(k) for k, has in sch._tail.items() if has and sch.manager.slot_of(k) is not None]
+    tails = [sch.manager.slot_of(k) for k, has in sch.tails.held.items() if has and sch.manager.slot_of(k) is not None]
     assert tails
     for slot in tails:  # the sliding-window layers' bytes of every tail chunk (checksums then fail)
         for gi, g in enumerate(w.layout.groups):
@@ -117,12 +117,12 @@ def test_control_the_restored_window_is_what_sliding_layers_read(windowed):
     shape, _, eng, caching = windowed
     w, sch = wrk(eng).engine, eng.scheduler_connector.scheduler
     neg = NEGATIVE[BLOCK]
-    before = {k for k, has in sch._tail.items() if has}
+    before = {k for k, has in sch.tails.held.items() if has}
     first = neg.run(eng)
     settle(eng)
     again(eng, caching)
     assert neg.run(eng) == first  # restored from our tier
-    tails = [sch.manager.slot_of(k) for k, has in sch._tail.items() if has and k not in before]
+    tails = [sch.manager.slot_of(k) for k, has in sch.tails.held.items() if has and k not in before]
     assert tails
     for slot in tails:
         for gi, g in enumerate(w.layout.groups):

@@ -22,11 +22,9 @@ Invariants this file keeps (each one a defect of the upstream connector):
   are looked up, named and signed with the request's ``cache_salt``
   (``request_salt``; per-tenant keys with the tier's secret), and the salt
   travels with every store, promotion and write-back order to the workers.
-* Sliding-window layers in "window" mode (``connector/windows.py``): a
-  store carries their blocks only for the chunks within ``tail_blocks`` of
-  the end of what the request can store at that step, and ``_tail`` records
-  which chunks have them. A hit ends only where every chunk of the tail
-  before it has them; its load writes those layers' blocks only there.
+* Sliding-window layers in "window" mode (``connector/windows.py``,
+  ``connector/tails.py``): a store carries their blocks only in the tails a
+  later request can read, and a hit ends only where its tail holds them.
 * A chunk is loaded asynchronously for one request at a time: a request
   whose load would include a chunk another request is loading waits (its
   lookup returns ``None``) until vLLM has cached that request's blocks, then
@@ -51,6 +49,7 @@ from tpu_offload.connector.metadata import OffloadMetadata, OffloadReport, Store
 from tpu_offload.connector.metrics import ConnectorMetrics
 from tpu_offload.connector.settings import Settings
 from tpu_offload.connector.stats import OffloadStats
+from tpu_offload.connector.tails import Tails
 from tpu_offload.core.keys import ChunkKey, make_chunk_key
 from tpu_offload.core.lru import LRUChunkManager
 from tpu_offload.core.manager import Lookup
@@ -82,9 +81,7 @@ class OffloadScheduler:
         self.bpc = s.blocks_per_chunk
         self.chunk_tokens = s.chunk_tokens
         self.manager = LRUChunkManager(s.num_slots, s.chunk_bytes, enable_events=cfg.enable_events)
-        self.tail = s.tail_blocks  # 0: every layer stores every block
-        self.every = cfg.window_every_chunks  # also a tail before every N-th chunk boundary (0: none)
-        self._tail: dict[ChunkKey, bool] = {}  # "window" mode: chunks stored with their sliding-window layers
+        self.tails = Tails(s)  # sliding-window layers: which chunks hold them, ids per layer class
         self.async_load = not cfg.sync_load
         self.decode_save = cfg.decode_save
         self.events = EventTranslator(s.block_size, s.blocks_per_chunk)
@@ -144,27 +141,6 @@ class OffloadScheduler:
                     return i
         return n
 
-    def _tail_start(self, end: int) -> int:
-        """First chunk whose sliding-window blocks a prefix of ``end`` chunks needs."""
-        return max(0, end * self.bpc - self.tail) // self.bpc
-
-    def _in_a_tail(self, c: int, end: int) -> bool:
-        """Whether chunk ``c`` of a prefix stored up to ``end`` chunks keeps its sliding-window layers:
-        it is in the tail before ``end``, or before a boundary every ``window_every_chunks``."""
-        if c >= self._tail_start(end):
-            return True
-        if not self.every:
-            return False
-        boundary = (c // self.every + 1) * self.every  # the first boundary after chunk c
-        return boundary <= end and c >= self._tail_start(boundary)
-
-    def _window_hit(self, keys: list[ChunkKey], n: int, on_fs: list[bool]) -> int:
-        """The longest prefix (<= n chunks) whose tail chunks hold their sliding-window layers."""
-        for m in range(n, 0, -1):
-            if all(self._tail.get(keys[c], False) and not on_fs[c] for c in range(self._tail_start(m), m)):
-                return m
-        return 0
-
     def _prefix(self, keys: list[ChunkKey], salt: bytes = b"") -> tuple[int, list[bool]]:
         """Leading chunks any tier can serve, and which of them only exist as files.
 
@@ -194,8 +170,8 @@ class OffloadScheduler:
                     on_fs.pop()
                     break
                 n += 1
-        if self.tail and n:
-            n = self._window_hit(keys, n, on_fs)
+        if n:
+            n = self.tails.hit(keys, n, on_fs)
             on_fs = on_fs[:n]
         return n, on_fs
 
@@ -291,17 +267,17 @@ class OffloadScheduler:
                 slot_of = dict(zip(alloc.keys, (int(x) for x in alloc.slots)))
                 for i in fs_idx:
                     slots[i] = slot_of[load_keys[i]]
-                    self._tail[load_keys[i]] = False  # a file does not say whether it holds them
+                    self.tails.held[load_keys[i]] = False  # a file does not say whether it holds them
                     self.events.record(load_keys[i], request, first + i)
         dst: list[int] = []
         for c in range(first, n_hit):
             for b in range(c * self.bpc, (c + 1) * self.bpc):
                 dst.append(block_ids[b] if b >= skip else -1)
-        groups: list[list[int]] = [[] for _ in self._classes()]
-        tail = self._tail_start(n_hit)
+        groups: list[list[int]] = [[] for _ in self.tails.classes()]
+        tail = self.tails.start(n_hit)
         for c in range(first, n_hit):
             span = [b for b in range(c * self.bpc, (c + 1) * self.bpc)]
-            per_class = self._chunk_ids(by_group, span, in_tail=c >= tail)
+            per_class = self.tails.chunk_ids(by_group, span, in_tail=c >= tail)
             for lst, ids in zip(groups, per_class):
                 lst.extend(i if b >= skip else -1 for b, i in zip(span, ids))
         restart = next(b for b in dst if b >= 0) if groups and not self.s.hybrid else -1
@@ -419,7 +395,7 @@ class OffloadScheduler:
             if block_ids is None:  # the ids now: vLLM may have freed a sliding-window group's older blocks
                 block_ids = compat.request_block_ids(self.kv_cache_manager, st.request.request_id)
             slots, blocks, okeys = [], [], []
-            groups: list[list[int]] = [[] for _ in self._classes()]
+            groups: list[list[int]] = [[] for _ in self.tails.classes()]
             for c in cand:
                 k = keys[c]
                 if k not in slot_of:
@@ -429,13 +405,13 @@ class OffloadScheduler:
                 span = range(c * self.bpc, (c + 1) * self.bpc)
                 blocks.extend(block_ids[self.s.full_group][b] for b in span)
                 if groups:  # sliding-window layers: only the chunks a request continuing this one reads
-                    per_class = self._chunk_ids(block_ids, span, in_tail=self._in_a_tail(c, n))
+                    per_class = self.tails.chunk_ids(block_ids, span, in_tail=self.tails.in_a_tail(c, n))
                     for lst, ids in zip(groups, per_class):
                         lst.extend(ids)
-                    self._tail[k] = self._holds_window(per_class)
+                    self.tails.record(k, per_class)
                 self.events.record(k, st.request, c)
             if groups:
-                self._prune_tail()
+                self.tails.prune(lambda k: self.manager.lookup(k) is not Lookup.MISS)
             if slots:
                 op = StoreOp(next(self._ids), st.request.request_id, slots, blocks,
                              keys=[bytes(k) for k in okeys] if self._fs_lookup is not None else [], evict=evict,
@@ -445,39 +421,6 @@ class OffloadScheduler:
                 budget -= len(slots) * self.bpc
         st.cursor = i
         return i >= n, budget
-
-    def _classes(self) -> range:
-        """Layer classes an order carries ids for (``LoadOp.groups``): none when every layer moves every block."""
-        if self.s.hybrid:
-            return range(len(self.s.group_windows))
-        return range(2) if self.tail else range(0)
-
-    def _chunk_ids(self, block_ids: tuple[list[int], ...], span, in_tail: bool) -> list[list[int]]:
-        """One chunk's ids per layer class: full-attention layers every block, sliding-window
-        layers only in the tail (and, with vLLM's hybrid manager, only blocks it has not freed)."""
-        if not self.s.hybrid:
-            ids = [block_ids[self.s.full_group][b] for b in span]
-            return [ids, ids if in_tail else [-1] * len(ids)]
-        out = []
-        for g, window in enumerate(self.s.group_windows):
-            table = block_ids[g]
-            if window is None:
-                out.append([table[b] for b in span])
-            else:
-                out.append([table[b] if in_tail and b < len(table) and table[b] != compat.NULL_BLOCK else -1
-                            for b in span])
-        return out
-
-    def _holds_window(self, per_class: list[list[int]]) -> bool:
-        """Whether a chunk is stored with every sliding-window layer's blocks."""
-        windowed = [ids for g, ids in enumerate(per_class)
-                    if (self.s.group_windows[g] is not None if self.s.hybrid else g == 1)]
-        return bool(windowed) and all(b >= 0 for ids in windowed for b in ids)
-
-    def _prune_tail(self) -> None:
-        """Forget evicted chunks, so ``_tail`` stays bounded by the tier's size."""
-        if len(self._tail) > 2 * self.s.num_slots + 64:
-            self._tail = {k: v for k, v in self._tail.items() if self.manager.lookup(k) is not Lookup.MISS}
 
     # ---- feedback ----------------------------------------------------------
     def update_connector_output(self, output) -> None:
@@ -581,7 +524,7 @@ class OffloadScheduler:
         """
         self.manager.reset()
         self._quarantine.clear()
-        self._tail.clear()
+        self.tails.held.clear()
         self._slot_of.clear()
         self._salt_of.clear()
         self._fs_bad.clear()
