@@ -1,0 +1,101 @@
+"""store_policy=exclusive in the real tpu-inference engine (JAX CPU).
+
+Device cache and host tier of the same size (40 blocks, 40 one-block
+chunks); a working set of 63 blocks, visited twice in the same order. A
+write-through host tier holds the same recent prompts HBM holds, so the
+second pass finds almost nothing; an exclusive one holds what HBM evicted.
+Tokens must equal the no-connector baseline's in both.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from engine_run import Shape, kv_transfer_config
+from offload_helpers import delta, settle, sch, totals, wrk
+from workloads import CYCLIC
+
+pytestmark = pytest.mark.engine
+
+SHAPE = Shape("kv4", "bfloat16", tp=1, block_size=16, num_blocks=40)
+HOST = {"num_cpu_chunks": 40, "staging_blocks": 32, "verify_checksums": True}
+W = CYCLIC[16]
+
+
+class Hits:
+    """Per request, what the last lookup saw: HBM's hit (vLLM's) and ours beyond it."""
+
+    def __init__(self, eng):
+        self.conn = eng.scheduler_connector
+        self.seen: dict[str, tuple[int, int]] = {}
+
+    def __enter__(self):
+        real = self.conn.get_num_new_matched_tokens
+
+        def spy(request, num_computed_tokens):
+            n, is_async = real(request, num_computed_tokens)
+            self.seen[request.request_id] = (num_computed_tokens, n or 0)
+            return n, is_async
+
+        self.conn.get_num_new_matched_tokens = spy
+        return self
+
+    def __exit__(self, *exc):
+        del self.conn.get_num_new_matched_tokens
+
+    def tokens(self) -> tuple[int, int]:
+        return sum(h for h, _ in self.seen.values()), sum(e for _, e in self.seen.values())
+
+
+def config(policy: str) -> dict:
+    cfg = kv_transfer_config("offload.json", **HOST, store_policy=policy)
+    del cfg["kv_connector_extra_config"]["cpu_bytes"]  # sized in chunks here
+    return cfg
+
+
+def run(engines, policy: str):
+    eng = engines.get(("exclusive-test", policy), SHAPE, config(policy))
+    t0 = totals(eng)
+    with Hits(eng) as hits:
+        out = W.run(eng)
+    settle(eng)
+    t1 = totals(eng)
+    return eng, out, hits.tokens(), {k: delta(t1, t0, k) for k in (
+        "hit_tokens", "stored_chunks", "loaded_chunks", "load_errors", "store_errors", "exclusive_lost_chunks",
+        "exclusive_stored_chunks", "evict_copy_steps")}
+
+
+@pytest.fixture(scope="module")
+def both(engines):
+    base = engines.baseline(SHAPE, W, only=True)
+    wt = run(engines, "write_through")
+    ex = run(engines, "exclusive")
+    return base, wt, ex
+
+
+def test_exclusive_identical_tokens_and_more_hits_than_write_through(both):
+    base, (_, wt_out, wt_hits, wt), (eng, ex_out, ex_hits, ex) = both
+    assert wt_out == base
+    assert ex_out == base
+    prompt_tokens = sum(len(p) for p in W.prompts)
+    print(f"\nwrite_through: HBM {wt_hits[0]} + host {wt_hits[1]} of {prompt_tokens} tokens {wt}"
+          f"\nexclusive:     HBM {ex_hits[0]} + host {ex_hits[1]} of {prompt_tokens} tokens {ex}")
+    assert ex["load_errors"] == 0 and ex["store_errors"] == 0
+    assert ex["exclusive_stored_chunks"] > 0 and ex["evict_copy_steps"] > 0  # copies made at eviction only
+    assert ex["stored_chunks"] == ex["exclusive_stored_chunks"]  # nothing written through
+    assert ex["stored_chunks"] < wt["stored_chunks"]
+    assert ex_hits[1] > wt_hits[1] and sum(ex_hits) > sum(wt_hits) + 2 * 112
+
+
+def test_exclusive_reset_forgets_watched_chunks(both):
+    """reset_prefix_cache(reset_connector=True): nothing HBM held may reach the host tier afterwards."""
+    eng = both[2][0]
+    s = sch(eng)
+    assert len(s.exclusive.watch) > 0
+    eng.reset_prefix_cache(reset_connector=True)
+    assert len(s.exclusive.watch) == 0 and s.manager.stats().used_chunks == 0
+    t0 = totals(eng)
+    assert W.run(eng, rounds=range(9)) == both[0][:9]  # first pass again: tokens as the baseline's
+    settle(eng)
+    assert delta(totals(eng), t0, "hit_tokens") == 0  # nothing from before the reset
+    assert wrk(eng).engine is not None
