@@ -71,6 +71,3 @@ DETERMINISM = Workload.of("determinism", [[prompt(41, 40), prompt(42, 100), prom
                           max_tokens=24)
 # 32-token blocks (an MLA model's latent cache packs 32 tokens per row): the same prompts as roundtrip16.
 ROUNDTRIP[32] = Workload.of("roundtrip32", [[prompt(1, 100), prompt(2, 165), prompt(3, 70)]], block_size=32)
-# A working set between the host tier alone and host + device (store_policy tests): 9 prompts of 7 blocks
-# (63 blocks) against 40 device blocks and 40 host chunks, visited twice in the same order (LRU's worst case).
-CYCLIC = {16: Workload.of("cyclic16", [[prompt(61 + i, 112)] for i in range(9)] * 2, block_size=16)}
