@@ -130,3 +130,40 @@ def test_exclusive_reset_forgets_watched_chunks(both):
     settle(eng)
     assert delta(totals(eng), t0, "hit_tokens") == 0  # nothing from before the reset
     assert wrk(eng).engine is not None
+
+
+# gpt-oss on tpu-inference's vLLM-model path: vLLM's hybrid KV-cache manager gives its sliding-window
+# layers a KV-cache group of their own (several groups, one block pool), with prefix caching on.
+HYBRID = Shape("gpt-oss", "bfloat16", tp=1, block_size=16, num_blocks=48, max_model_len=256)
+HW = Workload.of("exclusive-hybrid16", [[prompt(91 + i, 112)] for i in range(6)] * 2, block_size=16)
+del Workload.registry[HW.name]
+
+
+def test_exclusive_with_sliding_window_groups_gives_identical_tokens(engines):
+    """Several KV-cache groups: a watched chunk spans the full group's blocks and, in a tail, the
+    sliding group's; vLLM frees sliding blocks behind the window while a request runs, and their
+    reuse copies the chunk then. Tokens equal the no-connector engine's; nothing lost or failed."""
+    import os
+
+    from tiny_families import FAMILIES
+
+    saved = dict(os.environ)
+    os.environ.update(dict(FAMILIES["gpt-oss"].engine_env))
+    try:
+        base = engines.baseline(HYBRID, HW, only=True)
+        cfg = kv_transfer_config("offload.json", num_cpu_chunks=24, staging_blocks=32, verify_checksums=True,
+                                 store_policy="exclusive")
+        del cfg["kv_connector_extra_config"]["cpu_bytes"]
+        eng = engines.get(("exclusive-hybrid",), HYBRID, cfg)
+        assert wrk(eng).s.hybrid
+        t0 = totals(eng)
+        assert HW.run(eng) == base
+        settle(eng)
+        t1 = totals(eng)
+        assert delta(t1, t0, "exclusive_stored_chunks") > 0 and delta(t1, t0, "hit_tokens") > 0
+        assert delta(t1, t0, "load_errors") == 0 and delta(t1, t0, "store_errors") == 0
+        assert delta(t1, t0, "exclusive_lost_chunks") == 0
+    finally:
+        engines.close()
+        os.environ.clear()
+        os.environ.update(saved)
