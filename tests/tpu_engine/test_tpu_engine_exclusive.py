@@ -132,6 +132,20 @@ def test_exclusive_reset_forgets_watched_chunks(both):
     assert wrk(eng).engine is not None
 
 
+def test_exclusive_copies_past_the_staging_budget_are_lost_not_wrong(both, engines):
+    """One block of staging per step: a prompt that evicts seven chunks copies one, loses six
+    (counted). The host tier then has gaps; what it serves is right: tokens equal the baseline's."""
+    cfg = config("exclusive")
+    cfg["kv_connector_extra_config"]["staging_blocks"] = 1
+    eng = engines.get(("exclusive-test", "tiny-staging"), SHAPE, cfg)
+    t0 = totals(eng)
+    assert W.run(eng) == both[0]
+    settle(eng)
+    t1 = totals(eng)
+    assert delta(t1, t0, "exclusive_lost_chunks") > 0 and delta(t1, t0, "exclusive_stored_chunks") > 0
+    assert delta(t1, t0, "load_errors") == 0 and delta(t1, t0, "store_errors") == 0
+
+
 # gpt-oss on tpu-inference's vLLM-model path: vLLM's hybrid KV-cache manager gives its sliding-window
 # layers a KV-cache group of their own (several groups, one block pool), with prefix caching on.
 HYBRID = Shape("gpt-oss", "bfloat16", tp=1, block_size=16, num_blocks=48, max_model_len=256)
