@@ -118,6 +118,29 @@ def test_exclusive_under_preemption_gives_identical_tokens(both, engines):
     assert delta(t1, t0, "load_errors") == 0 and delta(t1, t0, "store_errors") == 0
 
 
+def test_exclusive_aborted_request_leaves_right_bytes(both):
+    """A request aborted mid-decode frees its blocks like a finished one: its watched chunks are copied
+    when reused, and every later hit still gives the baseline's tokens."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    eng = both[2][0]
+    engine = eng.llm.llm_engine
+    engine.add_request("exclusive-abort", TokensPrompt(prompt_token_ids=prompt(71, 150)),
+                       SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
+    for _ in range(4):  # prefill and a few decode steps
+        engine.step()
+    engine.abort_request(["exclusive-abort"])
+    while engine.has_unfinished_requests():
+        engine.step()
+    t0 = totals(eng)
+    assert W.run(eng) == both[0]  # both passes again, after the abort
+    settle(eng)
+    t1 = totals(eng)
+    assert delta(t1, t0, "load_errors") == 0 and delta(t1, t0, "store_errors") == 0
+    assert delta(t1, t0, "hit_tokens") > 0
+
+
 def test_exclusive_reset_forgets_watched_chunks(both):
     """reset_prefix_cache(reset_connector=True): nothing HBM held may reach the host tier afterwards."""
     eng = both[2][0]
@@ -143,6 +166,34 @@ def test_exclusive_copies_past_the_staging_budget_are_lost_not_wrong(both, engin
     settle(eng)
     t1 = totals(eng)
     assert delta(t1, t0, "exclusive_lost_chunks") > 0 and delta(t1, t0, "exclusive_stored_chunks") > 0
+    assert delta(t1, t0, "load_errors") == 0 and delta(t1, t0, "store_errors") == 0
+
+
+def test_exclusive_with_the_file_tier_below(both, engines, tmp_path):
+    """A host tier smaller than HBM over a file tier written through: an eviction copy lands on the
+    host and goes on to its file; the second pass promotes what only the files still hold."""
+    cfg = config("exclusive")
+    cfg["kv_connector_extra_config"].update(num_cpu_chunks=16, shared_storage_path=str(tmp_path),
+                                            fs_capacity_bytes="256MiB", fs_write_mode="write_through")
+    eng = engines.get(("exclusive-test", "fs", str(tmp_path)), SHAPE, cfg)
+    loads = sch(eng).loads
+    real = loads.promoted
+    promoted = []
+
+    def spy(order, failed):
+        promoted.extend(k for k, s in zip(order.keys, order.slots) if s not in failed)
+        return real(order, failed)
+
+    loads.promoted = spy
+    try:
+        t0 = totals(eng)
+        assert W.run(eng) == both[0]
+        settle(eng)
+        t1 = totals(eng)
+    finally:
+        engines.close()  # its file-tier threads end with it
+    assert promoted, "the second pass found chunks only the file tier held"
+    assert delta(t1, t0, "exclusive_stored_chunks") > 0
     assert delta(t1, t0, "load_errors") == 0 and delta(t1, t0, "store_errors") == 0
 
 
