@@ -74,3 +74,17 @@ def test_store_policy_setting():
     with pytest.raises(ConfigError) as e:
         OffloadConfig.from_sources({"store_policy": "write_around"}, {})
     assert "store_policy" in str(e.value) and "write_around" in str(e.value) and "exclusive" in str(e.value)
+
+
+def test_exclusive_outcomes_are_counted():
+    from prometheus_client import CollectorRegistry
+
+    from tpu_offload.core.metrics import OffloadMetrics
+
+    r = CollectorRegistry()
+    m = OffloadMetrics(registry=r)
+    m.record_exclusive("copied", 3)
+    m.record_exclusive("lost", 2)
+    m.record_exclusive("lost", 0)
+    assert r.get_sample_value("tpu_offload_exclusive_chunks_total", {"outcome": "copied"}) == 3
+    assert r.get_sample_value("tpu_offload_exclusive_chunks_total", {"outcome": "lost"}) == 2

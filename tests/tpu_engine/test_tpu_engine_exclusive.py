@@ -158,14 +158,19 @@ def test_exclusive_reset_forgets_watched_chunks(both):
 def test_exclusive_copies_past_the_staging_budget_are_lost_not_wrong(both, engines):
     """One block of staging per step: a prompt that evicts seven chunks copies one, loses six
     (counted). The host tier then has gaps; what it serves is right: tokens equal the baseline's."""
+    from prometheus_client import REGISTRY
+
     cfg = config("exclusive")
     cfg["kv_connector_extra_config"]["staging_blocks"] = 1
     eng = engines.get(("exclusive-test", "tiny-staging"), SHAPE, cfg)
+    lost0 = REGISTRY.get_sample_value("tpu_offload_exclusive_chunks_total", {"outcome": "lost"}) or 0
     t0 = totals(eng)
     assert W.run(eng) == both[0]
     settle(eng)
     t1 = totals(eng)
     assert delta(t1, t0, "exclusive_lost_chunks") > 0 and delta(t1, t0, "exclusive_stored_chunks") > 0
+    lost = REGISTRY.get_sample_value("tpu_offload_exclusive_chunks_total", {"outcome": "lost"}) - lost0
+    assert lost == delta(t1, t0, "exclusive_lost_chunks")  # the Prometheus counter says the same
     assert delta(t1, t0, "load_errors") == 0 and delta(t1, t0, "store_errors") == 0
 
 

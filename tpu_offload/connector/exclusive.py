@@ -134,6 +134,9 @@ class ExclusiveStores:
             todo = []
         for w in lost:
             sched.events.forget(w.key)
+        core = sched.metrics.core
+        core.record_exclusive("on_host", len(present))
+        core.record_exclusive("lost", len(lost))
         if lost:
             sched._add("exclusive_lost_chunks", len(lost))
         if not todo:
@@ -164,6 +167,7 @@ class ExclusiveStores:
             sched._store_orders[op.op_id] = Order(op.req_id, okeys, slots)
         n = len(alloc.keys)
         sched._add("exclusive_stored_chunks", n)
+        core.record_exclusive("copied", n)
         return budget - n * bpc
 
     def reset(self) -> None:
