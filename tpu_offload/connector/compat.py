@@ -72,6 +72,15 @@ def request_block_ids(kv_cache_manager, req_id: str) -> tuple[list[int], ...]:
     return tuple(list(g) for g in kv_cache_manager.get_block_ids(req_id))
 
 
+def block_tag_reader(kv_cache_manager):
+    """block id -> the hash vLLM's prefix cache files that block under (None: not cached); None if
+    this vLLM's ``KVCacheManager.block_pool.blocks[i].block_hash`` is not there. Read-only."""
+    blocks = getattr(getattr(kv_cache_manager, "block_pool", None), "blocks", None)
+    if not blocks or not hasattr(blocks[0], "block_hash"):
+        return None
+    return lambda i: blocks[i].block_hash
+
+
 def group_windows(kv_cache_config) -> tuple[int | None, ...]:
     """Per vLLM KV-cache group: its sliding window in tokens, or None (every block is read).
 

@@ -125,6 +125,11 @@ class TPUOffloadConnector(KVConnectorBase_V1, compat.SupportsHMA):
     def register_runner(self, runner) -> None:
         self.worker.register_runner(runner)
 
+    def bind_connector_metadata(self, connector_metadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self.worker is not None:  # before the forward (start_load_kv may come after it)
+            self.worker.dispatch_early_stores(connector_metadata)
+
     def start_load_kv(self, forward_context, **kwargs) -> None:
         self.worker.start_load_kv(self._get_connector_metadata())
 

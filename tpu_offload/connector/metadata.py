@@ -65,6 +65,9 @@ class OffloadMetadata(KVConnectorMetadata):
     loads: list[LoadOp] = dataclasses.field(default_factory=list)
     stores: list[StoreOp] = dataclasses.field(default_factory=list)
     promotes: list[PromoteOp] = dataclasses.field(default_factory=list)
+    # store_policy=exclusive: chunks whose HBM blocks this step hands to other content. Gathered in
+    # start_load_kv, before this step's loads and forward overwrite them (connector/exclusive.py).
+    early_stores: list[StoreOp] = dataclasses.field(default_factory=list)
     # Finished requests whose blocks vLLM keeps for us: report them in
     # finished_sending once all their store ops (this step's included) are done.
     release: list[str] = dataclasses.field(default_factory=list)

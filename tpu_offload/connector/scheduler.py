@@ -44,6 +44,7 @@ from typing import Any
 
 from tpu_offload.connector import compat
 from tpu_offload.connector.events import EventTranslator
+from tpu_offload.connector.exclusive import ExclusiveStores
 from tpu_offload.connector.loads import InFlight, LoadPlan, LoadPlanner, Order, settle_store
 from tpu_offload.connector.metadata import OffloadMetadata, OffloadReport, StoreOp
 from tpu_offload.connector.metrics import ConnectorMetrics
@@ -110,6 +111,9 @@ class OffloadScheduler:
         self.expected_procs: int | None = None  # what get_finished_count told vLLM's aggregator
         self._quarantine: set[ChunkKey] = set()  # present in the index but proved bad: never served
         self._fp = fingerprint
+        # store_policy=exclusive: chunks HBM caches are watched, stored when vLLM reuses their blocks
+        self.exclusive = ExclusiveStores(self) if cfg.store_policy == "exclusive" else None
+        self._start: dict[str, int] = {}  # exclusive: the chunk a request's host lookup started at
         self._fs_lookup = fs  # also when loads are synchronous (it learns resets)
         self.reset_salt = ""  # see reset_cache
         self.restored_id = self.snapshot_id = ""  # warm restart: see connector/snapshot.py
@@ -133,23 +137,23 @@ class OffloadScheduler:
             st.keys.append(make_chunk_key(bytes(hashes[(i + 1) * self.bpc - 1])))
         return st.keys
 
-    def _ready_prefix(self, keys: list[ChunkKey]) -> int:
-        n = self.manager.lookup_prefix(keys)
+    def _ready_prefix(self, keys: list[ChunkKey], start: int = 0) -> int:
+        n = start + self.manager.lookup_prefix(keys[start:] if start else keys)
         if self._quarantine:
-            for i in range(n):
+            for i in range(start, n):
                 if keys[i] in self._quarantine:
                     return i
         return n
 
-    def _prefix(self, keys: list[ChunkKey], salt: bytes = b"") -> tuple[int, list[bool]]:
+    def _prefix(self, keys: list[ChunkKey], salt: bytes = b"", start: int = 0) -> tuple[int, list[bool]]:
         """Leading chunks any tier can serve, and which of them only exist as files.
 
         A file chunk needs a host slot to be promoted into, so the prefix stops
         where those would exceed the slots that are free or evictable (a
         promotion that cannot get a slot would be a load error, and vLLM would
-        ask again: a livelock).
+        ask again: a livelock). ``start``: chunks before it are in HBM (exclusive: not on the host).
         """
-        n = self._ready_prefix(keys)
+        n = self._ready_prefix(keys, start)
         on_fs = [False] * n
         if self.fs is not None:
             st = self.manager.stats()
@@ -178,7 +182,10 @@ class OffloadScheduler:
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens any tier can serve beyond what vLLM computed; no side effects."""
         keys = self._keys(request)
-        n_hit, on_fs = self._prefix(keys, request_salt(request))
+        start = num_computed_tokens // self.chunk_tokens if self.exclusive is not None else 0
+        if self.exclusive is not None:
+            self._start[request.request_id] = start
+        n_hit, on_fs = self._prefix(keys, request_salt(request), start)
         hit_tokens = n_hit * self.chunk_tokens
         report = min(hit_tokens, request.num_tokens - 1)  # a full hit still computes one token
         n = max(0, report - num_computed_tokens) if hit_tokens > num_computed_tokens else 0
@@ -219,6 +226,9 @@ class OffloadScheduler:
         self.loading.release(request.request_id)  # a new allocation: any earlier load is over
         self._waited.discard(request.request_id)
         load_async = self._load_async.pop(request.request_id, self.async_load)
+        start = self._start.pop(request.request_id, 0)
+        if self.exclusive is not None:
+            self.exclusive.handed_out(blocks)
         st = self._reqs.get(request.request_id)
         if st is None:
             st = self._reqs[request.request_id] = _Req(request=request)
@@ -232,7 +242,7 @@ class OffloadScheduler:
             return
         keys = self._keys(request)
         salt = request_salt(request)
-        n_hit, on_fs = self._prefix(keys, salt)
+        n_hit, on_fs = self._prefix(keys, salt, start)
         hit_tokens = n_hit * self.chunk_tokens
         local = hit_tokens - num_external_tokens - (1 if hit_tokens >= request.num_tokens else 0)
         if local < 0 or local % self.s.block_size or hit_tokens <= local:
@@ -299,6 +309,8 @@ class OffloadScheduler:
         load_budget = store_budget = self.s.staging_blocks
         # Loads: sync ones whole (the forward needs them now), async ones within the budget.
         load_budget = self.loads.emit(meta, load_budget, lambda n: self._defer("load", n))
+        if self.exclusive is not None:  # chunks whose HBM blocks this step reuses: copied first or lost
+            store_budget = self.exclusive.emit(meta, so, store_budget)
         # Stores: requests whose blocks we hold first, then this step's scheduled ones.
         for req_id, st in list(self._reqs.items()):
             if not st.finishing:
@@ -358,8 +370,15 @@ class OffloadScheduler:
         keys = self._req_keys(st, n)
         touched, cand = [], []
         i = st.cursor
+        if self.exclusive is not None and i < n and block_ids is None and self.exclusive.active():
+            block_ids = compat.request_block_ids(self.kv_cache_manager, st.request.request_id)
         while i < n:
             state = self.manager.lookup(keys[i])
+            if self.exclusive is not None and state is not Lookup.PENDING and self._watch(st, i, keys[i], n, block_ids):
+                if state is Lookup.HIT:
+                    touched.append(keys[i])
+                i += 1
+                continue
             if state is Lookup.MISS:
                 self._quarantine.discard(keys[i])  # evicted since it was found bad: storable again
                 if (len(cand) + 1) * self.bpc > budget:
@@ -422,6 +441,13 @@ class OffloadScheduler:
         st.cursor = i
         return i >= n, budget
 
+    def _watch(self, st: _Req, c: int, key: ChunkKey, n: int, block_ids) -> bool:
+        """exclusive: leave chunk ``c`` in HBM, watched, instead of storing it (False: store it)."""
+        if block_ids is None or key in self._quarantine:
+            return False
+        salt = request_salt(st.request) if self._fs_lookup is not None else b""
+        return self.exclusive.try_watch(st, c, key, n, block_ids, salt)
+
     # ---- feedback ----------------------------------------------------------
     def update_connector_output(self, output) -> None:
         for req_id in getattr(output, "finished_recving", None) or ():
@@ -478,12 +504,18 @@ class OffloadScheduler:
         self.loading.release(req_id)  # its blocks will not be cached: others load for themselves
         self._waited.discard(req_id)
         self._load_async.pop(req_id, None)
+        self._start.pop(req_id, None)
         st = self._reqs.get(req_id)
         if st is None:
             return False, None
         st.request = request
         n = 0 if st.stale else self._storable(st, request.num_computed_tokens)
         keys = self._req_keys(st, n)
+        if self.exclusive is not None and n > st.cursor:  # its blocks stay cached in HBM: watch, do not hold them
+            ids = compat.block_ids_by_group(block_ids)
+            while st.cursor < n and (self.manager.lookup(keys[st.cursor]) is Lookup.PENDING
+                                     or self._watch(st, st.cursor, keys[st.cursor], n, ids)):
+                st.cursor += 1
         if any(self.manager.lookup(keys[i]) is Lookup.MISS for i in range(st.cursor, n)):
             st.finishing = True
             st.final_blocks = compat.block_ids_by_group(block_ids)
@@ -523,6 +555,8 @@ class OffloadScheduler:
         next start loads).
         """
         self.manager.reset()
+        if self.exclusive is not None:
+            self.exclusive.reset()
         self._quarantine.clear()
         self.tails.held.clear()
         self._slot_of.clear()

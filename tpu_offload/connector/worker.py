@@ -85,6 +85,7 @@ class OffloadWorker:
         self._report = OffloadReport()
         self._pidx = 0  # set at registration, once JAX (and jax.distributed) is initialized
         self._loaded_meta = None
+        self._early_meta = None
         self._saved_meta = None
         self._to_read: collections.deque = collections.deque()  # (op_id, key, slot, salt) waiting for a buffer
         self._promoting: dict[int, tuple[set[int], list[int]]] = {}  # op_id -> (slots left, failed slots)
@@ -164,11 +165,28 @@ class OffloadWorker:
                  cfg.host_memory_kind, path, self.s.staging_blocks, staging_per_device / (1 << 30))
 
     # ---- per step ----------------------------------------------------------
+    def dispatch_early_stores(self, meta: OffloadMetadata) -> None:
+        """exclusive: gather chunks whose blocks this step's forward or loads overwrite, before both.
+
+        Called from ``bind_connector_metadata``: vLLM's runner mixin binds the
+        metadata before the forward, but starts asynchronous loads (our
+        ``start_load_kv``) only after the forward is launched."""
+        if not isinstance(meta, OffloadMetadata) or meta is self._early_meta or self.engine is None:
+            return
+        self._early_meta = meta
+        if meta.early_stores:
+            self._check_snapshot(meta)
+            t0 = time.perf_counter()
+            self._dispatch_stores(meta.early_stores)
+            self._add("evict_copy_steps", 1)
+            self._add("evict_copy_dispatch_seconds", time.perf_counter() - t0)
+
     def start_load_kv(self, meta: OffloadMetadata) -> None:
         if not isinstance(meta, OffloadMetadata) or meta is self._loaded_meta:
             return
         self._loaded_meta = meta
         self._check_snapshot(meta)
+        self.dispatch_early_stores(meta)  # no-op if bind_connector_metadata did it
         for op in meta.promotes:
             self._write_back(op.evict)
             if self.fs is not None:
@@ -253,15 +271,19 @@ class OffloadWorker:
             return
         self._saved_meta = meta
         self._check_snapshot(meta)
-        for op in meta.stores:
-            self._store_ops_left[op.req_id] = self._store_ops_left.get(op.req_id, 0) + 1
         self._releasing.update(meta.release)
-        for op in meta.stores:
+        self._dispatch_stores(meta.stores)
+        self._poll()
+
+    def _dispatch_stores(self, stores) -> None:
+        for op in stores:
+            self._store_ops_left[op.req_id] = self._store_ops_left.get(op.req_id, 0) + 1
+        for op in stores:
             self._write_back(op.evict)  # before the slots get new bytes
-        if meta.stores:
+        if stores:
             bpc = self.s.blocks_per_chunk
             chunks = [StoreChunk(slot, op.blocks[i * bpc : (i + 1) * bpc], self._by_class(op, i))
-                      for op in meta.stores for i, slot in enumerate(op.slots)]
+                      for op in stores for i, slot in enumerate(op.slots)]
             if self.fs is not None:
                 self.fs.overwrite([c.slot for c in chunks])  # never write a slot's next bytes under this key
             bad: dict[int, list[int]] = {}
@@ -270,10 +292,9 @@ class OffloadWorker:
             except Exception:
                 log.exception("tpu_offload: store dispatch failed; %d chunks not stored", len(chunks))
                 done = None
-                bad = {op.op_id: list(op.slots) for op in meta.stores}
-            self._flights.append(_Flight(done, "store", list(meta.stores), bad,
+                bad = {op.op_id: list(op.slots) for op in stores}
+            self._flights.append(_Flight(done, "store", list(stores), bad,
                                          self.engine.moved_bytes(chunks), time.perf_counter()))
-        self._poll()
 
     def _check_snapshot(self, meta: OffloadMetadata) -> None:
         """Follow the scheduler's snapshot ids (slabs of another index are dropped) and its resets."""

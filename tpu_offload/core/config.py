@@ -245,6 +245,7 @@ _SETTINGS: tuple[_Setting, ...] = (
     _Setting("chunk_tokens", _int(1), None, ("block_size",)),  # vLLM's key: tokens per chunk
     _Setting("staging_blocks", _int(1), "TPU_OFFLOAD_NUM_STAGING_BLOCKS", ("staging_blocks",)),
     _Setting("decode_save", _bool, "TPU_OFFLOAD_DECODE_SAVE", ("decode_save",)),
+    _Setting("store_policy", _choice("write_through", "exclusive"), "TPU_OFFLOAD_STORE_POLICY", ("store_policy",)),
     _Setting("sync_load", _bool, "TPU_OFFLOAD_SYNC_LOAD", ("sync_load",)),
     _Setting("host_memory_kind", _choice("pinned_host", "unpinned_host"), None, ("host_memory_kind",)),
     _Setting("use_unpinned_host", _bool, "TPU_OFFLOAD_USE_UNPINNED_HOST", ()),
@@ -309,6 +310,9 @@ class OffloadConfig:
     chunk_tokens: int | None = None
     staging_blocks: int = 128
     decode_save: bool = False
+    # write_through: every computed chunk goes to the host tier at once. exclusive: a chunk the device's
+    # prefix cache still holds is not copied; it is copied when vLLM reuses its block (core/policy.py).
+    store_policy: str = "write_through"
     sync_load: bool = False
     host_memory_kind: str = "pinned_host"
     # Host memory the tier must leave for the engine and the rest of the host: a fraction

@@ -99,6 +99,9 @@ class OffloadMetrics:
         self.alloc_failures = counter("tpu_offload_allocation_failures", "Stores refused: nothing evictable", ["tier"])
         self.load_errors = counter("tpu_offload_load_errors", "Loads that failed and were recomputed", ["tier"])
         self.deferred_blocks = counter("tpu_offload_deferred_blocks", "Blocks deferred to a later step by the staging budget", ["direction"])
+        self.exclusive_chunks = counter(
+            "tpu_offload_exclusive_chunks", "store_policy=exclusive: chunks whose HBM blocks were reused, by outcome "
+            "(copied to the host, already there, lost: no staging budget or host slot in time)", ["outcome"])
         self.latency = Histogram(
             "tpu_offload_transfer_latency_seconds", "Latency of one batched transfer",
             ["direction", *ln], buckets=_LATENCY_BUCKETS, registry=r,
@@ -175,6 +178,10 @@ class OffloadMetrics:
     def record_deferred(self, direction: str, blocks: int) -> None:
         if blocks:
             self.deferred_blocks.labels(**self._l(direction=direction)).inc(blocks)
+
+    def record_exclusive(self, outcome: str, n: int) -> None:
+        if n:
+            self.exclusive_chunks.labels(**self._l(outcome=outcome)).inc(n)
 
     def _inc(self, metric, n) -> None:
         (metric.labels(**self.labels) if self.labels else metric).inc(n)
