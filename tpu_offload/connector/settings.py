@@ -15,7 +15,7 @@ import logging
 import os
 from typing import Mapping
 
-from tpu_offload.connector import compat, windows as sliding
+from tpu_offload.connector import compat, sizing, windows as sliding
 from tpu_offload.core.config import ConfigError, OffloadConfig
 
 log = logging.getLogger(__name__)
@@ -60,14 +60,9 @@ class Settings:
         return self.staging_blocks // self.blocks_per_chunk
 
 
-def kv_bytes_per_block(kv_cache_config) -> int:
-    """Bytes of one block over all layers, from vLLM's KV-cache spec (0 if unknown)."""
-    if kv_cache_config is None:
-        return 0
-    total = 0
-    for group in getattr(kv_cache_config, "kv_cache_groups", ()):
-        total += group.kv_cache_spec.page_size_bytes * len(group.layer_names)
-    return total
+def kv_bytes_per_block(kv_cache_config, vllm_config=None) -> int:
+    """Bytes of one block over all layers, from vLLM's KV-cache spec (0 if unknown); see ``sizing``."""
+    return 0 if kv_cache_config is None else sizing.check_views(kv_cache_config, vllm_config)
 
 
 def resolve(vllm_config, kv_cache_config, env: Mapping[str, str] | None = None) -> Settings:
@@ -97,7 +92,7 @@ def resolve(vllm_config, kv_cache_config, env: Mapping[str, str] | None = None) 
     group_windows = compat.group_windows(kv_cache_config) if kv_cache_config is not None else (None,)
     windows = sliding.for_groups(group_windows, cfg, vllm_config)
     kv_replicas = compat.kv_head_replicas(vllm_config, kv_cache_config)
-    chunk_bytes = kv_bytes_per_block(kv_cache_config) * bpc // kv_replicas  # each distinct head once
+    chunk_bytes = kv_bytes_per_block(kv_cache_config, vllm_config) * bpc // kv_replicas  # each distinct head once
     if cfg.num_cpu_chunks is None and chunk_bytes == 0:
         raise ConfigError("cannot size the host tier in bytes without the KV-cache spec; set num_cpu_chunks "
                           "(TPU_OFFLOAD_NUM_CPU_CHUNKS)")
