@@ -15,7 +15,7 @@ import logging
 import os
 from typing import Mapping
 
-from tpu_offload.connector import compat, sizing, windows as sliding
+from tpu_offload.connector import compat, models, sizing, windows as sliding
 from tpu_offload.core.config import ConfigError, OffloadConfig
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,8 @@ def resolve(vllm_config, kv_cache_config, env: Mapping[str, str] | None = None) 
     parallel = vllm_config.parallel_config
     if getattr(parallel, "pipeline_parallel_size", 1) > 1:
         raise ConfigError(f"pipeline_parallel_size={parallel.pipeline_parallel_size}: KV offloading supports PP=1 only")
-    why = compat.unsupported_runner_mode(vllm_config)  # first: MLA also implies DP, this names the model
+    # first: MLA also implies DP, this names the model
+    why = compat.unsupported_runner_mode(vllm_config) or models.unsupported_model(vllm_config, kv_cache_config)
     if why is not None:
         raise ConfigError(why)
     dp, source = compat.data_parallel(vllm_config)
