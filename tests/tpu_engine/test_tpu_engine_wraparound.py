@@ -38,6 +38,7 @@ ROUNDS = [[P[0], P[1]], [P[2], P[3]], [P[4], P[5]], [P[5]], [P[4], P[5]], [P[0]]
 FAMILY_SHAPES = {  # name -> (shape, vLLM prefix caching)
     "llama-kv1-tp2": (Shape("kv1", "float32", tp=2, block_size=BLOCK), True),  # one KV head repeated over TP
     "qwen3-tp1": (Shape("qwen3", "bfloat16", tp=1, block_size=BLOCK), True),
+    "qwen2-tp1": (Shape("qwen2", "float32", tp=1, block_size=BLOCK), True),
     "gpt-oss-tp1": (Shape("gpt-oss", "bfloat16", tp=1, block_size=BLOCK), True),  # hybrid: 2 KV-cache groups
     "llama4-tp1": (Shape("llama4", "bfloat16", tp=1, block_size=BLOCK), True),
     "gemma4-tp2": (Shape("gemma4", "float32", tp=2, block_size=BLOCK), True),
@@ -48,6 +49,7 @@ FAMILY_SHAPES = {  # name -> (shape, vLLM prefix caching)
 CHUNK_BYTES = {
     "kv1": 16 * 2 * 1 * 128 * 4 * 2,  # 1 KV head of 128 (repeated on both TP shards, stored once), 2 layers
     "qwen3": 16 * 2 * 4 * 128 * 2 * 2,  # 4 KV heads, bf16, 2 layers
+    "qwen2": 16 * 2 * 2 * 128 * 4 * 2,  # 2 KV heads, float32, 2 layers
     "gpt-oss": 16 * 2 * 128 * 2 * 2,  # head_dim 64: K and V share one 128-lane row per head; 2 heads, 2 layers
     "llama4": 16 * 2 * 2 * 128 * 2 * 4,  # 2 KV heads, bf16, 4 layers
     "gemma4": 16 * 2 * 2 * (128 + 128 + 256) * 4,  # two sliding layers of head_dim 128, a global one of 256

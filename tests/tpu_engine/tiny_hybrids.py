@@ -46,3 +46,31 @@ def write_qwen3_5_moe(path: str) -> str:
             f.write(spec)
     write_tokenizer(path, VOCAB)
     return path
+
+
+# ---- more of tpu-inference 0.32's registry, for the full-tier test --------------------------------
+import dataclasses  # noqa: E402
+
+from tiny_families import TinyFamily  # noqa: E402
+
+
+@dataclasses.dataclass(frozen=True)
+class TinyQwen2(TinyFamily):
+    """Qwen2 (q/k/v biases) on tpu-inference's JAX path (``Qwen2ForCausalLM``). Tied embeddings:
+    its JAX model builds an untied ``lm_head`` with ``getattr(hf_config, 'hidden_size',
+    hf_config.text_config.hidden_size)``, whose default is evaluated first and raises for a plain
+    Qwen2 config ("'Qwen2Config' object has no attribute 'text_config'")."""
+
+    def hf_config(self, dtype: str):
+        from transformers import Qwen2Config
+
+        return Qwen2Config(hidden_size=self.hidden_size, num_hidden_layers=self.num_layers,
+                           num_attention_heads=self.num_heads, num_key_value_heads=self.num_kv_heads,
+                           intermediate_size=self.intermediate_size, vocab_size=self.vocab_size,
+                           max_position_embeddings=self.max_position, initializer_range=self.init_range,
+                           tie_word_embeddings=True, dtype=dtype)
+
+
+QWEN2 = TinyQwen2(name="qwen2", architecture="Qwen2ForCausalLM", hidden_size=256, num_heads=2, num_kv_heads=2,
+                  head_dim=128)
+REGISTRY_EXTRA = {f.name: f for f in (QWEN2,)}
