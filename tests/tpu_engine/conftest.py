@@ -30,7 +30,9 @@ from tiny_families import FAMILIES  # noqa: E402
 from tiny_models import KV1, KV4, QWEN3, QWEN3_SERVED  # noqa: E402
 from workloads import Workload  # noqa: E402
 
-MODELS = {m.name: m for m in (KV4, KV1, QWEN3, QWEN3_SERVED)} | FAMILIES
+from tiny_hybrids import REGISTRY_EXTRA  # noqa: E402
+
+MODELS = {m.name: m for m in (KV4, KV1, QWEN3, QWEN3_SERVED)} | FAMILIES | REGISTRY_EXTRA
 
 
 @pytest.fixture(scope="session")

@@ -247,8 +247,11 @@ def kv_head_replicas(vllm_config, kv_cache_config) -> int:
         return 1
     total = int(model.get_total_num_kv_heads())
     found = set()
-    for g in groups:
-        heads = getattr(g.kv_cache_spec, "num_kv_heads", None)
+    from tpu_offload.connector.sizing import layer_specs
+
+    specs = [s for g in groups for s in (layer_specs(g.kv_cache_spec) or {"": g.kv_cache_spec}).values()]
+    for spec in specs:
+        heads = getattr(spec, "num_kv_heads", None)
         if heads and total and heads > total and heads % total == 0:
             found.add(heads // total)
         else:

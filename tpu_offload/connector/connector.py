@@ -14,6 +14,7 @@ from typing import Any
 
 from tpu_offload.connector import compat
 from tpu_offload.connector.compat import KVConnectorBase_V1, KVConnectorRole
+from tpu_offload.connector.guard import Guard
 from tpu_offload.connector.metadata import OffloadMetadata
 from tpu_offload.connector.metrics import ConnectorMetrics
 from tpu_offload.connector.settings import resolve
@@ -49,6 +50,8 @@ class TPUOffloadConnector(KVConnectorBase_V1, compat.SupportsHMA):
             from tpu_offload.connector.worker import OffloadWorker  # imports jax
 
             self.worker = OffloadWorker(self.settings, metrics, fs_fingerprint=fp)  # also the snapshot's
+        # Every save, load and completion path below runs through it: no exception reaches the engine step.
+        self.guard = self.worker.guard if self.worker is not None else Guard(metrics)
 
     # ---- class-level contract ---------------------------------------------
     @classmethod
@@ -69,44 +72,49 @@ class TPUOffloadConnector(KVConnectorBase_V1, compat.SupportsHMA):
             self.scheduler.kv_cache_manager = kv_cache_manager
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        return self.guard.lookup(self.scheduler, request, num_computed_tokens)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+        self.guard.after_alloc(self.scheduler, request, blocks, num_external_tokens)
 
     def get_external_cache_hit_sources(self, request, num_external_tokens: int) -> dict:
         if not num_external_tokens or compat.HIT_HOST is None:
             return super().get_external_cache_hit_sources(request, num_external_tokens)
-        disk = min(num_external_tokens, self.scheduler.file_hit_tokens(request.request_id))
+        disk = min(num_external_tokens, self.guard.call("file_hit_tokens", self.scheduler.file_hit_tokens,
+                                                         request.request_id, default=0))
         out = {compat.HIT_HOST: num_external_tokens - disk, compat.HIT_DISK: disk}
         return {k: v for k, v in out.items() if v}
 
     def build_connector_meta(self, scheduler_output) -> OffloadMetadata:
-        return self.scheduler.build_connector_meta(scheduler_output)
+        return self.guard.build_meta(self.scheduler, scheduler_output)
 
     def update_connector_output(self, connector_output) -> None:
-        self.scheduler.update_connector_output(connector_output)
+        self.guard.call("update_connector_output", self.scheduler.update_connector_output, connector_output)
 
     def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
-        return self.scheduler.request_finished(request, block_ids)
+        return self.guard.request_finished(self.scheduler, request, block_ids)
 
     def get_transfer_results(self, finished_req_ids: set[str]):
         """Finished sends and receives, and (several KV-cache groups) the requests whose load failed."""
         results = super().get_transfer_results(finished_req_ids)
         if self.worker is not None:
-            results.failed_recving = self.worker.take_failed_recving()
+            results.failed_recving = self.guard.call("take_failed_recving", self.worker.take_failed_recving,
+                                                     default=set())
         return results
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return self.scheduler.request_finished(request, block_ids)
+        return self.guard.request_finished(self.scheduler, request, block_ids)
 
     def take_events(self):
-        return self.scheduler.take_events() if self.scheduler is not None else ()
+        if self.scheduler is None:
+            return ()
+        return self.guard.call("take_events", self.scheduler.take_events, default=())
 
     def has_pending_push_work(self) -> bool:
         # Keeps the engine stepping while stores are in flight, so their
         # completions are collected even when no request is running.
-        return self.scheduler is not None and self.scheduler.has_pending_work()
+        return self.scheduler is not None and bool(
+            self.guard.call("has_pending_push_work", self.scheduler.has_pending_work, default=False))
 
     def get_finished_count(self) -> int | None:
         """Reports per request vLLM's aggregator must wait for: one per JAX process (host), not per chip."""
@@ -116,7 +124,9 @@ class TPUOffloadConnector(KVConnectorBase_V1, compat.SupportsHMA):
         return n
 
     def reset_cache(self) -> bool | None:
-        return self.scheduler.reset_cache() if self.scheduler is not None else None
+        if self.scheduler is None:
+            return None
+        return self.guard.call("reset_cache", self.scheduler.reset_cache, default=False)
 
     # ---- worker side ---------------------------------------------------------
     def register_kv_caches(self, kv_caches) -> None:
@@ -128,10 +138,10 @@ class TPUOffloadConnector(KVConnectorBase_V1, compat.SupportsHMA):
     def bind_connector_metadata(self, connector_metadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         if self.worker is not None:  # before the forward (start_load_kv may come after it)
-            self.worker.dispatch_early_stores(connector_metadata)
+            self.guard.early_save(self.worker, connector_metadata)
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
-        self.worker.start_load_kv(self._get_connector_metadata())
+        self.guard.start_load(self.worker, self._get_connector_metadata())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads are whole-model; nothing to wait for per layer."""
@@ -140,25 +150,30 @@ class TPUOffloadConnector(KVConnectorBase_V1, compat.SupportsHMA):
         """Stores run once per step in ``wait_for_save``."""
 
     def wait_for_save(self) -> None:
-        self.worker.wait_for_save(self._get_connector_metadata())
+        self.guard.save(self.worker, self._get_connector_metadata())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return self.worker.get_finished()
+        return self.guard.finished(self.worker)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self.worker.get_block_ids_with_load_errors() if self.worker is not None else set()
+        if self.worker is None:
+            return set()
+        return self.guard.load_errors(self.worker)
 
     def build_connector_worker_meta(self):
         if self.worker is None or not compat.HAS_WORKER_META:
             return None
-        return self.worker.take_report()
+        return self.guard.report(self.worker)
 
     def get_kv_connector_stats(self) -> OffloadStats | None:
+        return self.guard.call("get_kv_connector_stats", self._stats)
+
+    def _stats(self) -> OffloadStats | None:
         if self.scheduler is not None:
             return self.scheduler.get_stats()
         stats = self.worker.get_stats()
         if not compat.HAS_WORKER_META:  # old vLLM: completions ride in the stats
-            report = self.worker.take_report()
+            report = self.guard.report(self.worker)
             if report is not None:
                 stats = stats or OffloadStats()
                 stats.data[compat.STATS_REPORT_KEY] = report.to_dict()

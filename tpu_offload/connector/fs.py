@@ -59,7 +59,9 @@ def fingerprint(vllm_config, kv_cache_config, blocks_per_chunk: int) -> LayoutFi
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
     if not groups:
         raise ConfigError("shared_storage_path needs the engine's KV-cache spec")
-    spec = groups[0].kv_cache_spec
+    from tpu_offload.connector.sizing import first_spec
+
+    spec = first_spec(groups[0].kv_cache_spec)  # what the scheduler's config holds too
     tp = getattr(vllm_config.parallel_config, "tensor_parallel_size", 1)
     return LayoutFingerprint(
         model=str(vllm_config.model_config.model), dtype=str(spec.dtype),

@@ -52,6 +52,12 @@ class ConnectorMetrics:
             for d in ("d2h", "h2d")
         }
 
+        # Exceptions caught in the connector's paths (never let into the engine step): see connector/guard.py
+        self.errors = Counter("tpu_offload_connector_errors", "Exceptions the connector caught, by path", ["path"],
+                              registry=r)
+        self.dropped_stores = Counter("tpu_offload_dropped_store_chunks",
+                                      "Chunks whose store was dropped by a caught connector error", registry=r)
+
     @classmethod
     def get(cls, registry: CollectorRegistry | None = None) -> "ConnectorMetrics":
         registry = registry if registry is not None else REGISTRY

@@ -303,9 +303,11 @@ class OffloadScheduler:
             self._add("hit_tokens", num_external_tokens)
 
     # ---- per step --------------------------------------------------------
-    def build_connector_meta(self, so) -> OffloadMetadata:
-        meta = OffloadMetadata(restored_id=self.restored_id, snapshot_id=self.snapshot_id,
-                               reset_salt=self.reset_salt)
+    def build_connector_meta(self, so, meta: OffloadMetadata | None = None) -> OffloadMetadata:
+        """``meta``: fill this one (connector/guard.py keeps what got in when a step fails)."""
+        if meta is None:
+            meta = OffloadMetadata(restored_id=self.restored_id, snapshot_id=self.snapshot_id,
+                                   reset_salt=self.reset_salt)
         load_budget = store_budget = self.s.staging_blocks
         # Loads: sync ones whole (the forward needs them now), async ones within the budget.
         load_budget = self.loads.emit(meta, load_budget, lambda n: self._defer("load", n))

@@ -15,7 +15,7 @@ import logging
 import os
 from typing import Mapping
 
-from tpu_offload.connector import compat, windows as sliding
+from tpu_offload.connector import compat, models, sizing, windows as sliding
 from tpu_offload.core.config import ConfigError, OffloadConfig
 
 log = logging.getLogger(__name__)
@@ -60,14 +60,9 @@ class Settings:
         return self.staging_blocks // self.blocks_per_chunk
 
 
-def kv_bytes_per_block(kv_cache_config) -> int:
-    """Bytes of one block over all layers, from vLLM's KV-cache spec (0 if unknown)."""
-    if kv_cache_config is None:
-        return 0
-    total = 0
-    for group in getattr(kv_cache_config, "kv_cache_groups", ()):
-        total += group.kv_cache_spec.page_size_bytes * len(group.layer_names)
-    return total
+def kv_bytes_per_block(kv_cache_config, vllm_config=None) -> int:
+    """Bytes of one block over all layers, from vLLM's KV-cache spec (0 if unknown); see ``sizing``."""
+    return 0 if kv_cache_config is None else sizing.check_views(kv_cache_config, vllm_config)
 
 
 def resolve(vllm_config, kv_cache_config, env: Mapping[str, str] | None = None) -> Settings:
@@ -77,7 +72,8 @@ def resolve(vllm_config, kv_cache_config, env: Mapping[str, str] | None = None) 
     parallel = vllm_config.parallel_config
     if getattr(parallel, "pipeline_parallel_size", 1) > 1:
         raise ConfigError(f"pipeline_parallel_size={parallel.pipeline_parallel_size}: KV offloading supports PP=1 only")
-    why = compat.unsupported_runner_mode(vllm_config)  # first: MLA also implies DP, this names the model
+    # first: MLA also implies DP, this names the model
+    why = compat.unsupported_runner_mode(vllm_config) or models.unsupported_model(vllm_config, kv_cache_config)
     if why is not None:
         raise ConfigError(why)
     dp, source = compat.data_parallel(vllm_config)
@@ -97,7 +93,7 @@ def resolve(vllm_config, kv_cache_config, env: Mapping[str, str] | None = None) 
     group_windows = compat.group_windows(kv_cache_config) if kv_cache_config is not None else (None,)
     windows = sliding.for_groups(group_windows, cfg, vllm_config)
     kv_replicas = compat.kv_head_replicas(vllm_config, kv_cache_config)
-    chunk_bytes = kv_bytes_per_block(kv_cache_config) * bpc // kv_replicas  # each distinct head once
+    chunk_bytes = kv_bytes_per_block(kv_cache_config, vllm_config) * bpc // kv_replicas  # each distinct head once
     if cfg.num_cpu_chunks is None and chunk_bytes == 0:
         raise ConfigError("cannot size the host tier in bytes without the KV-cache spec; set num_cpu_chunks "
                           "(TPU_OFFLOAD_NUM_CPU_CHUNKS)")

@@ -26,10 +26,12 @@ from typing import Any, Sequence
 
 import jax
 
+from tpu_offload.connector.guard import Guard
 from tpu_offload.connector.metadata import LoadOp, OffloadMetadata, OffloadReport
 from tpu_offload.core.fs.journal import PUBLISHED, REMOVED
 from tpu_offload.connector.metrics import ConnectorMetrics
 from tpu_offload.connector.settings import Settings
+from tpu_offload.connector.sizing import check_chunk_bytes
 from tpu_offload.connector.stats import OffloadStats
 from tpu_offload.core.config import ConfigError
 from tpu_offload.jax_backend import memory
@@ -95,6 +97,7 @@ class OffloadWorker:
         self._reset_salt = ""  # the scheduler's latest reset (see OffloadScheduler.reset_cache)
         self._at_exit = None  # registered with atexit while file writes or a snapshot could be lost
         self._windowed = False  # sliding-window layers stored by their window only (set at registration)
+        self.guard = Guard(self.metrics)  # the connector routes through it too (one log-once set per half)
 
     # ---- setup -------------------------------------------------------------
     def register_runner(self, runner) -> None:
@@ -110,6 +113,7 @@ class OffloadWorker:
         if layout_name not in (None, "NHD"):
             raise ValueError(f"KV cache layout {layout_name!r}: the offload connector needs NHD")
         local = [d for d in layout.mesh.devices.flat if d.process_index == self._pidx]
+        check_chunk_bytes(self.s, layout.block_bytes * self.s.blocks_per_chunk)  # before anything is allocated
 
         def hbm_check(staging: int, scratch: int) -> None:
             memory.check_staging_fits(staging, scratch, self.s.staging_blocks, local,
@@ -133,9 +137,6 @@ class OffloadWorker:
         )
         staging_per_device = self.engine.staging_device_bytes
         self.chunk_bytes = self.engine.chunk_bytes  # what one chunk costs on the host and on the wire
-        if self.s.chunk_bytes and self.s.chunk_bytes != self.chunk_bytes:
-            log.warning("tpu_offload: the KV-cache spec gives %d bytes per chunk, the caches hold %d; the host "
-                        "tier is sized from the caches", self.s.chunk_bytes, self.chunk_bytes)
         if cfg.shared_storage_path:
             if jax.process_count() > 1:
                 raise ConfigError("shared_storage_path with several JAX processes is not supported yet: "
@@ -175,6 +176,7 @@ class OffloadWorker:
             return
         self._early_meta = meta
         if meta.early_stores:
+            self._count_stores(meta.early_stores)  # first, as in wait_for_save
             self._check_snapshot(meta)
             t0 = time.perf_counter()
             self._dispatch_stores(meta.early_stores)
@@ -270,14 +272,17 @@ class OffloadWorker:
         if not isinstance(meta, OffloadMetadata) or meta is self._saved_meta:
             return
         self._saved_meta = meta
+        self._count_stores(meta.stores)  # first: a caught error after this drops them exactly (connector/guard.py)
         self._check_snapshot(meta)
         self._releasing.update(meta.release)
         self._dispatch_stores(meta.stores)
         self._poll()
 
-    def _dispatch_stores(self, stores) -> None:
+    def _count_stores(self, stores) -> None:
         for op in stores:
             self._store_ops_left[op.req_id] = self._store_ops_left.get(op.req_id, 0) + 1
+
+    def _dispatch_stores(self, stores) -> None:
         for op in stores:
             self._write_back(op.evict)  # before the slots get new bytes
         if stores:
@@ -395,7 +400,10 @@ class OffloadWorker:
                 except Exception:
                     log.exception("tpu_offload: a %s transfer failed", f.kind)
                     ok = False
-            self._complete(f, ok)
+            try:
+                self._complete(f, ok)
+            except Exception as e:  # reported failed, never left in flight: connector/guard.py
+                self.guard.flight_failed(self, f, e)
         self._flights = still
         if self.fs is not None:
             self.fs.pump()  # write-throughs waiting for a buffer
