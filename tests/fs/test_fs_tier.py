@@ -235,7 +235,7 @@ def test_stale_temps_are_removed_at_start_young_ones_kept(root, make_tier, fp):
 
 def test_from_config(root, fp):
     assert FileTier.from_config(OffloadConfig(), fp, CHUNK) is None
-    cfg = OffloadConfig.from_sources({"shared_storage_path": root, "fs_capacity": "1MiB",
+    cfg = OffloadConfig.from_sources({"shared_storage_path": root, "fs_capacity": "1MiB", "fs_allow_unauthenticated": True,
                                       "fs_threads": 3, "fs_queue_depth": 5})
     reg = CollectorRegistry()
     t = FileTier.from_config(cfg, fp, CHUNK, OffloadMetrics(reg))

@@ -23,13 +23,23 @@ from workloads import ROUNDTRIP
 pytestmark = pytest.mark.engine
 
 
+def secret_file(path) -> str:
+    from tpu_offload.core.fs.auth import make_secret_file
+
+    if not path.exists():
+        make_secret_file(str(path))
+    return str(path)
+
+
 def fs_config(fs_dir=None, snapshot_dir=None) -> dict:
     over = {**OURS, "fs_capacity_bytes": "256MiB", "fs_write_mode": "write_through"}
     cfg = kv_transfer_config("offload-fs.json", **over)
     extra = cfg["kv_connector_extra_config"]
     extra.pop("shared_storage_path")
+    extra.pop("fs_secret_file")  # the pod's mounted Secret: a file of our own instead
     if fs_dir:
         extra["shared_storage_path"] = str(fs_dir)
+        extra["fs_secret_file"] = secret_file(fs_dir.parent / "fs-secret")
     if snapshot_dir:
         extra["snapshot_path"] = str(snapshot_dir)
     return cfg

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import math
 import os
 import stat
 
@@ -118,7 +119,9 @@ def read_secret_file(path: str) -> bytes:
     """The secret in ``path`` (surrounding whitespace stripped); ValueError(allowed) otherwise.
 
     Followed if a symlink (Kubernetes mounts Secrets through symlinks), but
-    opened without blocking and kept only if a regular file of sane size.
+    opened without blocking and kept only if a regular file of sane size that
+    nobody else could have rewritten: not group- or world-writable, owned by
+    us or root (a file another uid can rewrite gives that uid our keys).
     """
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -128,17 +131,100 @@ def read_secret_file(path: str) -> bytes:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_SECRET_BYTES:
             raise ValueError(f"a regular file of {MIN_SECRET_BYTES} to {MAX_SECRET_BYTES} bytes")
+        if st.st_mode & 0o022:
+            raise ValueError(f"a file only its owner can write (this one is mode {stat.S_IMODE(st.st_mode):04o}: "
+                             "group- or world-writable, so another user could replace the secret; chmod 600 it)")
+        if st.st_uid not in (os.geteuid(), 0):
+            raise ValueError(f"a file owned by this user ({os.geteuid()}) or root (this one is owned by uid "
+                             f"{st.st_uid}, who could replace the secret)")
         data = os.read(fd, MAX_SECRET_BYTES + 1)
     finally:
         os.close(fd)
     return check_secret(data)
 
 
+def make_secret_file(path: str) -> bytes:
+    """Write a fresh secret (32 random bytes, base64) to a new file of mode 0600; returns it.
+
+    What ``tpu-offload-fs make-secret`` does, and the same as
+    ``head -c 32 /dev/urandom | base64 > path; chmod 600 path``.
+    """
+    import base64
+
+    data = base64.b64encode(os.urandom(32))
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, data + b"\n")
+    finally:
+        os.close(fd)
+    return data
+
+
+MIN_SECRET_BITS = 128
+HOW_TO_MAKE = "32 random bytes, e.g. `head -c 32 /dev/urandom | base64`"
+
+
+_ALPHABETS = (  # (characters, size): the smallest one a secret fits in sets its bits per character
+    (frozenset(b"0123456789"), 10),
+    (frozenset(b"0123456789abcdef"), 16), (frozenset(b"0123456789ABCDEF"), 16),
+    (frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ234567="), 32), (frozenset(b"abcdefghijklmnopqrstuvwxyz234567="), 32),
+    (frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/=-_"), 64),
+    (frozenset(range(32, 127)), 95),
+)
+
+
+def _alphabet_bits(data: bytes) -> float:
+    chars = set(data)
+    return math.log2(next((n for a, n in _ALPHABETS if chars <= a), 256))
+
+
+def secret_weakness(data: bytes) -> str | None:
+    """Why ``data`` is a guessable secret (an estimate below 128 bits), or None.
+
+    An estimate, not a proof: bits per character of the smallest usual
+    alphabet it fits (digits, hex, base32, base64, printable, bytes) times
+    its length, not counting characters a run predicts (``aaaaa``,
+    ``01234``: all but the first two of a run of 5 or more); and refused
+    outright when it shows a pattern a person types (fewer than 8 distinct
+    characters, one character a third of it, a repeated block). 32 random
+    bytes (256 bits) are recommended: a 16-byte key sits on the threshold.
+    """
+    n = len(data)
+    predictable, run = 0, 1
+    for i in range(1, n + 1):
+        step = data[i] - data[i - 1] if i < n else None
+        if i < n and step in (-1, 0, 1) and (run == 1 or step == data[i - 1] - data[i - 2]):
+            run += 1
+            continue
+        if run >= 5:
+            predictable += run - 2
+        run = 2 if i < n and step in (-1, 0, 1) else 1
+    bits = (n - predictable) * _alphabet_bits(data)
+    if bits < MIN_SECRET_BITS:
+        return f"about {bits:.0f} bits for its length and alphabet" + (
+            f", {predictable} characters of it runs like aaaaa or 01234" if predictable else "")
+    distinct = len(set(data))
+    if distinct < 8:
+        return f"only {distinct} distinct characters"
+    top = max(data.count(bytes([c])) for c in set(data))
+    if top > max(3, n // 3):
+        return f"one character makes up {top} of its {n}"
+    for p in range(1, n // 2 + 1):
+        if data[p:] == data[:-p]:
+            return f"a block of {p} characters repeated"
+    return None
+
+
 def check_secret(data: bytes) -> bytes:
     data = bytes(data).strip()
     if not MIN_SECRET_BYTES <= len(data) <= MAX_SECRET_BYTES:
         raise ValueError(f"a secret of {MIN_SECRET_BYTES} to {MAX_SECRET_BYTES} bytes "
-                         f"(got {len(data)}; e.g. `openssl rand -hex 32`)")
+                         f"(got {len(data)}; use {HOW_TO_MAKE})")
+    weak = secret_weakness(data)
+    if weak is not None:
+        raise ValueError(f"a secret of at least {MIN_SECRET_BITS} bits of entropy (this one is guessable: "
+                         f"{weak}; use {HOW_TO_MAKE})")
     return data
 
 

@@ -177,6 +177,10 @@ class FileTier:
         """The configured tier, or None when no ``shared_storage_path`` is set."""
         if not cfg.shared_storage_path:
             return None
+        if not cfg.fs_secret and not cfg.fs_allow_unauthenticated:  # a config built without from_sources
+            from tpu_offload.core.config import _check_authenticated
+
+            _check_authenticated({"shared_storage_path": cfg.shared_storage_path})
         try:
             return cls(
                 cfg.shared_storage_path, fingerprint, chunk_bytes,
