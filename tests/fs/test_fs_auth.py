@@ -354,3 +354,79 @@ def test_random_secrets_of_128_bits_and_more_are_accepted(tmp_path):
     for _ in range(200):
         for s in (base64.b64encode(os.urandom(32)), secrets.token_hex(32).encode(), base64.b64encode(os.urandom(16))):
             assert secret_weakness(s) is None, s
+
+
+# ---- one bad file must not disable a chunk for good ----
+
+
+def _plant_random_mac(path: str) -> None:
+    """A same-uid tenant without the secret: our header, a random MAC, header checksum fixed; same size."""
+    from tpu_offload.core.fs.format import MAC_OFF
+
+    with open(path, "rb") as f:
+        data = bytearray(f.read())
+    data[MAC_OFF:MAC_OFF + 32] = os.urandom(32)
+    struct.pack_into("<Q", data, HEADER_SIZE - 8, xxhash.xxh3_64_intdigest(bytes(data[: HEADER_SIZE - 8])))
+    tmp = path + ".forging"
+    with open(tmp, "wb") as f:
+        f.write(bytes(data))
+    os.rename(tmp, path)
+
+
+def test_a_forged_hot_chunk_is_replaced_by_our_next_write_and_hits_again(root, make_tier):
+    """The attack replayed: 5 requests for a prefix whose hot chunk's file was swapped for a random-MAC one.
+
+    Each request: a presence check; if present a read; on a failed read the
+    engine recomputes and stores, which writes the chunk. Before the fix the
+    write saw "a regular file of the right size", skipped, restamped it, and
+    the presence check kept saying present: every request failed its load.
+    """
+    t = make_tier(root, secret=SECRET)
+    write_all(t, 1)
+    path = t.path_of(key(1))
+    _plant_random_mac(path)
+    forged_ino = os.stat(path).st_ino
+    outcomes = []
+    for _ in range(5):
+        present = t.contains(key(1))
+        ok = present and _read(t, 1)[0]
+        outcomes.append((present, ok))
+        if not ok:  # recomputed: the store writes it (write-through)
+            assert t.submit_write(key(1), filled(1)).wait(30)
+    assert outcomes[0] == (True, False)  # the forged file looked present and failed
+    assert all(o == (True, True) for o in outcomes[1:]), outcomes  # ours again from the next request on
+    assert os.stat(path).st_ino != forged_ino and os.path.getsize(path) == HEADER_SIZE + CHUNK
+    c = t.counters()
+    assert c["auth_failures"] == 1 and c["auth_replaced"] == 1 and c.get("writes_exist", 0) == 0
+    fresh = make_tier(root, secret=SECRET)  # another replica verifies our file
+    ok, out = _read(fresh, 1)
+    assert ok and np.array_equal(out, payload(1))
+
+
+def test_a_chunk_that_failed_its_mac_is_absent_until_our_copy_is_back(root, make_tier):
+    t = make_tier(root, secret=SECRET)
+    write_all(t, 1)
+    _plant_random_mac(t.path_of(key(1)))
+    assert t.contains(key(1))  # not read yet: a stat cannot tell
+    assert not _read(t, 1)[0]
+    assert not t.contains(key(1)), "a presence check still offers a chunk whose read failed its MAC"
+    write_all(t, 1)
+    assert t.contains(key(1)) and _read(t, 1)[0]
+
+
+def test_a_file_we_did_not_verify_is_never_restamped(root, make_tier):
+    t = make_tier(root, secret=SECRET, touch_interval_s=0.0)
+    write_all(t, 1, 2)
+    for i in (1, 2):
+        _plant_random_mac(t.path_of(key(i)))
+        os.utime(t.path_of(key(i)), (1_000_000, 1_000_000))
+    t.touch(key(1))  # the index still has it: once ours, now swapped
+    assert t.submit_write(key(2), filled(2)).wait(30)  # "already there": kept, not restamped
+    assert t.flush(timeout=30)
+    assert os.stat(t.path_of(key(1))).st_mtime == 1_000_000, "a swapped-in file was kept alive"
+    assert os.stat(t.path_of(key(2))).st_mtime == 1_000_000, "an unverified file was restamped by a write"
+    write_all(t, 3)
+    os.utime(t.path_of(key(3)), (1_000_000, 1_000_000))
+    t.touch(key(3))  # ours, verified by writing it: restamped
+    assert t.flush(timeout=30)
+    assert os.stat(t.path_of(key(3))).st_mtime > 1_000_000

@@ -110,6 +110,7 @@ class ChunkFiles:
                         write_all(fd, [memoryview(hdr), mv])
                     if self.fsync:
                         os.fsync(fd)
+                    self._tls.ino = os.fstat(fd).st_ino  # what we publish: the only inode ours to restamp
                 finally:
                     os.close(fd)
                 if self.before_publish is not None:
@@ -176,6 +177,7 @@ class ChunkFiles:
                         reason = self._check(key, hdr, mv, n, tk, _st.st_size)
                         if reason is not None:
                             return CORRUPT, (reason, _st.st_ino)
+                        self._tls.ino = _st.st_ino  # verified: ours to restamp
                     finally:
                         os.close(fd)
                     return HIT, None
@@ -197,12 +199,24 @@ class ChunkFiles:
             return None
         return st if st is not None and st.st_nlink == 1 else None
 
-    def restamp(self, khex: str) -> None:
-        """Set the file's mtime to now (the shared recency clock); never through a symlink."""
+    def last_inode(self) -> int | None:
+        """The inode this thread last published (``write``) or verified (a ``read`` hit)."""
+        return getattr(self._tls, "ino", None)
+
+    def restamp(self, khex: str, ino: int | None = None) -> bool:
+        """Set the file's mtime to now (the shared recency clock); never through a symlink.
+
+        ``ino``: only if the file is still that inode (one we wrote or
+        verified): a file someone swapped in since is never kept alive by us.
+        """
         with self._dir(khex) as d:
             st = safedir.lstat_regular(khex, d)
-            if st is not None and st.st_nlink == 1:  # a hardlink's inode is shared with a path outside
-                os.utime(khex, dir_fd=d, follow_symlinks=False)
+            if st is None or st.st_nlink != 1:  # a hardlink's inode is shared with a path outside
+                return False
+            if ino is not None and st.st_ino != ino:
+                return False
+            os.utime(khex, dir_fd=d, follow_symlinks=False)
+            return True
 
     def unlink(self, khex: str, ino: int | None = None, ours: bool = False) -> bool:
         """Remove the regular file (that inode, if given); True if we did. Symlinks are never removed.

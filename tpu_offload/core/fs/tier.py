@@ -124,6 +124,11 @@ class FileTier:
         self.ns_dir = self.names.ns_dir
         self._tk = self.names.keys()  # None without a secret
         self._key_of: dict[bytes, bytes] = {}  # file id -> chunk key, for the journal (with a secret)
+        # file id -> inode of a file that failed its MAC: absent for ``contains``, and our next write of
+        # the chunk replaces it (temp + rename over it) instead of keeping "a file of the right size".
+        self._suspect: collections.OrderedDict[bytes, int] = collections.OrderedDict()
+        # file id -> the inode we last published or verified there: the only one ``touch`` restamps.
+        self._ours_ino: dict[bytes, int] = {}
         self.chunk_bytes = chunk_bytes
         self.file_bytes = HEADER_SIZE + chunk_bytes
         self.capacity_bytes = capacity_bytes
@@ -252,6 +257,8 @@ class FileTier:
             fid = self._fid(key, salt=salt)
         except ValueError:
             return False
+        if fid in self._suspect:  # failed its MAC: not present until our own copy replaces it
+            return False
         if fid in self._index:
             return True
         st = self.files.stat(fid.hex())
@@ -309,18 +316,24 @@ class FileTier:
             return False
         fid = self._fid(key, remember=True, salt=salt)
         khex = fid.hex()
+        replace = fid in self._suspect  # a forged file sits there: write over it, never keep it
         t0 = time.perf_counter()
         try:
-            st = self.files.write(fid, khex, mv, unless_size=self.file_bytes, tk=self._keys(salt))
+            st = self.files.write(fid, khex, mv, unless_size=None if replace else self.file_bytes,
+                                  tk=self._keys(salt))
         except OSError as e:
             self._write_error(e)
             return False
         if st is not None:  # someone (maybe another instance) already published it
+            # Not restamped: we have not verified it (a read hit does, and restamps then).
             self._index.add(fid, st.st_size, disk_time=st.st_mtime)
             self._count("writes_exist")
             self._m.op("write", "exists")
-            self.touch(key, salt)
             return True
+        self._ours_ino[fid] = self.files.last_inode()
+        if replace and self._suspect.pop(fid, None) is not None:
+            self._count("auth_replaced")
+            self._m.op("write", "replaced_forged")
         dt = time.perf_counter() - t0
         self._index.add(fid, self.file_bytes)
         self._written_since_scan += self.file_bytes
@@ -399,6 +412,8 @@ class FileTier:
         self._count("reads_ok", 1, "bytes_read", len(mv))
         if self._offload_metrics is not None:
             self._offload_metrics.loaded_chunks.labels(tier=self.name, **self._offload_metrics.labels).inc()
+        self._ours_ino[fid] = self.files.last_inode()  # verified: this inode may be restamped
+        self._suspect.pop(fid, None)  # another replica's good copy replaced a forged one
         if fid not in self._index:  # another instance wrote it: restamp its mtime too
             self._index.add(fid, self.file_bytes, disk_time=0.0)
         if self._tk is not None:
@@ -456,13 +471,19 @@ class FileTier:
         self._journal_removed(fid)
         path = layout.chunk_dir_and_path(self.ns_dir, khex)[1]
         if reason == "mac":  # valid checksums, wrong MAC: made by someone without our key. Not ours to delete.
+            self._ours_ino.pop(fid, None)
+            self._suspect[fid] = ino  # hidden from contains; our next write of it replaces it
+            self._suspect.move_to_end(fid)
+            while len(self._suspect) > 1 << 16:
+                self._suspect.popitem(last=False)
             self._count("auth_failures")
             self._m.auth_failure()
             self._m.op("read", "auth_failure")
             if "mac" not in self._warned_errnos:
                 self._warned_errnos.add("mac")
                 log.warning("fs tier %s: %s fails its MAC (written without this tier's key); not served, "
-                            "left in place, counted in tpu_offload_fs_auth_failures_total", self.name, path)
+                            "replaced by our next write of that chunk, counted in "
+                            "tpu_offload_fs_auth_failures_total", self.name, path)
             return False
         self._count("corrupt", 1, f"corrupt_{reason}", 1)
         self._m.corrupt(reason)
@@ -502,8 +523,11 @@ class FileTier:
             keys, self._touch_q = self._touch_q, {}
             self._touch_scheduled = False
         for fid in keys:
+            ino = self._ours_ino.get(fid)
+            if ino is None:
+                continue  # never restamp a file we did not write or verify
             try:
-                self.files.restamp(fid.hex())
+                self.files.restamp(fid.hex(), ino)
             except OSError:
                 pass  # evicted meanwhile, or another uid's file
 
@@ -543,6 +567,9 @@ class FileTier:
         if self._tk is not None and len(self._key_of) > 2 * len(self._index) + 1024:
             idx = self._index
             self._key_of = {f: k for f, k in list(self._key_of.items()) if f in idx}
+        if len(self._ours_ino) > 2 * len(self._index) + 1024:
+            idx = self._index
+            self._ours_ino = {f: i for f, i in list(self._ours_ino.items()) if f in idx}
         if self.capacity_bytes is not None:
             self._enforce_budget()
 
