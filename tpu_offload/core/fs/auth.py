@@ -45,11 +45,23 @@ def _kdf(key: bytes, person: bytes, data: bytes, size: int = 32) -> bytes:
 class TenantKeys:
     """Name and MAC keys of one (layout, tenant salt) pair."""
 
-    __slots__ = ("_name_key", "_mac_key", "enc_key", "gmac_key", "_aead", "_gmac")
+    __slots__ = ("_name_key", "_mac_key", "enc_key", "gmac_key", "_aead", "_gmac", "_head_key", "salt_id")
 
-    def __init__(self, name_key: bytes, mac_key: bytes, enc_key: bytes, gmac_key: bytes = b""):
+    def __init__(self, name_key: bytes, mac_key: bytes, enc_key: bytes, gmac_key: bytes = b"",
+                 head_key: bytes = b"", salt_id: bytes = bytes(8)):
         self._name_key, self._mac_key, self.enc_key, self.gmac_key = name_key, mac_key, enc_key, gmac_key
+        self._head_key, self.salt_id = head_key, salt_id
         self._aead = self._gmac = None
+
+    def head_mac(self, header: memoryview) -> bytes:
+        """HMAC-SHA256 of a header's leading bytes under the namespace's header key (salt-free).
+
+        What ``tpu-offload-fs`` checks with the secret alone: it proves one of
+        our writers made this header (name, layout tag, length, checksum), so
+        another tenant's files are never counted or deleted, without reading
+        payloads. The payload's own MAC still decides what is served.
+        """
+        return hmac.new(self._head_key, header, "sha256").digest()
 
     def gmac(self, header: memoryview, payload: memoryview, nonce: bytes) -> bytes:
         """16-byte AES-GCM tag over the payload (as associated data) and the header (as plaintext).
@@ -106,9 +118,22 @@ class FsAuth:
 
     def tenant(self, layout_digest: bytes, salt: bytes = b"") -> TenantKeys:
         """Keys of one tenant salt within one layout (``b""``: the deployment's own)."""
-        base = _kdf(self._root, b"tpuoff-tenant", layout_digest + b"\0" + bytes(salt), 64)
+        return self.tenant_of_tag(self.layout_tag(layout_digest), salt)
+
+    def head_key(self, tag: bytes) -> bytes:
+        """The header-MAC key of one namespace (its layout tag): the same for every tenant salt."""
+        return _kdf(self._root, b"tpuoff-headkey", bytes(tag))
+
+    def salt_id(self, tag: bytes, salt: bytes) -> bytes:
+        """8 bytes naming a tenant salt in headers: reveals nothing without the secret."""
+        return _kdf(self.head_key(tag), b"tpuoff-saltid", bytes(salt), 8)
+
+    def tenant_of_tag(self, tag: bytes, salt: bytes = b"") -> TenantKeys:
+        """Tenant keys from a namespace's layout tag (its name): what the CLI can derive with the secret."""
+        base = _kdf(self._root, b"tpuoff-tenant2", bytes(tag) + b"\0" + bytes(salt), 64)
         return TenantKeys(_kdf(base, b"tpuoff-namekey", b""), _kdf(base, b"tpuoff-mackey", b""),
-                          _kdf(base, b"tpuoff-enckey", b""), _kdf(base, b"tpuoff-gmackey", b""))
+                          _kdf(base, b"tpuoff-enckey", b""), _kdf(base, b"tpuoff-gmackey", b""),
+                          self.head_key(tag), self.salt_id(tag, salt))
 
     def index_mac(self, body: bytes) -> str:
         """MAC of a snapshot index (hex)."""

@@ -88,10 +88,10 @@ class ChunkFiles:
             elif tk is not None and self.gmac:
                 nonce = os.urandom(NONCE_BYTES)
                 pack_header(hdr, self.digest, key, len(mv), payload_checksum(mv),
-                            lambda h: nonce + tk.gmac(h, mv, nonce) + bytes(MAC_BYTES_PAD), flags=FLAG_GMAC)
+                            lambda h: nonce + tk.gmac(h, mv, nonce) + bytes(MAC_BYTES_PAD), flags=FLAG_GMAC, head=tk)
             else:
                 pack_header(hdr, self.digest, key, len(mv), payload_checksum(mv),
-                            None if tk is None else (lambda h: tk.mac(h, mv)))
+                            None if tk is None else (lambda h: tk.mac(h, mv)), head=tk)
             use_direct = self.direct and direct_ok(mv)
             tmp = layout.temp_name(khex)
             fd, use_direct = self._open_tmp(tmp, d, use_direct)
@@ -241,34 +241,7 @@ class ChunkFiles:
 
     def _check(self, key: bytes, hdr: np.ndarray, mv: memoryview, n: int, tk: TenantKeys | None,
                size: int) -> str | None:
-        if n < HEADER_SIZE:
-            return "truncated"
-        try:
-            h = parse_header(hdr)
-        except HeaderError as e:
-            return e.reason
-        reason = check_header(h, self.digest, key, len(mv))
-        if reason is not None:
-            return reason
-        if n < HEADER_SIZE + len(mv) or size < HEADER_SIZE + len(mv):
-            return "truncated"
-        if size > HEADER_SIZE + len(mv):  # trailing bytes: not the file we wrote
-            return "length"
-        if payload_checksum(mv) != h.checksum:
-            return "checksum"
-        if tk is not None:  # damage is caught above; this says whether one of our keys wrote it
-            if h.flags & FLAG_AEAD:
-                return self._open_sealed(h, key, mv, tk)
-            if h.flags & FLAG_GMAC:
-                try:
-                    ok = tk.gmac_ok(memoryview(hdr)[:MAC_OFF], mv, h.mac[:NONCE_BYTES],
-                                    h.mac[NONCE_BYTES:NONCE_BYTES + TAG_BYTES])
-                except ImportError:  # no cryptography here: cannot verify, so never serve
-                    ok = False
-                return None if ok else "mac"
-            if not h.flags & FLAG_MAC or not tk.mac_ok(memoryview(hdr)[:MAC_OFF], mv, h.mac):
-                return "mac"
-        return None
+        return check_chunk(self.digest, key, hdr, mv, n, tk, size, self._ct_buf)
 
     # ---- encryption at rest (fs_encrypt) --------------------------------
     def _seal(self, hdr: np.ndarray, key: bytes, mv: memoryview, tk: TenantKeys) -> memoryview:
@@ -279,25 +252,8 @@ class ChunkFiles:
         ct = memoryview(buf)[: len(mv)]
         tag = bytes(buf[len(mv):])
         pack_header(hdr, self.digest, key, len(mv), payload_checksum(ct),
-                    lambda _h: nonce + tag + bytes(MAC_BYTES_PAD), flags=FLAG_AEAD)
+                    lambda _h: nonce + tag + bytes(MAC_BYTES_PAD), flags=FLAG_AEAD, head=tk)
         return ct
-
-    def _open_sealed(self, h, key: bytes, mv: memoryview, tk: TenantKeys) -> str | None:
-        """Decrypt the ciphertext in ``mv`` in place (through a per-thread buffer); "mac" if the tag fails."""
-        try:
-            from cryptography.exceptions import InvalidTag
-        except ImportError:  # no cryptography here: cannot decrypt, so never serve
-            return "mac"
-
-        n = len(mv)
-        buf = self._ct_buf(n)
-        buf[:n] = np.frombuffer(mv, dtype=np.uint8)
-        buf[n:] = np.frombuffer(h.mac[NONCE_BYTES:NONCE_BYTES + TAG_BYTES], dtype=np.uint8)
-        try:
-            tk.aead().decrypt_into(h.mac[:NONCE_BYTES], memoryview(buf), aead_aad(self.digest, key, n), mv)
-        except InvalidTag:
-            return "mac"
-        return None
 
     def _ct_buf(self, n: int) -> np.ndarray:
         buf = getattr(self._tls, "ct", None)
@@ -316,3 +272,59 @@ class ChunkFiles:
         if buf is None:  # one page per I/O thread, aligned for O_DIRECT
             buf = self._tls.hdr = aligned_empty(HEADER_SIZE)
         return buf
+
+
+def check_chunk(digest: bytes, key: bytes, hdr, mv: memoryview, n: int, tk: TenantKeys | None, size: int,
+                ct_buf: Callable[[int], np.ndarray]) -> str | None:
+    """Why a chunk read into ``hdr`` + ``mv`` (``n`` bytes, file of ``size``) must not be served, or None.
+
+    With ``tk`` the MAC (or AEAD tag, decrypting ``mv`` in place) must verify;
+    the tier and ``tpu-offload-fs verify`` both judge files with this one copy.
+    """
+    if n < HEADER_SIZE:
+        return "truncated"
+    try:
+        h = parse_header(hdr)
+    except HeaderError as e:
+        return e.reason
+    reason = check_header(h, digest, key, len(mv))
+    if reason is not None:
+        return reason
+    if n < HEADER_SIZE + len(mv) or size < HEADER_SIZE + len(mv):
+        return "truncated"
+    if size > HEADER_SIZE + len(mv):  # trailing bytes: not the file we wrote
+        return "length"
+    if payload_checksum(mv) != h.checksum:
+        return "checksum"
+    if tk is not None:  # damage is caught above; this says whether one of our keys wrote it
+        if h.flags & FLAG_AEAD:
+            return _open_sealed(digest, h, key, mv, tk, ct_buf)
+        if h.flags & FLAG_GMAC:
+            try:
+                ok = tk.gmac_ok(memoryview(hdr)[:MAC_OFF], mv, h.mac[:NONCE_BYTES],
+                                h.mac[NONCE_BYTES:NONCE_BYTES + TAG_BYTES])
+            except ImportError:  # no cryptography here: cannot verify, so never serve
+                ok = False
+            return None if ok else "mac"
+        if not h.flags & FLAG_MAC or not tk.mac_ok(memoryview(hdr)[:MAC_OFF], mv, h.mac):
+            return "mac"
+    return None
+
+
+def _open_sealed(digest: bytes, h, key: bytes, mv: memoryview, tk: TenantKeys,
+                 ct_buf: Callable[[int], np.ndarray]) -> str | None:
+    """Decrypt the ciphertext in ``mv`` in place (through ``ct_buf``); "mac" if the tag fails."""
+    try:
+        from cryptography.exceptions import InvalidTag
+    except ImportError:  # no cryptography here: cannot decrypt, so never serve
+        return "mac"
+
+    n = len(mv)
+    buf = ct_buf(n)
+    buf[:n] = np.frombuffer(mv, dtype=np.uint8)
+    buf[n:] = np.frombuffer(h.mac[NONCE_BYTES:NONCE_BYTES + TAG_BYTES], dtype=np.uint8)
+    try:
+        tk.aead().decrypt_into(h.mac[:NONCE_BYTES], memoryview(buf), aead_aad(digest, key, n), mv)
+    except InvalidTag:
+        return "mac"
+    return None
