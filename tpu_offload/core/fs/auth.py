@@ -139,6 +139,19 @@ class FsAuth:
         """MAC of a snapshot index (hex)."""
         return _kdf(self._root, b"tpuoff-snapshot", body).hex()
 
+    def row_mac(self, context: bytes, views) -> str:
+        """HMAC-SHA256 (hex) of one snapshot row's bytes, bound to ``context`` (what the row stands for).
+
+        Why per row and keyed: an index MAC over xxh3 sums does not protect
+        the data (xxh3 is not a MAC: a row can be rewritten keeping its xxh3),
+        so each row carries its own MAC and a restore drops every row that fails.
+        """
+        h = hmac.new(_kdf(self._root, b"tpuoff-snaprow", b""), digestmod="sha256")
+        h.update(len(context).to_bytes(4, "little") + bytes(context))
+        for v in views:
+            h.update(v)
+        return h.hexdigest()
+
 
 def read_secret_file(path: str) -> bytes:
     """The secret in ``path`` (surrounding whitespace stripped); ValueError(allowed) otherwise.
