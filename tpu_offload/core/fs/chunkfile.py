@@ -21,7 +21,7 @@ from typing import Callable
 
 import numpy as np
 
-from tpu_offload.core.fs import actions, layout, safedir
+from tpu_offload.core.fs import actions, fileio, layout, safedir
 from tpu_offload.core.fs.fileio import (
     O_DIRECT, aligned_empty, direct_ok, is_direct_refusal, read_all, write_all,
 )
@@ -66,7 +66,7 @@ class ChunkFiles:
 
     # ---- write ---------------------------------------------------------
     def write(self, key: bytes, khex: str, mv: memoryview, *, unless_size: int | None = None,
-              tk: TenantKeys | None = None) -> os.stat_result | None:
+              tk: TenantKeys | None = None, publish: Callable[[], bool] | None = None) -> os.stat_result | None:
         """Publish ``mv`` as the chunk ``key``; raises OSError (ELOOP/ENOTDIR: a symlink on the way).
 
         ``key`` is what the header names (the file id with a secret); with
@@ -75,7 +75,9 @@ class ChunkFiles:
         With ``unless_size``, a regular file of that size already published
         (maybe by another instance) is kept: its stat is returned and nothing
         is written. The check uses the directory fd the write would use, so a
-        write walks the directories once.
+        write walks the directories once. ``publish()`` is asked once the
+        payload is down: False (past its deadline, abandoned) and the temp
+        file goes instead of being renamed (``TimeoutError``).
         """
         with self._dir(khex, create=True) as d:
             if unless_size is not None:
@@ -113,6 +115,8 @@ class ChunkFiles:
                     self._tls.ino = os.fstat(fd).st_ino  # what we publish: the only inode ours to restamp
                 finally:
                     os.close(fd)
+                if publish is not None and not publish():
+                    raise TimeoutError(errno.ETIMEDOUT, "the write passed its deadline (fs_io_timeout_s)")
                 if self.before_publish is not None:
                     self.before_publish(os.path.join(layout.chunk_dir(self.ns_dir, khex), tmp))
                 os.rename(tmp, khex, src_dir_fd=d, dst_dir_fd=d)
@@ -193,6 +197,8 @@ class ChunkFiles:
     def stat(self, khex: str) -> os.stat_result | None:
         """The published file's stat, or None: absent, or not a regular file reached without symlinks."""
         try:
+            if fileio.fault is not None:
+                fileio.fault("stat")
             with self._dir(khex) as d:
                 st = safedir.lstat_regular(khex, d)
         except OSError:

@@ -46,7 +46,8 @@ import numpy as np
 from tpu_offload.core.fs import layout, safedir
 from tpu_offload.core.fs.auth import FsAuth, Names
 from tpu_offload.core.fs.chunkfile import CORRUPT, ERROR, HIT, MISS, UNSAFE, ChunkFiles
-from tpu_offload.core.fs.fileio import byte_view
+from tpu_offload.core.fs.deadline import WATCHDOG, BoundedCalls, WriteGuard
+from tpu_offload.core.fs.fileio import aligned_empty, byte_view
 from tpu_offload.core.fs.format import HEADER_SIZE
 from tpu_offload.core.fs.index import FileIndex
 from tpu_offload.core.fs.journal import FileJournal
@@ -102,6 +103,7 @@ class FileTier:
         dir_mode: int = layout.DIR_MODE,
         encrypt: bool = False,
         mac: str = "hmac-sha256",
+        io_timeout_s: float | None = None,
     ):
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes}")
@@ -116,6 +118,10 @@ class FileTier:
         if dir_mode not in (0o700, 0o750):
             raise ValueError(f"dir_mode {dir_mode:o}; allowed: 0700 or 0750")
         self.dir_mode = dir_mode
+        # Deadline of every read and write (deadline.py): past it a read is a miss, a write is dropped.
+        self.io_timeout_s = io_timeout_s
+        self._stats_bounded = BoundedCalls(io_timeout_s, name=f"{name}-stat") if io_timeout_s else None
+        self._tls = threading.local()  # per I/O thread: the bounce buffer of deadline reads
         self._uid = os.geteuid()  # every directory we use must be this uid's (``safedir.check_ours``)
         self.name = name
         self.root = os.path.abspath(root)
@@ -192,7 +198,7 @@ class FileTier:
                 capacity_bytes=cfg.fs_capacity_bytes, threads=cfg.fs_threads,
                 queue_depth=cfg.fs_queue_depth, fsync=cfg.fs_fsync, o_direct=cfg.fs_o_direct,
                 metrics=metrics, secret=cfg.fs_secret, dir_mode=cfg.fs_dir_mode, encrypt=cfg.fs_encrypt,
-                mac=cfg.fs_mac, **kw,
+                mac=cfg.fs_mac, **{"io_timeout_s": cfg.fs_io_timeout_s, **kw},
             )
         except CapacityError as e:  # checked (once) by the constructor, before it touches anything
             from tpu_offload.core.config import ConfigError
@@ -261,7 +267,10 @@ class FileTier:
             return False
         if fid in self._index:
             return True
-        st = self.files.stat(fid.hex())
+        if self._stats_bounded is not None:  # never block a caller on a hung mount
+            st = self._stats_bounded.call(self.files.stat, fid.hex())
+        else:
+            st = self.files.stat(fid.hex())
         return st is not None and st.st_size == self.file_bytes
 
     # ---- writes --------------------------------------------------------
@@ -289,15 +298,16 @@ class FileTier:
             if self._writes >= self.queue_depth:
                 self._drop("queue_full", key)
                 return None
+            guard = WriteGuard(self.io_timeout_s) if self.io_timeout_s else None
             try:
-                fut = self._workers.submit(self._write_task, key, mv, salt)
+                fut = self._workers.submit(self._write_task, key, mv, salt, guard)
             except RuntimeError:  # closed under us
                 self._drop("closed", key)
                 return None
             self._writes += 1
             self._inflight[key] = fut
             fut.add_done_callback(functools.partial(self._write_done, key))
-        return WriteTicket(key, fut)
+        return WriteTicket(key, fut, guard)
 
     def _write_done(self, key: bytes, fut: Future) -> None:
         with self._lock:
@@ -310,7 +320,12 @@ class FileTier:
             ok = not fut.cancelled() and fut.exception() is None and fut.result() is True
             (self.journal.published if ok else self.journal.failed)(key)
 
-    def _write_task(self, key: bytes, mv: memoryview, salt: bytes = b"") -> bool:
+    def _write_task(self, key: bytes, mv: memoryview, salt: bytes = b"", guard: WriteGuard | None = None) -> bool:
+        if guard is not None:
+            guard.start()
+            if guard.abandoned:  # the engine took the slot back while this waited in the queue
+                self._drop("timeout")
+                return False
         if self._state is not TierState.RW:
             self._drop(self._state.value)
             return False
@@ -320,7 +335,7 @@ class FileTier:
         t0 = time.perf_counter()
         try:
             st = self.files.write(fid, khex, mv, unless_size=None if replace else self.file_bytes,
-                                  tk=self._keys(salt))
+                                  tk=self._keys(salt), publish=None if guard is None else guard.publish)
         except OSError as e:
             self._write_error(e)
             return False
@@ -349,6 +364,15 @@ class FileTier:
     def _write_error(self, e: OSError) -> None:
         self._count("writes_failed")
         self._m.op("write", "error")
+        if e.errno == errno.ETIMEDOUT:  # past fs_io_timeout_s: never published
+            self._count("write_timeouts")
+            self._drop("timeout")
+            if "write_timeout" not in self._warned_errnos:
+                self._warned_errnos.add("write_timeout")
+                log.warning("fs tier %s: a write passed its deadline (fs_io_timeout_s=%gs); dropped, not "
+                            "published, counted in tpu_offload_fs_dropped_writes_total{reason=\"timeout\"}",
+                            self.name, self.io_timeout_s)
+            return
         if safedir.is_unsafe(e):  # a symlink or file where a fan-out directory belongs
             self._drop("unsafe_path")
             if "unsafe" not in self._warned_errnos:
@@ -358,9 +382,11 @@ class FileTier:
         elif e.errno in _SPACE_ERRNOS or e.errno in _DENIED_ERRNOS:
             self._to_read_only(e)
             self._drop(errno.errorcode.get(e.errno, "oserror").lower())
-        elif e.errno not in self._warned_errnos:
-            self._warned_errnos.add(e.errno)
-            log.warning("fs tier %s: write failed (%s); the chunk is not cached", self.name, e)
+        else:
+            self._drop(errno.errorcode.get(e.errno, "oserror").lower())  # EIO and the like: one metric each
+            if e.errno not in self._warned_errnos:
+                self._warned_errnos.add(e.errno)
+                log.warning("fs tier %s: write failed (%s); the chunk is not cached", self.name, e)
 
     def _after_write(self) -> None:
         if self.capacity_bytes is None:
@@ -429,9 +455,69 @@ class FileTier:
         """
         if self._state in (TierState.OFF, TierState.CLOSED) or self._workers is None:
             return False
-        if len(byte_view(out, writable=True)) != self.chunk_bytes:
+        out_mv = byte_view(out, writable=True)
+        if len(out_mv) != self.chunk_bytes:
             raise ValueError(f"buffer is not {self.chunk_bytes} bytes")
+        if not self.io_timeout_s:
+            return self._submit_plain_read(key, out, on_done, salt)
+        # With a deadline the read lands in a per-thread bounce buffer and is copied into ``out`` only if
+        # the deadline has not fired: a read that un-hangs later never writes into a slot reused since.
+        lock, state = threading.Lock(), [False]  # reported?
 
+        def report(ok: bool) -> None:
+            try:
+                on_done(ok)
+            except Exception:
+                log.exception("fs tier %s: read callback failed", self.name)
+
+        def expire() -> None:
+            with lock:
+                if state[0]:
+                    return
+                state[0] = True
+            self._count("read_timeouts")
+            self._m.op("read", "timeout")
+            if "read_timeout" not in self._warned_errnos:
+                self._warned_errnos.add("read_timeout")
+                log.warning("fs tier %s: a read passed its deadline (fs_io_timeout_s=%gs); reported failed, the "
+                            "request recomputes", self.name, self.io_timeout_s)
+            report(False)
+
+        def task() -> bool:
+            ok = False
+            try:
+                buf = self._bounce()
+                ok = self.read_into(key, buf, salt)
+            finally:
+                with lock:
+                    late = state[0]
+                    if not late:
+                        if ok:
+                            out_mv[:] = byte_view(buf)
+                        state[0] = True
+                WATCHDOG.disarm(entry)
+                if late:
+                    self._count("late_reads_dropped")
+                else:
+                    report(ok)
+            return ok and not late
+
+        entry = WATCHDOG.arm(self.io_timeout_s, expire)
+        try:
+            self._workers.submit(task, high=True)
+        except RuntimeError:
+            WATCHDOG.disarm(entry)
+            return False
+        return True
+
+    def _bounce(self) -> np.ndarray:
+        buf = getattr(self._tls, "bounce", None)
+        if buf is None:
+            buf = self._tls.bounce = aligned_empty(self.chunk_bytes)
+        return buf
+
+    def _submit_plain_read(self, key: ChunkKey, out: np.ndarray, on_done: Callable[[bool], None],
+                           salt: bytes = b"") -> bool:
         def task() -> bool:
             ok = False
             try:
@@ -459,7 +545,7 @@ class FileTier:
 
     def _read_error(self, e: OSError) -> bool:
         self._count("read_errors")
-        self._m.op("read", "error")
+        self._m.op("read", errno.errorcode.get(e.errno, "error").lower())  # eio, ...: a metric each
         if e.errno not in self._warned_errnos:
             self._warned_errnos.add(e.errno)
             log.warning("fs tier %s: read failed (%s); treated as a miss", self.name, e)
