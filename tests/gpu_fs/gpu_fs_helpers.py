@@ -45,11 +45,11 @@ def shipped_kv_transfer_config(path, **extra) -> dict:
 class EngineRun:
     """One engine process running a plan; ``result()`` waits and parses its JSON."""
 
-    def __init__(self, workdir: Path, name: str, model: str, ktc: dict | None, steps: list[dict]):
+    def __init__(self, workdir: Path, name: str, model: str, ktc: dict | None, steps: list[dict], **plan_extra):
         self.name = name
         self.log = workdir / f"{name}.log"
         plan = workdir / f"{name}.plan.json"
-        plan.write_text(json.dumps({"model": model, "kv_transfer_config": ktc, "steps": steps}))
+        plan.write_text(json.dumps({"model": model, "kv_transfer_config": ktc, "steps": steps, **plan_extra}))
         env = {
             **os.environ,
             "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
