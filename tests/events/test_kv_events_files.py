@@ -19,8 +19,6 @@ import numpy as np
 import pytest
 from events_helpers import wait_for
 
-from tpu_offload.core.fs.auth import make_secret_file
-
 pytestmark = pytest.mark.engine
 
 SLOTS = 8
@@ -44,7 +42,6 @@ def run(request, tmp_path_factory):
     model = tiny_llama_class()()
     path = model.write(str(tmp / "model"))
     endpoint = f"ipc://{tmp / 'events.sock'}"
-    make_secret_file(str(tmp / "fs-secret"))
     block_bytes = model.kv_bytes_per_token() * 128
     ktc = {
         "kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
@@ -52,7 +49,7 @@ def run(request, tmp_path_factory):
             "spec_name": "HostOffloadSpec", "spec_module_path": "gpu_offload.spec",
             "cpu_bytes_to_use": SLOTS * block_bytes, "self_describing_kv_events": True,
             "shared_storage_path": str(tmp / "fs"), "fs_write_mode": mode,
-            "fs_secret_file": str(tmp / "fs-secret"),
+            "fs_allow_unauthenticated": True,  # files are matched to keys by name below: the unkeyed layout
             "fs_capacity_bytes": int((FILES + 0.5) * (HEADER_SIZE + block_bytes)),
         },
     }
