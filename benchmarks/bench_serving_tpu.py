@@ -77,8 +77,13 @@ def start(name: str, model: str, blocks: int, host_bytes: int, w, work: Path, ar
         ktc = json.loads((ROOT / f"configs/tpu-inference/offload{'-fs' if fs else ''}.json").read_text())
         ktc["kv_connector_extra_config"].update(cpu_bytes=host_bytes, staging_blocks=128)
         if fs:  # the shipped sizes are for real hosts
+            from tpu_offload.core.fs.auth import make_secret_file
+
+            secret = work / "kv-files-secret"  # in place of the pod's mounted Secret
+            if not secret.exists():
+                make_secret_file(str(secret))
             ktc["kv_connector_extra_config"].update(shared_storage_path=str(work / "kv-files"),
-                                                    fs_capacity_bytes=4 * host_bytes)
+                                                    fs_capacity_bytes=4 * host_bytes, fs_secret_file=str(secret))
         chunk_tokens = int(ktc["kv_connector_extra_config"].get("blocks_per_chunk", 1)) * BLOCK
     cmd = [
         str(TPU_PY), str(SERVE), "--model", model, "--dtype", args.dtype, "--seed", "0",

@@ -50,8 +50,13 @@ def connector_config(name: str, host_bytes: int, work: Path) -> dict:
     extra["cpu_bytes_to_use"] = host_bytes  # the shipped sizes are for real hosts
     extra["self_describing_kv_events"] = True  # the router needs the real block hashes
     if "shared_storage_path" in extra:
+        from tpu_offload.core.fs.auth import make_secret_file
+
+        secret = work / "kv-files-secret"  # in place of the pod's mounted Secret
+        if not secret.exists():
+            make_secret_file(str(secret))
         extra.update(shared_storage_path=str(work / "kv-files"), fs_capacity_bytes=4 * host_bytes, fs_threads=2,
-                     fs_queue_depth=64)
+                     fs_queue_depth=64, fs_secret_file=str(secret))
     return ktc
 
 

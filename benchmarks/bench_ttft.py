@@ -90,7 +90,8 @@ def main() -> int:
         path = model.write(os.path.join(tmp, "model"), dtype=args.dtype)
         ktc = kv_transfer_config(2 << 30)
         ktc["kv_connector_extra_config"].update(
-            shared_storage_path=args.fs_dir or os.path.join(tmp, "kv-files"), fs_write_mode="write_through")
+            shared_storage_path=args.fs_dir or os.path.join(tmp, "kv-files"), fs_write_mode="write_through",
+            fs_allow_unauthenticated=True)  # a private scratch directory
         llm = LLM(model=path, skip_tokenizer_init=True, dtype=args.dtype, max_model_len=max(args.lengths) + 16,
                   enforce_eager=True, max_num_seqs=1, disable_log_stats=False, kv_transfer_config=ktc)
         worker, manager = testing.live_workers()[-1], testing.live_managers()[-1]

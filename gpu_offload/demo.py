@@ -45,6 +45,23 @@ DEMO_MODEL = TinyLlama(hidden_size=1024, num_layers=8, num_heads=16, num_kv_head
                        intermediate_size=2816, vocab_size=2048, max_position=8192)
 
 
+def write_tokenizer(path: str, vocab_size: int) -> None:
+    """A word-level tokenizer of exactly ``vocab_size`` entries next to the model.
+
+    The prompts are token ids, so the engine needs no tokenizer to run; but
+    without one (``skip_tokenizer_init``) vLLM's renderer warm-up logs a
+    13-line traceback a new user reads as a failure.
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                            model_max_length=1 << 20).save_pretrained(path)
+
+
 def make_prompts(n: int, prefix: int, suffix: int, vocab: int, seed: int = 0) -> list[dict]:
     rng = np.random.default_rng(seed)
     shared = rng.integers(1, vocab, size=prefix).tolist()
@@ -77,8 +94,9 @@ def main(argv=None) -> int:
         print(f"building random Llama: hidden {m.hidden_size}, {m.num_layers} layers, "
               f"{m.num_heads} heads / {m.num_kv_heads} KV heads x {m.head_dim}, float32 ...", flush=True)
         path = m.write(os.path.join(tmp, "model"))
+        write_tokenizer(path, m.vocab_size)
         max_len = args.prefix + args.suffix + 64
-        llm = LLM(model=path, skip_tokenizer_init=True, dtype="float32", max_model_len=max_len,
+        llm = LLM(model=path, dtype="float32", max_model_len=max_len,
                   enforce_eager=True, max_num_seqs=args.prompts, disable_log_stats=False,
                   kv_transfer_config=kv_transfer_config(1 << 30))
         worker = testing.live_workers()[-1]

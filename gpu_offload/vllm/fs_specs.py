@@ -28,6 +28,7 @@ import numpy as np
 
 from tpu_offload.core.fs.format import HEADER_SIZE
 from tpu_offload.core.fs.auth import FsAuth, Names
+from tpu_offload.core.fs.deadline import BoundedCalls
 from tpu_offload.core.fs.layout import published_stat
 from tpu_offload.core.fs.reset import salted
 from tpu_offload.core.keys import LayoutFingerprint
@@ -102,7 +103,7 @@ class FileView:
     """
 
     def __init__(self, root: str, fingerprints: Sequence[LayoutFingerprint], chunk_bytes: int,
-                 secret: bytes | None = None):
+                 secret: bytes | None = None, io_timeout_s: float | None = None):
         self.root = os.path.abspath(root)
         self._fps = list(fingerprints)
         self._auth = FsAuth(secret) if secret else None  # the workers' tiers name files the same way
@@ -110,6 +111,8 @@ class FileView:
         self.ns_dirs = [n.ns_dir for n in self.names]
         self.file_bytes = HEADER_SIZE + chunk_bytes
         self.stats = 0  # stat calls made (tests, tuning)
+        # the scheduler thread never waits longer than fs_io_timeout_s on a hung mount: a miss instead
+        self._bounded = BoundedCalls(io_timeout_s, name="fs-view-stat") if io_timeout_s else None
 
     def reset(self, epoch: str) -> None:
         """Look only in the namespaces of reset ``epoch`` from now on (``core/fs/reset.py``)."""
@@ -125,7 +128,8 @@ class FileView:
                 return False
             self.stats += 1
             # Never os.stat: it follows a symlink planted at the key or on the way, and counts a FIFO.
-            st = published_stat(names.ns_dir, khex)
+            st = published_stat(names.ns_dir, khex) if self._bounded is None else \
+                self._bounded.call(published_stat, names.ns_dir, khex)
             if st is None or st.st_size != self.file_bytes:
                 return False
         return True

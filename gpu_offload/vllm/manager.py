@@ -12,8 +12,10 @@ the engine.
 
 Failed loads: ``forget_chunks`` hides chunks a load failed on. They read as
 misses (so vLLM recomputes instead of reloading them forever) and are never
-loaded again; their slots return when the LRU evicts them, since nothing
-touches them any more. Done here, over the core index's public API.
+loaded from that slot again; when the recompute stores the chunk, the old
+slot is dropped and a fresh one stored (so its file is rewritten, over a
+forged one if that was why the load failed); otherwise their slots return
+when the LRU evicts them. Done here, over the core index's public API.
 
 Tenants: with the file tier's secret, files are named and signed with keys
 derived from the request's ``cache_salt`` (``hooks`` puts it in the
@@ -198,6 +200,13 @@ class HostTierManager(ManagerCompat, OffloadingManager):
 
     # ---- stores ------------------------------------------------------------------
     def prepare_store(self, keys: Collection, req_context) -> PrepareStoreOutput | None:
+        if self._forgotten:
+            # A chunk hidden after a failed load (e.g. its file failed its MAC) is stored afresh when
+            # recomputed: its old slot goes first, so the workers write the file again (over a forged
+            # one) and the chunk can be served again.
+            stale = [k for k in keys if k in self._forgotten]
+            if stale:
+                self._forgotten.difference_update(self._lru.discard(stale))
         alloc = self._lru.prepare_store(list(keys))
         if alloc is None:
             return None

@@ -199,7 +199,8 @@ class HostOffloadSpec(HostSpecBase):
         from gpu_offload.vllm.fs_specs import FileView, fingerprint
 
         view = FileView(path, [fingerprint(self.config, r) for r in range(self.world_size)],
-                        self.worker_chunk_bytes, secret=self.offload_config.fs_secret)
+                        self.worker_chunk_bytes, secret=self.offload_config.fs_secret,
+                        io_timeout_s=self.offload_config.fs_io_timeout_s)
         logger.info("file tier: looking up chunks under %s (%d rank namespace(s))", view.root, len(view.ns_dirs))
         return view
 

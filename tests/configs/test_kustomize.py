@@ -216,7 +216,8 @@ def tier_sizing(dep, container, cfg) -> dict:
     assert baseline >= 8 * GIB, "a model server needs a host baseline of at least 8 GiB"
 
     env = literal_env(container)
-    env.pop("TPU_OFFLOAD_FS_SECRET_FILE", None)  # a mounted Secret: exists in the pod only (checked in the contract)
+    if "TPU_OFFLOAD_FS_SECRET_FILE" in env:  # a mounted Secret: exists in the pod only (checked in the contract)
+        env["TPU_OFFLOAD_FS_SECRET_FILE"] = stand_in_secret()
     extra = cfg.get("kv_connector_extra_config") or {}
     resolved = OffloadConfig.from_sources(extra, env)
     chunk_tokens = resolved.resolve_blocks_per_chunk(block) * block
@@ -373,6 +374,11 @@ def test_overlay_contract(rel):
         assert secret_file, "a shared volume needs fs_secret_file: other tenants could forge KV"
         vol_name = mounts.get(os.path.dirname(secret_file))
         assert vol_name and volumes[vol_name].get("secret", {}).get("secretName"), "the secret file is not a Secret"
+        assert not volumes[vol_name]["secret"].get("defaultMode", 0o644) & 0o022, "a writable secret is refused"
+        # Without that Secret the pod would not start: a shared tier refuses to run unauthenticated.
+        no_secret = {k: v for k, v in literal_env(c).items() if k != "TPU_OFFLOAD_FS_SECRET_FILE"}
+        with pytest.raises(ConfigError, match="fs_allow_unauthenticated"):
+            OffloadConfig.from_sources(extra, no_secret)
         assert not ({"fs_secret", "secret"} & set(extra)), "a secret in KV_TRANSFER_CONFIG"
         assert quantity(pvcs[claim]["spec"]["resources"]["requests"]["storage"]) >= (
             want["replicas"] * sz["config"].fs_capacity_bytes
@@ -426,6 +432,18 @@ def test_router_capacity_matches_overlay_tier(values_rel):
 # ---- every JSON file under configs/ ---------------------------------------
 
 
+@functools.cache
+def stand_in_secret() -> str:
+    """A secret file in place of the pod's mounted Secret (a shared tier starts only with one)."""
+    import tempfile
+
+    from tpu_offload.core.fs.auth import make_secret_file
+
+    path = os.path.join(tempfile.mkdtemp(prefix="kustomize-secret-"), "secret")
+    make_secret_file(path)
+    return path
+
+
 def offload_config_from_json(obj) -> OffloadConfig:
     """Accepts a kv-transfer-config, ``{"kv_transfer_config": ..., "env": ...}``, or a bare extra_config."""
     if not isinstance(obj, dict):
@@ -435,6 +453,8 @@ def offload_config_from_json(obj) -> OffloadConfig:
         env = obj.get("env") or {}
         obj = obj["kv_transfer_config"]
     extra = obj.get("kv_connector_extra_config") or {} if "kv_connector" in obj else obj
+    if isinstance(extra, dict) and "fs_secret_file" in extra:  # the pod's mounted Secret
+        extra = {**extra, "fs_secret_file": stand_in_secret()}
     return OffloadConfig.from_sources(extra, env)
 
 

@@ -334,7 +334,8 @@ def test_huge_sizes_and_storage_paths_say_what_is_allowed():
         assert needle in str(e.value) and "digits" not in str(e.value), str(e.value)[-300:]
     with pytest.raises(ConfigError, match="TPU_OFFLOAD_SHARED_STORAGE_PATH.*leave shared_storage_path unset"):
         OffloadConfig.from_sources({}, env={"TPU_OFFLOAD_SHARED_STORAGE_PATH": "OFF"})
-    home = OffloadConfig.from_sources({"shared_storage_path": "~/kv/"}, env={}).shared_storage_path
+    home = OffloadConfig.from_sources({"shared_storage_path": "~/kv/", "fs_allow_unauthenticated": True},
+                                      env={}).shared_storage_path
     assert home == os.path.join(os.path.expanduser("~"), "kv")
 
 
@@ -402,7 +403,10 @@ def test_extra_config_overrides_env(setting, data):
     env_value = data.draw(valid_values(setting.parse), label="env")
     json_value = data.draw(valid_values(setting.parse), label="json")
     env_text = ",".join(map(str, env_value)) if isinstance(env_value, list) else str(env_value)
-    cfg = OffloadConfig.from_sources({setting.keys[0]: json_value}, env={setting.env: env_text})
+    extra = {setting.keys[0]: json_value}
+    if setting.field != "fs_allow_unauthenticated":  # a shared_storage_path without a secret is refused
+        extra["fs_allow_unauthenticated"] = True
+    cfg = OffloadConfig.from_sources(extra, env={setting.env: env_text})
     assert getattr(cfg, setting.field) == setting.parse(json_value)
 
 

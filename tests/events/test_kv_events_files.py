@@ -49,6 +49,7 @@ def run(request, tmp_path_factory):
             "spec_name": "HostOffloadSpec", "spec_module_path": "gpu_offload.spec",
             "cpu_bytes_to_use": SLOTS * block_bytes, "self_describing_kv_events": True,
             "shared_storage_path": str(tmp / "fs"), "fs_write_mode": mode,
+            "fs_allow_unauthenticated": True,  # files are matched to keys by name below: the unkeyed layout
             "fs_capacity_bytes": int((FILES + 0.5) * (HEADER_SIZE + block_bytes)),
         },
     }

@@ -20,12 +20,13 @@ import xxhash
 
 from fs_helpers import CHUNK, aligned, key, layout, payload, filled, write_all
 from tpu_offload.core.config import ConfigError, OffloadConfig
-from tpu_offload.core.fs.auth import FsAuth, Names
+from tpu_offload.core.fs import FileTier
+from tpu_offload.core.fs.auth import FsAuth, Names, make_secret_file, secret_weakness
 from tpu_offload.core.fs.chunkfile import ChunkFiles
 from tpu_offload.core.fs.format import HEADER_SIZE, parse_header
 
-SECRET = b"tenant-a-secret-0123456789abcdef"
-OTHER_SECRET = b"tenant-b-secret-0123456789abcdef"
+SECRET = b"tenant-a-secret-Q7vR2mK9pL4wZ8nT"
+OTHER_SECRET = b"tenant-b-secret-H3xJ6cY1sD5fG0bV"
 
 
 def _forge_payload(path: str, evil: np.ndarray) -> None:
@@ -271,3 +272,161 @@ def test_fs_mac_setting():
     assert OffloadConfig.from_sources({"fs_mac": "GMAC"}, env={"TPU_OFFLOAD_FS_SECRET": SECRET.decode()}).fs_mac == "gmac"
     with pytest.raises(ConfigError, match="'fs_mac'.*allowed: one of 'hmac-sha256', 'gmac'"):
         OffloadConfig.from_sources({"fs_mac": "md5"}, env={})
+
+
+# ---- secure by default: no secret, a secret others can rewrite, a guessable secret ----
+
+
+def test_a_shared_tier_without_a_secret_refuses_to_start_and_names_both_ways_out(root, fp):
+    with pytest.raises(ConfigError) as e:
+        OffloadConfig.from_sources({"shared_storage_path": root}, env={})
+    msg = str(e.value)
+    assert "fs_secret_file" in msg and "fs_allow_unauthenticated: true" in msg and "allowed" in msg.lower()
+    with pytest.raises(ConfigError, match="fs_allow_unauthenticated"):
+        OffloadConfig.from_sources({}, env={"TPU_OFFLOAD_SHARED_STORAGE_PATH": root})
+    with pytest.raises(ConfigError, match="fs_allow_unauthenticated"):  # a config built directly, too
+        FileTier.from_config(OffloadConfig(shared_storage_path=root), fp, CHUNK)
+    cfg = OffloadConfig.from_sources({"shared_storage_path": root, "fs_allow_unauthenticated": True}, env={})
+    t = FileTier.from_config(cfg, fp, CHUNK)
+    try:
+        assert not t.authenticated
+    finally:
+        t.close()
+    assert OffloadConfig.from_sources({}, env={"TPU_OFFLOAD_SHARED_STORAGE_PATH": root,
+                                               "TPU_OFFLOAD_FS_ALLOW_UNAUTHENTICATED": "1"}).fs_allow_unauthenticated
+
+
+@pytest.mark.parametrize("mode", [0o620, 0o602, 0o666, 0o622])
+def test_a_group_or_world_writable_secret_file_is_refused(tmp_path, mode):
+    f = tmp_path / "secret"
+    make_secret_file(str(f))
+    os.chmod(f, mode)
+    with pytest.raises(ConfigError) as e:
+        OffloadConfig.from_sources({"fs_secret_file": str(f)}, env={})
+    assert "only its owner can write" in str(e.value) and f"{mode:04o}" in str(e.value)
+    os.chmod(f, 0o640)
+    assert OffloadConfig.from_sources({"fs_secret_file": str(f)}, env={}).fs_secret
+
+
+def test_a_secret_file_owned_by_another_uid_is_refused(tmp_path, monkeypatch):
+    f = tmp_path / "secret"
+    make_secret_file(str(f))
+    if os.geteuid() == 0:
+        os.chown(f, 4242, -1)  # another user who could rewrite it
+    else:  # we cannot give it away: be another user instead
+        monkeypatch.setattr(os, "geteuid", lambda: os.stat(f).st_uid + 1)
+    with pytest.raises(ConfigError, match=r"owned by this user \(\d+\) or root"):
+        OffloadConfig.from_sources({"fs_secret_file": str(f)}, env={})
+    monkeypatch.undo()
+    if os.geteuid() == 0:
+        os.chown(f, 0, -1)  # root's (a mounted Kubernetes Secret): accepted
+        assert OffloadConfig.from_sources({"fs_secret_file": str(f)}, env={}).fs_secret
+
+
+@pytest.mark.parametrize("weak", [
+    "aaaaaaaaaaaaaaaa",  # the issue's example
+    "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
+    "abababababababababababababababababababab",  # two characters
+    "0123456789abcdef0123456789abcdef",  # a repeated block (and a hex run)
+    "tenant-a-secret-0123456789abcdef",  # runs a person types
+    "31415926535897932384",  # 20 digits: about 66 bits
+    "deadbeefcafebabe1234",  # 20 hex digits: 80 bits
+    "Zx8kQ2mW9pV4rT6y",  # 16 characters of base64: 96 bits
+])
+def test_a_guessable_secret_is_refused(tmp_path, weak):
+    f = tmp_path / "secret"
+    f.write_text(weak + "\n")
+    with pytest.raises(ConfigError) as e:
+        OffloadConfig.from_sources({"fs_secret_file": str(f)}, env={})
+    assert "128 bits" in str(e.value) and "/dev/urandom" in str(e.value) and weak not in str(e.value)
+    with pytest.raises(ConfigError, match="128 bits"):
+        OffloadConfig.from_sources({}, env={"TPU_OFFLOAD_FS_SECRET": weak})
+
+
+def test_random_secrets_of_128_bits_and_more_are_accepted(tmp_path):
+    import base64
+    import secrets
+
+    f = tmp_path / "secret"
+    made = make_secret_file(str(f))
+    assert oct(os.stat(f).st_mode & 0o777) == "0o600" and len(base64.b64decode(made)) == 32
+    assert OffloadConfig.from_sources({"fs_secret_file": str(f)}, env={}).fs_secret == made
+    for _ in range(200):
+        for s in (base64.b64encode(os.urandom(32)), secrets.token_hex(32).encode(), base64.b64encode(os.urandom(16))):
+            assert secret_weakness(s) is None, s
+
+
+# ---- one bad file must not disable a chunk for good ----
+
+
+def _plant_random_mac(path: str) -> None:
+    """A same-uid tenant without the secret: our header, a random MAC, header checksum fixed; same size."""
+    from tpu_offload.core.fs.format import MAC_OFF
+
+    with open(path, "rb") as f:
+        data = bytearray(f.read())
+    data[MAC_OFF:MAC_OFF + 32] = os.urandom(32)
+    struct.pack_into("<Q", data, HEADER_SIZE - 8, xxhash.xxh3_64_intdigest(bytes(data[: HEADER_SIZE - 8])))
+    tmp = path + ".forging"
+    with open(tmp, "wb") as f:
+        f.write(bytes(data))
+    os.rename(tmp, path)
+
+
+def test_a_forged_hot_chunk_is_replaced_by_our_next_write_and_hits_again(root, make_tier):
+    """The attack replayed: 5 requests for a prefix whose hot chunk's file was swapped for a random-MAC one.
+
+    Each request: a presence check; if present a read; on a failed read the
+    engine recomputes and stores, which writes the chunk. Before the fix the
+    write saw "a regular file of the right size", skipped, restamped it, and
+    the presence check kept saying present: every request failed its load.
+    """
+    t = make_tier(root, secret=SECRET)
+    write_all(t, 1)
+    path = t.path_of(key(1))
+    _plant_random_mac(path)
+    forged_ino = os.stat(path).st_ino
+    outcomes = []
+    for _ in range(5):
+        present = t.contains(key(1))
+        ok = present and _read(t, 1)[0]
+        outcomes.append((present, ok))
+        if not ok:  # recomputed: the store writes it (write-through)
+            assert t.submit_write(key(1), filled(1)).wait(30)
+    assert outcomes[0] == (True, False)  # the forged file looked present and failed
+    assert all(o == (True, True) for o in outcomes[1:]), outcomes  # ours again from the next request on
+    assert os.stat(path).st_ino != forged_ino and os.path.getsize(path) == HEADER_SIZE + CHUNK
+    c = t.counters()
+    assert c["auth_failures"] == 1 and c["auth_replaced"] == 1 and c.get("writes_exist", 0) == 0
+    fresh = make_tier(root, secret=SECRET)  # another replica verifies our file
+    ok, out = _read(fresh, 1)
+    assert ok and np.array_equal(out, payload(1))
+
+
+def test_a_chunk_that_failed_its_mac_is_absent_until_our_copy_is_back(root, make_tier):
+    t = make_tier(root, secret=SECRET)
+    write_all(t, 1)
+    _plant_random_mac(t.path_of(key(1)))
+    assert t.contains(key(1))  # not read yet: a stat cannot tell
+    assert not _read(t, 1)[0]
+    assert not t.contains(key(1)), "a presence check still offers a chunk whose read failed its MAC"
+    write_all(t, 1)
+    assert t.contains(key(1)) and _read(t, 1)[0]
+
+
+def test_a_file_we_did_not_verify_is_never_restamped(root, make_tier):
+    t = make_tier(root, secret=SECRET, touch_interval_s=0.0)
+    write_all(t, 1, 2)
+    for i in (1, 2):
+        _plant_random_mac(t.path_of(key(i)))
+        os.utime(t.path_of(key(i)), (1_000_000, 1_000_000))
+    t.touch(key(1))  # the index still has it: once ours, now swapped
+    assert t.submit_write(key(2), filled(2)).wait(30)  # "already there": kept, not restamped
+    assert t.flush(timeout=30)
+    assert os.stat(t.path_of(key(1))).st_mtime == 1_000_000, "a swapped-in file was kept alive"
+    assert os.stat(t.path_of(key(2))).st_mtime == 1_000_000, "an unverified file was restamped by a write"
+    write_all(t, 3)
+    os.utime(t.path_of(key(3)), (1_000_000, 1_000_000))
+    t.touch(key(3))  # ours, verified by writing it: restamped
+    assert t.flush(timeout=30)
+    assert os.stat(t.path_of(key(3))).st_mtime > 1_000_000

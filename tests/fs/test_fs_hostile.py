@@ -430,7 +430,7 @@ def test_a_clock_running_ahead_keeps_another_writers_temp(root, make_tier, monke
 
 
 def test_capacity_below_one_chunk_is_refused(root, fp):
-    cfg = OffloadConfig.from_sources({"shared_storage_path": root, "fs_capacity": "64KiB"}, env={})
+    cfg = OffloadConfig.from_sources({"shared_storage_path": root, "fs_capacity": "64KiB", "fs_allow_unauthenticated": True}, env={})
     with pytest.raises(ConfigError, match=r"fs_capacity_bytes: value 65536 .*allowed: at least one chunk file, 69632"):
         FileTier.from_config(cfg, fp, CHUNK)
     with pytest.raises(ValueError, match="smaller than one chunk file"):

@@ -67,7 +67,7 @@ class _Engine:
 
 def test_five_resets_leave_no_old_namespace_behind(root):
     chunk = FILE - 4096
-    cfg = OffloadConfig(shared_storage_path=root, fs_capacity_bytes=8 * FILE)
+    cfg = OffloadConfig(shared_storage_path=root, fs_capacity_bytes=8 * FILE, fs_allow_unauthenticated=True)
     eng = _Engine(4, chunk)
     mover = FsMover(cfg, layout(), eng)
     namespaces = [mover.tier.ns_dir]

@@ -246,3 +246,71 @@ def test_the_tpu_index_rejects_malformed_and_unsigned_indexes(tmp_path):
     os.unlink(file)
     os.mkfifo(file)
     assert load_index(path, layout(), 8) is None
+
+
+# ---- rows are authenticated one by one (issue 19) ----
+
+SECRET = b"Zr4kT9wQ2mV7xN1pL6sB3hD8fJ0cY5gA"
+
+
+def _weak_xxh3(monkeypatch):
+    """Every row "collides": what an attacker gets by keeping a rewritten row's xxh3 (modular arithmetic)."""
+    import types
+
+    from tpu_offload.core.fs import snapshot as snap
+
+    monkeypatch.setattr(snap, "xxhash", types.SimpleNamespace(xxh3_64_intdigest=lambda b: 0))
+
+
+def _rewrite_row(path: str, row: int, data: np.ndarray) -> None:
+    with open(os.path.join(path, "index.json")) as f:
+        off = json.load(f)["data_offset"]
+    with open(os.path.join(path, "chunks.npy"), "r+b") as f:
+        f.seek(off + row * CB)
+        f.write(data.tobytes())
+
+
+def test_a_row_rewritten_under_an_intact_index_is_served_without_a_secret(tmp_path, monkeypatch):
+    """The attack: the index (and its MAC) covers only xxh3 sums; a row keeping its xxh3 passes."""
+    _weak_xxh3(monkeypatch)
+    path, keys = _saved(tmp_path)
+    evil = np.full(CB, 0x66, np.uint8)
+    _rewrite_row(path, 2, evil)
+    mgr, pool = restore_host_tier(path, layout(), 8, CB)
+    assert any(np.array_equal(pool.row(s), evil) for _, s in mgr.items_lru_order())
+
+
+def test_with_a_secret_a_rewritten_row_is_dropped_counted_and_the_rest_served(tmp_path, monkeypatch):
+    from tpu_offload.core.fs.snapshot import RestoreStats
+
+    _weak_xxh3(monkeypatch)
+    path, keys = _saved(tmp_path, secret=SECRET)
+    with open(os.path.join(path, "index.json")) as f:
+        forged_key = json.load(f)["keys"][2]
+    index_before = open(os.path.join(path, "index.json"), "rb").read()
+    _rewrite_row(path, 2, np.full(CB, 0x66, np.uint8))
+    _rewrite_row(path, 4, np.zeros(CB, np.uint8))
+    assert open(os.path.join(path, "index.json"), "rb").read() == index_before  # the index is intact
+    stats = RestoreStats()
+    mgr, pool = restore_host_tier(path, layout(), 8, CB, secret=SECRET, stats=stats)
+    assert (stats.restored, stats.dropped) == (4, 2)
+    served = {bytes(k).hex(): pool.row(s) for k, s in mgr.items_lru_order()}
+    assert forged_key not in served and len(served) == 4
+    for k in keys:
+        if bytes(k).hex() in served:
+            assert np.array_equal(served[bytes(k).hex()], payload(int.from_bytes(k[:4], "big"), CB))
+
+
+def test_with_a_secret_an_index_without_row_macs_is_refused(tmp_path):
+    path, _ = _saved(tmp_path, secret=SECRET)
+    with open(os.path.join(path, "index.json")) as f:
+        body = json.load(f)
+    from tpu_offload.core.fs.snapshot import _index_digest, _index_mac
+
+    del body["macs"]  # a snapshot signed as before this change: index MAC only
+    body.pop("index_mac")
+    body["index_xxh3"] = _index_digest(body)
+    body["index_mac"] = _index_mac(body, SECRET)
+    with open(os.path.join(path, "index.json"), "w") as f:
+        json.dump(body, f)
+    assert restore_host_tier(path, layout(), 8, CB, secret=SECRET) is None

@@ -235,7 +235,7 @@ def test_stale_temps_are_removed_at_start_young_ones_kept(root, make_tier, fp):
 
 def test_from_config(root, fp):
     assert FileTier.from_config(OffloadConfig(), fp, CHUNK) is None
-    cfg = OffloadConfig.from_sources({"shared_storage_path": root, "fs_capacity": "1MiB",
+    cfg = OffloadConfig.from_sources({"shared_storage_path": root, "fs_capacity": "1MiB", "fs_allow_unauthenticated": True,
                                       "fs_threads": 3, "fs_queue_depth": 5})
     reg = CollectorRegistry()
     t = FileTier.from_config(cfg, fp, CHUNK, OffloadMetrics(reg))
@@ -320,3 +320,49 @@ def test_usage_gauges_are_exported_under_prometheus_multiproc_dir(root, tmp_path
     assert got["tpu_offload_fs_capacity_bytes[('tier', 'fs')]"] == 1 << 30
     assert got["tpu_offload_fs_files[('tier', 'fs')]"] == 1
     assert got["tpu_offload_fs_state[('state', 'rw'), ('tier', 'fs')]"] == 1
+
+
+def test_a_crashed_writers_temp_stamped_in_the_future_goes_once_unchanged_on_our_clock(root, make_tier):
+    """Clock skew cannot keep a crashed writer's temp alive: a rescan judges it by our own monotonic
+    observation (unchanged for stale_tmp_s across rescans), not by its mtime against any wall clock."""
+    a = make_tier(root)
+    _write_all(a, [1])
+    d = os.path.dirname(a.path_of(key(1)))
+    other_host = "0badc0de" if fslayout.HOST_TAG != "0badc0de" else "0badc0df"
+    crashed = os.path.join(d, f".tmp.{key(1).hex()[:16]}.4242.{other_host}.11111111.0")  # another host's pid
+    live = os.path.join(d, f".tmp.{key(1).hex()[:16]}.4243.{other_host}.11111111.1")
+    for p in (crashed, live):
+        with open(p, "wb") as f:
+            f.write(MAGIC + b"partial")
+        future = time.time() + 86400  # its host's clock ran a day ahead
+        os.utime(p, (future, future))
+    b = make_tier(root, stale_tmp_s=0.5)
+    assert os.path.exists(crashed) and os.path.exists(live)  # at start nothing says it is stale
+    time.sleep(0.3)
+    b.rescan()
+    assert os.path.exists(crashed), "reaped before it stayed unchanged for stale_tmp_s"
+    time.sleep(0.4)
+    with open(live, "ab") as f:  # a live writer keeps changing its temp
+        f.write(b"more")
+    b.rescan()
+    assert not os.path.exists(crashed), "a future-stamped crashed temp outlived stale_tmp_s of our clock"
+    assert os.path.exists(live), "a temp that is still being written was reaped"
+    assert b.counters()["unchanged_temps_removed"] == 1
+
+
+def test_a_dead_local_writers_temp_goes_at_start_whatever_its_mtime(root, make_tier):
+    import subprocess
+    import sys
+
+    a = make_tier(root)
+    _write_all(a, [1])
+    d = os.path.dirname(a.path_of(key(1)))
+    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(proc.stdout)  # this host, this boot and pid namespace, exited
+    tmp = os.path.join(d, f".tmp.{key(1).hex()[:16]}.{dead_pid}.{fslayout.HOST_TAG}.22222222.0")
+    with open(tmp, "wb") as f:
+        f.write(MAGIC + b"partial")
+    future = time.time() + 86400
+    os.utime(tmp, (future, future))
+    b = make_tier(root, stale_tmp_s=600)
+    assert not os.path.exists(tmp) and b.counters()["dead_temps_removed"] == 1

@@ -102,7 +102,6 @@ def test_forgotten_chunks_miss_are_never_served_and_are_reported_removed_once(mg
     assert mgr.forget_chunks([key(1), key(2)]) == 2
     mgr.complete_load([key(1), key(2)], CTX)
     assert mgr.lookup(key(1), CTX) is LookupResult.MISS
-    assert mgr.prepare_store([key(1)], CTX).keys_to_store == []  # not rewritten into a second slot
     assert [(e.keys, e.removed) for e in mgr.take_events()] == [([key(1), key(2)], True)]
     mgr.touch([key(1), key(2)], CTX)  # ignored: they must age out
     stored(mgr, [key(7), key(8)])
@@ -110,6 +109,22 @@ def test_forgotten_chunks_miss_are_never_served_and_are_reported_removed_once(mg
     assert set(out.evicted_keys) == {key(1), key(2)}
     assert [e.removed for e in mgr.take_events()] == [False]  # no second removal
     assert mgr.forget_chunks([key(1)]) == 0
+
+
+def test_a_forgotten_chunk_is_stored_afresh_when_recomputed(mgr):
+    """Its file is then written again (over a forged one, if that is why its load failed): one slot,
+    never two, and it is served again once stored."""
+    stored(mgr, [key(1), key(2)])
+    list(mgr.take_events())
+    mgr.prepare_load([key(1)], CTX)
+    assert mgr.forget_chunks([key(1)]) == 1
+    mgr.complete_load([key(1)], CTX)
+    assert mgr.lookup(key(1), CTX) is LookupResult.MISS
+    out = mgr.prepare_store([key(1)], CTX)  # the recompute stores it
+    assert out.keys_to_store == [key(1)] and out.evicted_keys == []
+    mgr.complete_store([key(1)], CTX)
+    assert mgr.lookup(key(1), CTX) is LookupResult.HIT and mgr.index.stats().used_chunks == 2
+    assert [(e.keys, e.removed) for e in mgr.take_events()] == [([key(1)], True), ([key(1)], False)]
 
 
 def test_stats_use_only_declared_metrics(mgr):

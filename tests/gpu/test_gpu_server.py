@@ -27,6 +27,8 @@ import httpx
 import numpy as np
 import pytest
 
+from tpu_offload.core.fs.auth import make_secret_file
+
 pytestmark = pytest.mark.engine
 
 REPO = Path(__file__).resolve().parents[2]
@@ -83,6 +85,8 @@ def test_openai_server_hits_the_tiers_and_reports_what_users_check(tiny_model_di
     extra = ktc["kv_connector_extra_config"]
     extra["cpu_bytes_to_use"] = 64 << 20  # the shipped 64 GiB is for real hosts
     extra["shared_storage_path"] = str(tmp_path / "kv")
+    extra["fs_secret_file"] = str(tmp_path / "fs-secret")  # in place of the pod's mounted Secret
+    make_secret_file(extra["fs_secret_file"])
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {

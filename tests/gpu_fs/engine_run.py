@@ -2,7 +2,8 @@
 
     python engine_run.py PLAN.json
 
-The plan: ``{"model": dir, "kv_transfer_config": {...} | null, "steps":
+The plan: ``{"model": dir, "kv_transfer_config": {...} | null, "fault": {"op": "read",
+"hang_s": s} (optional: every such file-tier syscall of this process hangs that long), "steps":
 [{"prompts": [[ids...], ...], "reset": "none" | "prefix" | "connector",
 "idle_s": 0, "cache_salt": null}, ...]}``. Each step optionally resets (vLLM's prefix cache, or
 it and our host tier), runs its prompts greedily in one batch, lets the
@@ -41,6 +42,11 @@ def main(plan_path: str) -> int:
     from gpu_offload import testing
 
     ktc = plan.get("kv_transfer_config")
+    fault = plan.get("fault")
+    if fault:  # a hung mount, injected at the syscall wrapper of the file tier
+        from tpu_offload.core.fs import fileio
+
+        fileio.fault = lambda op: time.sleep(fault["hang_s"]) if op == fault["op"] else None
     llm = LLM(model=plan["model"], skip_tokenizer_init=True, dtype="float32", max_model_len=1024,
               enforce_eager=True, max_num_seqs=4, kv_transfer_config=ktc)
     if ktc is None:
@@ -56,8 +62,9 @@ def main(plan_path: str) -> int:
             llm.reset_prefix_cache(reset_connector=step["reset"] == "connector")
         before = (manager.hit_chunks, manager.fs_hit_chunks, worker.stats.load_error_blocks) if manager else None
         salt = {"cache_salt": step["cache_salt"]} if step.get("cache_salt") else {}
+        t0 = time.monotonic()
         outs = llm.generate([{"prompt_token_ids": p, **salt} for p in step["prompts"]], sp, use_tqdm=False)
-        rec = {"outputs": [list(o.outputs[0].token_ids) for o in outs]}
+        rec = {"outputs": [list(o.outputs[0].token_ids) for o in outs], "step_s": time.monotonic() - t0}
         if manager is not None:
             llm.generate([{"prompt_token_ids": [1] * 8}], sp, use_tqdm=False)  # runs the deferred stores
             rec.update(host_hits=manager.hit_chunks - before[0], fs_hits=manager.fs_hit_chunks - before[1],

@@ -17,7 +17,19 @@ RUNNER = Path(__file__).with_name("engine_run.py")
 ENGINE_TIMEOUT_S = 300
 
 
+def secret_file(path) -> str:
+    """A secret file next to the shared directory ``path`` (a shared tier starts only with one)."""
+    from tpu_offload.core.fs.auth import make_secret_file
+
+    f = Path(str(path) + "-secret")
+    if not f.exists():
+        f.parent.mkdir(parents=True, exist_ok=True)
+        make_secret_file(str(f))
+    return str(f)
+
+
 def kv_transfer_config(path, **extra) -> dict:
+    extra.setdefault("fs_secret_file", secret_file(path))
     return selection.kv_transfer_config(64 << 20, shared_storage_path=str(path), **extra)
 
 
@@ -25,6 +37,7 @@ def shipped_kv_transfer_config(path, **extra) -> dict:
     """``configs/vllm/offload-host-fs.json`` as shipped, but on ``path`` with a host
     budget this machine has (the shipped 64 GiB is for real hosts)."""
     ktc = json.loads((REPO / "configs/vllm/offload-host-fs.json").read_text())
+    extra.setdefault("fs_secret_file", secret_file(path))  # in place of the pod's mounted Secret
     ktc["kv_connector_extra_config"].update(cpu_bytes_to_use=64 << 20, shared_storage_path=str(path), **extra)
     return ktc
 
@@ -32,11 +45,11 @@ def shipped_kv_transfer_config(path, **extra) -> dict:
 class EngineRun:
     """One engine process running a plan; ``result()`` waits and parses its JSON."""
 
-    def __init__(self, workdir: Path, name: str, model: str, ktc: dict | None, steps: list[dict]):
+    def __init__(self, workdir: Path, name: str, model: str, ktc: dict | None, steps: list[dict], **plan_extra):
         self.name = name
         self.log = workdir / f"{name}.log"
         plan = workdir / f"{name}.plan.json"
-        plan.write_text(json.dumps({"model": model, "kv_transfer_config": ktc, "steps": steps}))
+        plan.write_text(json.dumps({"model": model, "kv_transfer_config": ktc, "steps": steps, **plan_extra}))
         env = {
             **os.environ,
             "VLLM_ENABLE_V1_MULTIPROCESSING": "0",

@@ -27,6 +27,7 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from tpu_offload.core.fs import FileTier
+from tpu_offload.core.fs.auth import make_secret_file
 
 from gpu_offload.vllm import metrics
 from gpu_offload.vllm.fs_specs import FileView, HostLoadSpec, HostStoreSpec, fingerprint
@@ -151,7 +152,11 @@ def test_shipped_config_wires_the_file_tier(tmp_path, monkeypatch):
     ktc = json.loads((Path(__file__).parents[2] / "configs/vllm/offload-host-fs.json").read_text())
     extra = ktc["kv_connector_extra_config"]
     assert ktc["kv_load_failure_policy"] == "recompute" and extra["shared_storage_path"]
-    extra.update(shared_storage_path=str(tmp_path), cpu_bytes_to_use=16 << 20)  # the shipped ones are for real hosts
+    assert extra["fs_secret_file"] == "/etc/tpu-offload/fs-secret/secret"  # the pod's mounted Secret
+    secret = tmp_path.parent / f"{tmp_path.name}-secret"
+    make_secret_file(str(secret))
+    extra.update(shared_storage_path=str(tmp_path), cpu_bytes_to_use=16 << 20,  # the shipped ones are for real hosts
+                 fs_secret_file=str(secret))
     spec = HostOffloadSpec(offloading_config(extra, blocks_per_chunk=2))
     manager = spec.get_manager()
     page = 131072

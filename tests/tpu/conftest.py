@@ -84,4 +84,7 @@ def harnesses(mesh, tiny_model_dir):
 def fs_harness(harnesses, tmp_path):
     """A stand-in harness with a file tier under ``tmp_path/kv`` and 32 host chunks; keywords are
     the extra config (each file-tier module binds its own defaults with ``functools.partial``)."""
-    return lambda **extra: harnesses({"num_cpu_chunks": 32, "shared_storage_path": str(tmp_path / "kv"), **extra})
+    from tpu_standin import fs_secret_file
+
+    return lambda **extra: harnesses({"num_cpu_chunks": 32, "shared_storage_path": str(tmp_path / "kv"),
+                                      "fs_secret_file": fs_secret_file(tmp_path), **extra})

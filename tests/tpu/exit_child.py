@@ -47,7 +47,7 @@ def main():
     caches = [jax.device_put(np.random.default_rng(layer).standard_normal(shape).astype(np.float32), sh)
               for layer in range(LAYERS)]
     runner = SimpleNamespace(kv_caches=caches, mesh=mesh, get_kv_cache_layout=lambda: "NHD")
-    cfg = OffloadConfig(num_cpu_chunks=N, staging_blocks=N, blocks_per_chunk=1, shared_storage_path=root,
+    cfg = OffloadConfig(num_cpu_chunks=N, staging_blocks=N, blocks_per_chunk=1, shared_storage_path=root, fs_allow_unauthenticated=True,
                         fs_write_mode=mode, fs_write_back_lag_s=3600, fs_threads=1, fs_queue_depth=2,
                         snapshot_path=None if snap == "-" else snap)
     settings = Settings(config=cfg, block_size=BS, blocks_per_chunk=1, num_slots=N, chunk_bytes=0, staging_blocks=N)

@@ -78,12 +78,21 @@ def test_unpinned_host_env():
 
 
 @pytest.mark.parametrize("name", ["offload.json", "offload-fs.json"])
-def test_shipped_kv_transfer_configs(name):
+def test_shipped_kv_transfer_configs(name, tmp_path):
+    from tpu_offload.core.fs.auth import make_secret_file
+
     cfg = json.loads((REPO / "configs" / "tpu-inference" / name).read_text())
     assert cfg["kv_connector"] == "TPUOffloadConnector"
     assert cfg["kv_connector_module_path"] == "tpu_offload.connector"
     assert cfg["kv_load_failure_policy"] == "recompute"
-    s = resolve(vllm_config(cfg["kv_connector_extra_config"]), page(), env=LLMD_ENV)
+    extra = cfg["kv_connector_extra_config"]
+    if name == "offload-fs.json":  # a shared tier starts only with its secret: the pod mounts it there
+        assert extra["fs_secret_file"] == "/etc/tpu-offload/fs-secret/secret"
+        with pytest.raises(ConfigError, match="fs_allow_unauthenticated"):
+            resolve(vllm_config({k: v for k, v in extra.items() if k != "fs_secret_file"}), page(), env=LLMD_ENV)
+        extra["fs_secret_file"] = str(tmp_path / "secret")
+        make_secret_file(extra["fs_secret_file"])
+    s = resolve(vllm_config(extra), page(), env=LLMD_ENV)
     assert s.num_slots > 0 and s.staging_blocks >= s.blocks_per_chunk
     if name == "offload-fs.json":
         assert s.config.shared_storage_path

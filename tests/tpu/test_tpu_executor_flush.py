@@ -19,7 +19,7 @@ import cloudpickle
 import pytest
 
 from tpu_offload.connector import compat
-from tpu_standin import chunk_files, prompt
+from tpu_standin import chunk_files, fs_secret_file, prompt
 
 pytestmark = pytest.mark.engine
 
@@ -51,6 +51,7 @@ def test_executor_shutdown_shuts_the_workers_connectors_down_first(harnesses, tm
     mod = fake_executor_module(monkeypatch)
     kv = tmp_path / "kv"
     h = harnesses({"num_cpu_chunks": 32, "staging_blocks": 16, "blocks_per_chunk": 1, "shared_storage_path": str(kv),
+                   "fs_secret_file": fs_secret_file(tmp_path),
                    "fs_write_mode": "write_back", "fs_write_back_lag_s": 3600,
                    "snapshot_path": str(tmp_path / "snap")})
     h.add(prompt(5 * BS, 1), max_tokens=1)
@@ -70,8 +71,10 @@ def test_executor_shutdown_shuts_the_workers_connectors_down_first(harnesses, tm
 
 def test_the_connector_installs_the_flush_where_workers_could_lose_files(harnesses, tmp_path, monkeypatch):
     mod = fake_executor_module(monkeypatch)
-    harnesses({"num_cpu_chunks": 8, "staging_blocks": 8, "shared_storage_path": str(tmp_path / "kv")})
+    harnesses({"num_cpu_chunks": 8, "staging_blocks": 8, "shared_storage_path": str(tmp_path / "kv"),
+               "fs_secret_file": fs_secret_file(tmp_path)})
     monkeypatch.setattr(compat, "RAY_EXECUTOR_MODULES", (mod.__name__,))
     assert not getattr(mod.FakeRayExecutor.shutdown, "__wrapped__", None)
-    harnesses({"num_cpu_chunks": 8, "staging_blocks": 8, "shared_storage_path": str(tmp_path / "kv")})
+    harnesses({"num_cpu_chunks": 8, "staging_blocks": 8, "shared_storage_path": str(tmp_path / "kv"),
+               "fs_secret_file": fs_secret_file(tmp_path)})
     assert getattr(mod.FakeRayExecutor.shutdown, "__wrapped__", None) is not None

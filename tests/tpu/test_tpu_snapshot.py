@@ -157,3 +157,64 @@ def test_engine_shutdown_saves_both_halves(make, tmp_path):
     b.run()
     assert out[0] == (CHUNKS * 2 * BS, True)
 
+
+
+# ---- signed slabs (issue 19): a signed meta and a MAC per slot ----
+
+
+def _same_xxh3(monkeypatch):
+    """Every slot "keeps its xxh3": what an attacker gets from xxh3's modular arithmetic."""
+    from tpu_offload.jax_backend import snapshot as slab_snap
+
+    monkeypatch.setattr(slab_snap, "_checksum", lambda engine, slot: "0" * 16)
+
+
+def test_a_slot_rewritten_under_a_signed_meta_is_dropped_counted_and_the_rest_served(make, tmp_path,
+                                                                                     monkeypatch):
+    from tpu_offload.jax_backend import hostview
+    from tpu_standin import fs_secret_file
+
+    _same_xxh3(monkeypatch)
+    secret = fs_secret_file(tmp_path)
+    p = prompt(CHUNKS * 2 * BS, 8)
+    saved, _ = run_and_stop(make(fs_secret_file=secret), p)
+    snap = tmp_path / "snap"
+    keep = tmp_path / "signed"
+    shutil.copytree(snap, keep)  # the victim's index and signed meta, intact
+    b = make(fs_secret_file=secret)  # restores, then someone rewrites one slot's bytes before they are saved
+    eng = b.wrk.engine
+    assert b.wrk.totals["snapshot_dropped"] == 0 and int(eng.valid.sum()) == CHUNKS
+    b.add(prompt(2 * BS, 10), max_tokens=1)  # a step, so this run saves its slabs at shutdown
+    b.run()
+    slot = sorted(saved)[1]
+    k, row = divmod(slot, eng.rows_per_slab)
+    for g in eng.slabs:
+        for v in hostview.row_views(g[k], row):
+            v[:] = 0x3C
+    b.conn_s.shutdown()
+    b.conn_w.shutdown()
+    shutil.copy(keep / "index.json", snap / "index.json")  # the victim's signed index and meta over those slabs
+    shutil.copy(keep / "host" / "meta-p0.json", snap / "host" / "meta-p0.json")
+    c = make(fs_secret_file=secret)
+    assert c.wrk.totals["snapshot_dropped"] == 1
+    assert int(c.wrk.engine.valid.sum()) == CHUNKS - 1 and not c.wrk.engine.valid[slot]
+    c.add(p + [5], max_tokens=2)
+    c.run()  # the stand-in fails the run if any wrong KV is read without a reported load error
+    assert not c.runner.failures and c.wrk.totals.get("load_errors", 0) >= 1
+
+
+def test_a_slab_meta_not_signed_with_the_secret_starts_cold(make, tmp_path, caplog):
+    import json
+
+    from tpu_standin import fs_secret_file
+
+    secret = fs_secret_file(tmp_path)
+    run_and_stop(make(fs_secret_file=secret), prompt(CHUNKS * 2 * BS, 9))
+    meta_file = tmp_path / "snap" / "host" / "meta-p0.json"
+    meta = json.loads(meta_file.read_text())
+    assert meta["meta_mac"] and len(meta["macs"]) == CHUNKS
+    meta.pop("meta_mac")
+    meta_file.write_text(json.dumps(meta))
+    b = make(fs_secret_file=secret)
+    assert not b.wrk.engine.valid.any()
+    assert any("meta_mac" in r.getMessage() for r in caplog.records)

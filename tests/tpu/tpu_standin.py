@@ -396,3 +396,13 @@ class Harness:
 
     def _chunk_index(self, key: bytes) -> int:
         return len(self.tokens[key]) // self.sch.chunk_tokens - 1
+
+
+def fs_secret_file(tmp_path) -> str:
+    """A fresh secret file under ``tmp_path`` (a shared tier starts only with one)."""
+    from tpu_offload.core.fs.auth import make_secret_file
+
+    path = tmp_path / "fs-secret"
+    if not path.exists():
+        make_secret_file(str(path))
+    return str(path)

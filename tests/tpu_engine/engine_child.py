@@ -172,8 +172,14 @@ def main(path: str) -> None:
     from offload_helpers import totals
     from workloads import Workload
 
+    from offload_helpers import wrk
+    from tpu_offload.core.fs import fileio
+
     for job in json.load(open(path)):
         os.environ.update(job.get("env", {}))
+        fault = job.get("fault")  # {"op": "read", "hang_s": s}: a hung mount, at the file tier's syscall wrapper
+        if fault:
+            fileio.fault = lambda op, f=fault: time.sleep(f["hang_s"]) if op == f["op"] else None
         try:
             if job.get("count_compiles"):
                 result = counted_run(job)
@@ -184,10 +190,15 @@ def main(path: str) -> None:
                     if job.get("round_trip"):
                         result = round_trip(eng, w, job.get("passes", 2))
                     else:
+                        t0 = time.perf_counter()
                         result = {"tokens": w.run(eng), "totals": totals(eng) if job["kv"] else {}}
+                        result["run_s"] = time.perf_counter() - t0
+                        fs = getattr(wrk(eng), "fs", None) if job["kv"] else None
+                        result["tier_counters"] = fs.tier.counters() if fs is not None else {}
                 finally:
                     eng.close()
         finally:
+            fileio.fault = None
             for k in job.get("env", {}):
                 os.environ.pop(k, None)
         print("RESULT " + json.dumps(result), flush=True)

@@ -23,13 +23,26 @@ from workloads import ROUNDTRIP
 pytestmark = pytest.mark.engine
 
 
-def fs_config(fs_dir=None, snapshot_dir=None) -> dict:
-    over = {**OURS, "fs_capacity_bytes": "256MiB", "fs_write_mode": "write_through"}
+def secret_file(path) -> str:
+    from tpu_offload.core.fs.auth import make_secret_file
+
+    if not path.exists():
+        make_secret_file(str(path))
+    return str(path)
+
+
+HUNG_DEADLINE_S, HANG_S = 1.0, 20.0
+
+
+def fs_config(fs_dir=None, snapshot_dir=None, **more) -> dict:
+    over = {**OURS, "fs_capacity_bytes": "256MiB", "fs_write_mode": "write_through", **more}
     cfg = kv_transfer_config("offload-fs.json", **over)
     extra = cfg["kv_connector_extra_config"]
     extra.pop("shared_storage_path")
+    extra.pop("fs_secret_file")  # the pod's mounted Secret: a file of our own instead
     if fs_dir:
         extra["shared_storage_path"] = str(fs_dir)
+        extra["fs_secret_file"] = secret_file(fs_dir.parent / "fs-secret")
     if snapshot_dir:
         extra["snapshot_path"] = str(snapshot_dir)
     return cfg
@@ -60,10 +73,14 @@ def runs(engines, model_dir, tmp_path_factory):
                      "events": events,
                      "want_hits": sum(hit_tokens(len(p), shape.block_size) for p in w.prompts)}
         common = {"shape": shape.__dict__, "model_dir": model_dir(shape.model, shape.dtype), "workload": w.name}
-        jobs += [{**common, "kv": fs_config(fs_dir=fs_dir)}, {**common, "kv": fs_config(snapshot_dir=snap_dir)}]
+        jobs += [{**common, "kv": fs_config(fs_dir=fs_dir)}, {**common, "kv": fs_config(snapshot_dir=snap_dir)},
+                 # every file read of this replica hangs: its loads fail at the deadline and it recomputes
+                 {**common, "kv": fs_config(fs_dir=fs_dir, fs_io_timeout_s=HUNG_DEADLINE_S),
+                  "fault": {"op": "read", "hang_s": HANG_S}},
+                 {**common, "kv": fs_config(fs_dir=tmp_path_factory.mktemp(f"cold-{name}"))}]  # its recompute
     results = run_jobs(jobs, tmp_path_factory.mktemp("child"))
     for i, name in enumerate(sorted(SETUPS)):
-        out[name]["reader"], out[name]["snapshot"] = results[2 * i], results[2 * i + 1]
+        out[name]["reader"], out[name]["snapshot"], out[name]["hung"], out[name]["cold"] = results[4 * i: 4 * i + 4]
     return out
 
 
@@ -102,6 +119,20 @@ def test_second_process_hits_the_files_with_identical_tokens(runs, setup):
     assert r["files"] == r["stored"], "every stored chunk reaches its file"
     assert r["reader"]["totals"].get("hit_tokens", 0) == r["want_hits"]
     assert r["reader"]["totals"].get("load_errors", 0) == 0
+
+
+@pytest.mark.parametrize("setup", sorted(SETUPS))
+def test_a_hung_read_costs_a_recompute_not_a_hung_request(runs, setup):
+    """Every file read hangs (injected at the tier's syscall wrapper; no FUSE here): the loads fail at
+    fs_io_timeout_s, the requests recompute, tokens are the no-connector ones, and the run takes the
+    deadline plus its recompute (the same workload on an empty directory), never the hang."""
+    r = runs[setup]
+    hung, cold = r["hung"], r["cold"]
+    assert hung["tokens"] == r["base"]
+    assert hung["tier_counters"].get("read_timeouts", 0) >= 1
+    assert hung["totals"].get("load_errors", 0) >= 1
+    timeouts = hung["tier_counters"]["read_timeouts"]  # at worst one deadline each, one after another
+    assert hung["run_s"] < cold["run_s"] + timeouts * HUNG_DEADLINE_S + 5.0, (hung["run_s"], cold["run_s"], timeouts)
 
 
 @pytest.mark.parametrize("setup", sorted(SETUPS))

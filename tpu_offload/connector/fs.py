@@ -44,6 +44,7 @@ from tpu_offload.core.fs import FileTier
 from tpu_offload.core.fs.lag import LagDrain
 from tpu_offload.core.fs.journal import FileJournal
 from tpu_offload.core.fs.auth import FsAuth, Names
+from tpu_offload.core.fs.deadline import BoundedCalls
 from tpu_offload.core.fs.layout import published_stat
 from tpu_offload.core.fs.reset import reset_salt as _reset_salt, salted  # noqa: F401  (salted: re-exported)
 from tpu_offload.core.keys import ChunkKey, LayoutFingerprint
@@ -92,6 +93,8 @@ class FsLookup:
         self.names = Names(self._root, fp, self._auth)
         self.ns_dir = self.names.ns_dir
         self._seen: set[tuple[ChunkKey, bytes]] = set()
+        # the scheduler thread never waits longer than fs_io_timeout_s on a hung mount: a miss instead
+        self._bounded = BoundedCalls(cfg.fs_io_timeout_s, name="fs-lookup-stat") if cfg.fs_io_timeout_s else None
 
     def reset(self, salt: str) -> None:
         """Look only in the namespace salted with ``salt`` from now on."""
@@ -104,7 +107,10 @@ class FsLookup:
         if (key, salt) in self._seen:
             return True
         # Never os.path.exists: it follows a symlink planted at the key or on the way, and counts a FIFO.
-        if published_stat(self.ns_dir, self.names.file_id(key, salt).hex()) is not None:
+        khex = self.names.file_id(key, salt).hex()
+        st = published_stat(self.ns_dir, khex) if self._bounded is None else \
+            self._bounded.call(published_stat, self.ns_dir, khex)
+        if st is not None:
             self._seen.add((key, salt))
             return True
         return False

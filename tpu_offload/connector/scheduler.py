@@ -106,7 +106,7 @@ class OffloadScheduler:
         self.write_back = fs is not None and not self.write_through
         self._slot_of: dict[ChunkKey, int] = {}  # for write-back: the slot an evicted chunk leaves
         self._salt_of: dict[ChunkKey, bytes] = {}  # ... and its request's cache_salt (absent: b"")
-        self._fs_bad: set[ChunkKey] = set()  # files that failed to promote: not offered again
+        self._fs_bad: set[ChunkKey] = set()  # files that failed to promote: not offered until we publish ours
         self._procs = 1  # worker processes that must report each order (learned from reports)
         self.expected_procs: int | None = None  # what get_finished_count told vLLM's aggregator
         self._quarantine: set[ChunkKey] = set()  # present in the index but proved bad: never served
@@ -468,6 +468,7 @@ class OffloadScheduler:
         self._procs = max(self._procs, report.process_count)
         if report.fs_published or report.fs_removed:
             self.events.files(report.fs_published, report.fs_removed)
+            self._fs_bad.difference_update(report.fs_published)  # our own copy is back: offer it again
         for order, failed in self._complete(self._store_orders, report.stores):
             for k in settle_store(self.manager, order, failed):
                 self.events.forget(k)

@@ -148,8 +148,10 @@ class OffloadWorker:
             from tpu_offload.connector.snapshot import HOST_DIR
             from tpu_offload.jax_backend.snapshot import restore_slabs
 
+            restored: dict = {}
             self._restored_id = restore_slabs(self.engine, os.path.join(cfg.snapshot_path, HOST_DIR),
-                                              self._fs_fp.digest().hex())
+                                              self._fs_fp.digest().hex(), cfg.fs_secret, restored)
+            self.totals["snapshot_dropped"] = restored.get("dropped", 0)  # slots failing their MAC/checksum
         if (self.fs is not None or cfg.snapshot_path) and self._at_exit is None:
             # tpu-inference never shuts a worker down (TPUWorker has no shutdown; a multi-host replica's
             # Ray workers just exit): at process exit, land queued file writes and save the snapshot.
@@ -526,7 +528,7 @@ class OffloadWorker:
         try:
             t0 = time.perf_counter()
             n = save_slabs(self.engine, os.path.join(cfg.snapshot_path, HOST_DIR), self._snapshot_id,
-                           self._fs_fp.digest().hex())
+                           self._fs_fp.digest().hex(), cfg.fs_secret)
             log.info("tpu_offload: saved %d host chunks to %s in %.1fs", n, cfg.snapshot_path,
                      time.perf_counter() - t0)
         except Exception:

@@ -280,6 +280,9 @@ _SETTINGS: tuple[_Setting, ...] = (
     # the file tier's secret: a path in JSON or env, the secret itself only in env (never in a JSON)
     _Setting("fs_secret_file", _abs_path("fs_secret_file"), "TPU_OFFLOAD_FS_SECRET_FILE", ("fs_secret_file",)),
     _Setting("fs_secret", _secret_env, "TPU_OFFLOAD_FS_SECRET", (), secret=True),
+    # shared tier, round 2 (issue 19): secure by default, bounded I/O
+    _Setting("fs_allow_unauthenticated", _bool, "TPU_OFFLOAD_FS_ALLOW_UNAUTHENTICATED", ("fs_allow_unauthenticated",)),
+    _Setting("fs_io_timeout_s", _float(0.001), "TPU_OFFLOAD_FS_IO_TIMEOUT_S", ("fs_io_timeout_s",)),
 )
 # Keys that would put the secret itself into a config JSON (logged, stored, shown in pod specs).
 _SECRET_KEYS = frozenset({"fs_secret", "secret", "fs_key", "fs_secret_key", "fs_hmac_key"})
@@ -358,6 +361,12 @@ class OffloadConfig:
     # A file the operator rewrites before each reset_prefix_cache (e.g. with the weights version): replicas
     # that reset together derive the same file-tier namespace from it and keep sharing.
     fs_reset_epoch_file: str | None = None
+    # shared tier, round 2 (issue 19). A shared tier without a secret refuses to start unless this says
+    # so: anyone who can write the directory could then publish KV this engine serves.
+    fs_allow_unauthenticated: bool = False
+    # Deadline of every file-tier read and write: past it a load fails (the request recomputes) and a
+    # write is dropped; no engine thread ever waits longer on the mount.
+    fs_io_timeout_s: float = 5.0
 
     # -------------------------------------------------------------------
     @classmethod
@@ -381,6 +390,7 @@ class OffloadConfig:
             values["host_memory_kind"] = "unpinned_host" if unpinned else "pinned_host"
         values.pop("batched_save", None)
         _resolve_secret(values, from_env, from_json)
+        _check_authenticated(values)
         if values.get("fs_encrypt"):
             _check_encrypt(values, "fs_encrypt" in from_json)
         if values.get("fs_mac") == "gmac" and values.get("fs_secret"):
@@ -436,6 +446,19 @@ def _resolve_secret(values: dict[str, Any], from_env: dict[str, Any], from_json:
         where = "kv_connector_extra_config key 'fs_secret_file'" if "fs_secret_file" in from_json \
             else "environment variable TPU_OFFLOAD_FS_SECRET_FILE"
         raise _fail(where, path, str(e)) from None
+
+
+def _check_authenticated(values: dict[str, Any]) -> None:
+    """A shared tier starts only with a secret, or when the config says it may run without one."""
+    path = values.get("shared_storage_path")
+    if not path or values.get("fs_secret") or values.get("fs_allow_unauthenticated"):
+        return
+    raise ConfigError(
+        f"shared_storage_path: value {path!r} is not allowed without a secret: anyone who can write that "
+        "directory could publish KV this engine would serve, and file names would reveal prompts. Allowed: "
+        "set fs_secret_file (or TPU_OFFLOAD_FS_SECRET_FILE / TPU_OFFLOAD_FS_SECRET) to a secret of 32 random "
+        "bytes (e.g. `head -c 32 /dev/urandom | base64 > secret; chmod 600 secret`), or accept an "
+        "unauthenticated tier with fs_allow_unauthenticated: true (TPU_OFFLOAD_FS_ALLOW_UNAUTHENTICATED=1)")
 
 
 def _check_encrypt(values: dict[str, Any], from_json: bool) -> None:

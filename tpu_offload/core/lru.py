@@ -246,6 +246,19 @@ class LRUChunkManager(ChunkManager):
         self._parked.update(zip(parked, map(lru.pop, parked)))  # never scanned again while pinned
         return victims if len(victims) == need else None
 
+    def discard(self, keys: Iterable[ChunkKey]) -> list[ChunkKey]:
+        """Drop ready, unpinned chunks now (their slots are free again); returns the keys dropped.
+
+        For chunks an adapter will never serve (a failed load): a later store
+        of the key then gets a fresh slot and fresh bytes. Pinned, parked or
+        in-flight chunks are left alone.
+        """
+        gone = [k for k in dict.fromkeys(keys) if k in self._lru and k not in self._pins]
+        if gone:
+            self._free.extend(map(self._lru.pop, gone))
+            self._emit(gone, removed=True)
+        return gone
+
     def complete_store(self, keys: Iterable[ChunkKey], success: bool = True) -> None:
         if type(keys) is not list and type(keys) is not tuple:
             keys = list(keys)

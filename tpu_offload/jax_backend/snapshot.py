@@ -10,6 +10,13 @@ Restore frees the preallocated slabs first and lets orbax allocate them
 once, with the same shardings and memory kind, so a start never holds two
 copies of the tier. A slot is valid again only if its checksum matches:
 damaged bytes become load errors (recomputed), never served.
+
+With the file tier's secret (the snapshot may sit on a shared volume) the
+meta file is signed (``meta_mac``: a meta without it, or not signed with
+this secret, is a cold start) and every valid slot carries an HMAC-SHA256
+of its bytes bound to the snapshot id, process and slot (``macs``): xxh3
+alone can be kept while bytes change. A slot that fails is dropped and
+counted, the rest are served.
 """
 
 from __future__ import annotations
@@ -19,9 +26,13 @@ import logging
 import os
 import shutil
 
+import hmac
+import re
+
 import jax
 import numpy as np
 
+from tpu_offload.core.fs.auth import FsAuth
 from tpu_offload.core.fs.snapshot import check_replaceable, is_snapshot_json, read_json
 from tpu_offload.jax_backend import hostview
 
@@ -45,8 +56,21 @@ def _checksum(engine, slot: int) -> str:
     return format(hostview.row_checksum([g[k] for g in engine.slabs], row), "016x")
 
 
-def save_slabs(engine, host_dir: str, snapshot_id: str, fp_digest: str) -> int:
-    """Save the slabs and this process's valid slots; returns the slots saved."""
+def _slot_mac(auth: FsAuth, engine, slot: int, snapshot_id: str, fp_digest: str) -> str:
+    k, row = divmod(slot, engine.rows_per_slab)
+    views = [v for g in engine.slabs for v in hostview.row_views(g[k], row)]
+    return auth.row_mac(f"slab|{snapshot_id}|{fp_digest}|p{jax.process_index()}|{slot}".encode(), views)
+
+
+def _meta_mac(auth: FsAuth, meta: dict) -> str:
+    return auth.index_mac(json.dumps({k: v for k, v in meta.items() if k != "meta_mac"}, sort_keys=True).encode())
+
+
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def save_slabs(engine, host_dir: str, snapshot_id: str, fp_digest: str, secret: bytes | None = None) -> int:
+    """Save the slabs and this process's valid slots; returns the slots saved (signed with ``secret``)."""
     import orbax.checkpoint as ocp
 
     pidx, nproc = jax.process_index(), jax.process_count()
@@ -70,6 +94,10 @@ def save_slabs(engine, host_dir: str, snapshot_id: str, fp_digest: str) -> int:
             "process_count": nproc, "num_slots": engine.num_slots, "rows_per_slab": engine.rows_per_slab,
             "slabs": _shapes(engine), "valid": valid, "checksums": [_checksum(engine, s) for s in valid],
         }
+        if secret:
+            auth = FsAuth(secret)
+            meta["macs"] = [_slot_mac(auth, engine, s, snapshot_id, fp_digest) for s in valid]
+            meta["meta_mac"] = _meta_mac(auth, meta)
         with open(os.path.join(tmp, _meta_name(pidx)), "w") as f:
             json.dump(meta, f)
             f.flush()
@@ -88,9 +116,13 @@ def save_slabs(engine, host_dir: str, snapshot_id: str, fp_digest: str) -> int:
     return len(valid)
 
 
-def restore_slabs(engine, host_dir: str, fp_digest: str) -> str | None:
-    """Refill ``engine``'s slabs and valid slots; returns the snapshot id, or None (cold)."""
-    meta = _read_meta(engine, host_dir, fp_digest)
+def restore_slabs(engine, host_dir: str, fp_digest: str, secret: bytes | None = None,
+                  stats: dict | None = None) -> str | None:
+    """Refill ``engine``'s slabs and valid slots; returns the snapshot id, or None (cold).
+
+    ``stats`` (a dict) gets ``restored`` and ``dropped`` (slots whose checksum or MAC failed).
+    """
+    meta = _read_meta(engine, host_dir, fp_digest, secret)
     if meta is None:
         return None
     import orbax.checkpoint as ocp
@@ -108,17 +140,24 @@ def restore_slabs(engine, host_dir: str, fp_digest: str) -> str | None:
         log.warning("tpu_offload: host slabs in %s unreadable (%s); starting cold", host_dir, e)
         engine.slabs = engine.programs.alloc_slabs()
         return None
-    good = [s for s, c in zip(meta["valid"], meta["checksums"]) if 0 <= s < engine.num_slots
-            and _checksum(engine, s) == c]
+    auth = FsAuth(secret) if secret else None
+    sid = str(meta["snapshot_id"])
+    macs = meta["macs"] if auth is not None else [None] * len(meta["valid"])
+    good = [s for s, c, m in zip(meta["valid"], meta["checksums"], macs)
+            if isinstance(s, int) and 0 <= s < engine.num_slots and _checksum(engine, s) == c
+            and (auth is None or hmac.compare_digest(_slot_mac(auth, engine, s, sid, fp_digest), m))]
     engine.complete_store(good, True)
-    if len(good) != len(meta["valid"]):
-        log.warning("tpu_offload: %d of %d restored host chunks failed their checksum; they will be recomputed",
-                    len(meta["valid"]) - len(good), len(meta["valid"]))
+    dropped = len(meta["valid"]) - len(good)
+    if stats is not None:
+        stats["restored"], stats["dropped"] = len(good), dropped
+    if dropped:
+        log.warning("tpu_offload: %d of %d restored host chunks failed their %s; dropped, they will be recomputed",
+                    dropped, len(meta["valid"]), "MAC or checksum" if auth else "checksum")
     log.info("tpu_offload: warm start, %d host chunks restored from %s", len(good), host_dir)
     return str(meta["snapshot_id"])
 
 
-def _read_meta(engine, host_dir: str, fp_digest: str) -> dict | None:
+def _read_meta(engine, host_dir: str, fp_digest: str, secret: bytes | None = None) -> dict | None:
     file = os.path.join(host_dir, _meta_name(jax.process_index()))
     meta = read_json(file, "tpu_offload: slab snapshot")
     if meta is None:
@@ -129,6 +168,13 @@ def _read_meta(engine, host_dir: str, fp_digest: str) -> dict | None:
     bad = [k for k, v in want.items() if not isinstance(meta, dict) or meta.get(k) != v]
     if not bad and len(meta.get("valid", ())) != len(meta.get("checksums", ())):
         bad = ["valid/checksums"]
+    if not bad and secret:
+        mac, macs = meta.get("meta_mac"), meta.get("macs")
+        if not isinstance(mac, str) or not hmac.compare_digest(mac, _meta_mac(FsAuth(secret), meta)):
+            bad = ["meta_mac (missing, or not signed with this secret)"]
+        elif not (isinstance(macs, list) and len(macs) == len(meta["valid"])
+                  and all(isinstance(m, str) and _HEX64.match(m) for m in macs)):
+            bad = ["macs (one per valid slot)"]
     if bad:
         log.warning("tpu_offload: slab snapshot %s does not fit this engine (%s); starting cold", file, ", ".join(bad))
         return None

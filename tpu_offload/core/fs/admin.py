@@ -15,6 +15,13 @@ clock (a writer may still be filling a younger one). ``verify`` reports
 files without our magic and never deletes or moves them.
 Nothing is followed or deleted through a symlink, and a subdirectory that
 cannot be read is skipped and reported, never fatal.
+
+Keyed namespaces (``kv-<tag>``, a tier with a secret): the magic is public,
+so with the secret (``keyring``) only files whose header MAC verifies are
+counted, deleted or passed, and only keyed namespaces are acted on; without
+it, ``evict`` and ``verify`` refuse a keyed namespace (``KeyRequired``), since
+they could not tell our files from another tenant's forgeries. Budgets are
+per namespace unless ``per_namespace=False``.
 """
 
 from __future__ import annotations
@@ -27,12 +34,40 @@ import time
 from tpu_offload.core.fs import actions, layout, safedir
 from tpu_offload.core.fs.fileio import aligned_empty
 from tpu_offload.core.fs.format import HEADER_SIZE, MAGIC, HeaderError, parse_header
+from tpu_offload.core.fs.keyring import Keyring, keyed_tag
 from tpu_offload.core.fs.layout import Found, NamespaceScan
 
 import xxhash
 
 _VERIFY_BLOCK = 8 << 20
 NOT_OURS = "magic (not ours: reported, never deleted or moved)"
+FORGED = "forged (not signed with this secret: reported, never deleted or moved)"
+
+
+class KeyRequired(ValueError):
+    """A keyed namespace in scope and no secret: the CLI cannot tell our files from forgeries."""
+
+    def __init__(self, what: str, namespaces: list[str]):
+        shown = ", ".join(namespaces[:3]) + (f" and {len(namespaces) - 3} more" if len(namespaces) > 3 else "")
+        super().__init__(
+            f"{what} refused: {shown} {'is a' if len(namespaces) == 1 else 'are'} keyed namespace"
+            f"{'' if len(namespaces) == 1 else 's'} (a tier with a secret). Without the secret every file there "
+            "looks alike (the magic is public): another tenant's files would be counted, kept or deleted as ours. "
+            "Pass --secret-file (or set TPU_OFFLOAD_FS_SECRET_FILE / TPU_OFFLOAD_FS_SECRET, or --config with "
+            "fs_secret_file), or --namespace an unkeyed namespace")
+        self.namespaces = namespaces
+
+
+def _require_key(scans: list[NamespaceScan], keyring: Keyring | None, what: str) -> None:
+    if keyring is None:
+        keyed = [s.namespace for s in scans if keyed_tag(s.namespace) is not None]
+        if keyed:
+            raise KeyRequired(what, keyed)
+
+
+def _in_scope(scans: list[NamespaceScan], keyring: Keyring | None) -> list[NamespaceScan]:
+    """With the secret only keyed namespaces are ours to act on; without it only unkeyed ones."""
+    return [s for s in scans if (keyed_tag(s.namespace) is not None) == (keyring is not None)]
 
 
 @dataclasses.dataclass
@@ -50,15 +85,19 @@ class EvictReport:
     skipped_vanished: int = 0
     skipped_recently_used: int = 0
     skipped_not_ours: int = 0
-    not_ours: int = 0  # files without our magic: not counted, never touched
+    not_ours: int = 0  # files without our magic (with a secret: not signed with it): not counted, never touched
+    per_namespace: bool = True  # --budget applies to each namespace on its own
+    namespaces: dict = dataclasses.field(default_factory=dict)  # namespace -> {used_before, used_after, evicted}
     future_mtimes_clamped: int = 0
     clock: str = "server"  # whose clock judged ages: "server" (a probe file's mtime) or "local"
     unreadable: list[str] = dataclasses.field(default_factory=list)  # "path: why", skipped
     dry_run: bool = False
 
+    short_of_low: bool = False  # some group (a namespace, with per-namespace budgets) stayed above its low mark
+
     @property
     def reached_low(self) -> bool:
-        return not self.triggered or self.used_after <= self.low_bytes
+        return not self.triggered or not self.short_of_low
 
 
 def scan_root(root: str, namespace: str | None = None) -> list[NamespaceScan]:
@@ -114,13 +153,16 @@ def evict(
     namespace: str | None = None,
     tmp_age_s: float = 600.0,
     dry_run: bool = False,
+    keyring: Keyring | None = None,
+    per_namespace: bool = True,
 ) -> EvictReport:
     """Above ``high_pct`` of the budget (or of the filesystem), delete LRU files down to ``low_pct``.
 
     Ages are judged on the file server's clock (the mtime of a probe file
     created for it), never ours: a host whose clock runs ahead must not take
     a live writer's temp file for a stale one. A dry run creates no probe and
-    uses the local clock, for its report only.
+    uses the local clock, for its report only. ``budget_bytes`` applies to
+    each namespace on its own (``per_namespace``), else to their sum.
     """
     if not 0 < low_pct <= high_pct <= 100:
         raise ValueError(f"need 0 < low ({low_pct}) <= high ({high_pct}) <= 100")
@@ -129,6 +171,9 @@ def evict(
     if budget_bytes is not None and budget_bytes <= 0:
         raise ValueError(f"budget_bytes={budget_bytes!r}; allowed: > 0, or None for the filesystem")
     scans = scan_root(root, namespace)
+    _require_key(scans, keyring, "evict")
+    unreadable = _unreadable(scans)
+    scans = _in_scope(scans, keyring)
     temps_removed = clamped = not_ours = 0
     clock = "server"
     for s in scans:
@@ -136,7 +181,8 @@ def evict(
         if srv is None:
             clock = "local"
         now = srv if srv is not None else time.time()
-        not_ours += _keep_ours(s)  # first: someone else's file is never restamped, counted or deleted
+        # first: someone else's file is never restamped, counted or deleted
+        not_ours += _keep_ours(s) if keyring is None else _keep_authenticated(s, keyring)
         clamped += _clamp_future(s, now, dry_run)
         keep = []
         for t in s.temps:
@@ -148,24 +194,45 @@ def evict(
             else:
                 keep.append(t)
         s.temps = keep
-    files = [f for s in scans for f in (*s.chunks, *s.quarantined, *s.temps)]
-    if budget_bytes is not None:
-        mode, total, used = "budget", budget_bytes, sum(f.size for f in files)
-    else:
-        mode, (total, used) = "statvfs", _fs_usage(root)
-    rep = EvictReport(mode, total, used, used, int(total * high_pct / 100), int(total * low_pct / 100),
+    rep = EvictReport("budget" if budget_bytes is not None else "statvfs", 0, 0, 0, 0, 0,
                       temps_removed=temps_removed, future_mtimes_clamped=clamped, clock=clock, not_ours=not_ours,
-                      unreadable=_unreadable(scans), dry_run=dry_run)
-    if used < rep.high_bytes:
-        return rep
-    rep.triggered = True
+                      unreadable=unreadable, dry_run=dry_run, per_namespace=per_namespace)
+    if budget_bytes is not None and per_namespace:
+        groups = [[s] for s in scans]
+    else:
+        groups = [scans]
+    for group in groups:
+        files = [f for s in group for f in (*s.chunks, *s.quarantined, *s.temps)]
+        if budget_bytes is not None:
+            total, used = budget_bytes, sum(f.size for f in files)
+        else:
+            total, used = _fs_usage(root)
+        high, low = int(total * high_pct / 100), int(total * low_pct / 100)
+        rep.total_bytes += total
+        rep.used_before += used
+        rep.high_bytes += high
+        rep.low_bytes += low
+        after = used
+        if used >= high:
+            rep.triggered = True
+            after = _evict_group(rep, group, budget_bytes is not None, used, low, dry_run)
+        rep.used_after += after
+        if budget_bytes is not None and per_namespace:
+            rep.namespaces[group[0].namespace] = {"used_before": used, "used_after": after,
+                                                  "reached_low": used < high or after <= low}
+    return rep
+
+
+def _evict_group(rep: EvictReport, scans: list[NamespaceScan], budget: bool, used: int, low: int,
+                 dry_run: bool) -> int:
+    """Delete LRU files of ``scans`` until ``used`` is at most ``low``; returns the bytes left."""
     # Quarantined files are never served: they go first. Then chunks, LRU first.
-    victims = [(s.path, f) for s in scans for f in sorted(s.quarantined, key=lambda f: f.mtime)]
-    victims += sorted(((s.path, f) for s in scans for f in s.chunks), key=lambda v: v[1].mtime)
-    for ns_dir, f in victims:
-        if rep.used_after <= rep.low_bytes:
+    victims = [(s, f) for s in scans for f in sorted(s.quarantined, key=lambda f: f.mtime)]
+    victims += sorted(((s, f) for s in scans for f in s.chunks), key=lambda v: v[1].mtime)
+    for s, f in victims:
+        if used <= low:
             break
-        outcome = _delete_if_unchanged(ns_dir, f, dry_run)
+        outcome = _delete_if_unchanged(s.path, f, dry_run)
         if outcome == "vanished":
             rep.skipped_vanished += 1
         elif outcome == "used":
@@ -173,11 +240,42 @@ def evict(
         elif outcome == "foreign":
             rep.skipped_not_ours += 1
         else:
-            freed = f.size if mode == "budget" else min(f.blocks, f.size)
+            freed = f.size if budget else min(f.blocks, f.size)
             rep.evicted_files += 1
             rep.evicted_bytes += freed
-            rep.used_after -= freed
-    return rep
+            used -= freed
+    if used > low:
+        rep.short_of_low = True
+    return used
+
+
+def _keep_authenticated(s: NamespaceScan, keyring: Keyring) -> int:
+    """With the secret: keep only files whose header one of our writers signed; returns files dropped.
+
+    Chunks must also carry their own name in the header; quarantined files
+    (``<name>.<reason>.<pid>``) the name before the first dot. A temp counts
+    and goes only once its header is down and signed (an empty or partial
+    temp of a crashed writer is the tier's to reap: it may be anyone's).
+    """
+    tag = keyed_tag(s.namespace)
+    dropped = 0
+    for group in ("chunks", "quarantined", "temps"):
+        keep = []
+        for f in getattr(s, group):
+            name = f.name if group == "chunks" else f.name.split(".")[0] if group == "quarantined" else None
+            try:
+                with safedir.dir_at(s.path, f.dirs) as d:
+                    n = keyring.owned_bytes(d, f.name, tag, name)
+            except OSError:
+                n = None
+            if n is None:
+                s.foreign.append(f.path)
+                dropped += 1
+                continue
+            f.size = n
+            keep.append(f)
+        setattr(s, group, keep)
+    return dropped
 
 
 def _keep_ours(s: NamespaceScan) -> int:
@@ -238,17 +336,27 @@ def _delete_if_unchanged(ns_dir: str, f: Found, dry_run: bool) -> str:
         return "foreign"  # a symlink or file where a directory belongs, or no access: not ours to touch
 
 
-def inspect(root: str, namespace: str | None = None) -> dict:
-    """Per-namespace counts, bytes and ages, plus the filesystem's usage."""
+def inspect(root: str, namespace: str | None = None, keyring: Keyring | None = None) -> dict:
+    """Per-namespace counts, bytes and ages, plus the filesystem's usage.
+
+    Keyed namespaces: with the secret, only files it authenticates are
+    counted ("unauthenticated" the rest); without it their counts say
+    ``"authenticated": null`` (nothing could be checked).
+    """
     now = time.time()
     total, used = _fs_usage(root)
     out = {"root": os.path.abspath(root), "fs_total_bytes": total, "fs_used_bytes": used, "namespaces": [],
            "unreadable": []}
     for s in scan_root(root, namespace):
+        keyed = keyed_tag(s.namespace) is not None
+        unauth = _keep_authenticated(s, keyring) if keyed and keyring is not None else None
         ages = sorted(now - f.mtime for f in s.chunks)
         out["unreadable"] += _unreadable([s])
         out["namespaces"].append({
             "namespace": s.namespace,
+            "keyed": keyed,
+            "authenticated": None if not keyed or keyring is None else True,
+            "unauthenticated_files": unauth,
             "files": len(s.chunks),
             "bytes": sum(f.size for f in s.chunks),
             "allocated_bytes": sum(f.blocks for f in s.chunks),
@@ -273,6 +381,10 @@ class VerifyReport:
     vanished: int = 0
     unreadable: list[str] = dataclasses.field(default_factory=list)  # "path: why", skipped
     action: str = "report"
+    forged: int = 0  # with the secret: header or payload not signed with it
+    unverified_salt: int = 0  # with the secret: our header, a tenant salt not given (payload unchecked)
+    # with the secret: keyed namespaces where nothing is signed with it (another deployment's), not judged
+    foreign_namespaces: list[str] = dataclasses.field(default_factory=list)
 
 
 def verify_file(dir_fd: int, name: str, expect_digest: bytes | None, expect_name: str | None,
@@ -327,30 +439,104 @@ def _ns_digest(namespace: str) -> bytes | None:
         return None
 
 
-def verify(root: str, namespace: str | None = None, action: str = "report") -> VerifyReport:
-    """Check every chunk file; ``action`` 'quarantine' or 'delete' removes bad ones."""
+def verify(root: str, namespace: str | None = None, action: str = "report",
+           keyring: Keyring | None = None) -> VerifyReport:
+    """Check every chunk file; ``action`` 'quarantine' or 'delete' removes bad ones.
+
+    With the secret only keyed namespaces are checked, every file's header
+    MAC and payload MAC too: a file not signed with it is reported forged
+    (and never deleted or moved: not ours); without it a keyed namespace is
+    refused (``KeyRequired``): its checksums are public, a forgery passes them.
+    """
     if action not in ("report", "quarantine", "delete"):
         raise ValueError(f"action {action!r}; allowed: report, quarantine, delete")
     rep = VerifyReport(action=action)
     buf = aligned_empty(_VERIFY_BLOCK)
     scans = scan_root(root, namespace)
+    _require_key(scans, keyring, "verify")
     rep.unreadable = _unreadable(scans)
-    for s in scans:
-        digest = _ns_digest(s.namespace)
-        for f in s.chunks:
-            try:
-                with safedir.dir_at(s.path, f.dirs) as d:
-                    reason = _verify_one(rep, d, f, digest, buf)
-                    if reason is None:
-                        continue
-                    rep.bad.append((f.path, reason))
-                    if not reason.startswith(("not_regular", "unreadable", NOT_OURS)):
-                        _act(action, s.path, d, f, reason)
-            except FileNotFoundError:
-                rep.vanished += 1
-            except OSError as e:
-                rep.unreadable.append(f"{f.path}: {e.strerror or e}")
+    for s in _in_scope(scans, keyring):
+        tag = keyed_tag(s.namespace)
+        digest = tag if keyring is not None else _ns_digest(s.namespace)
+        mark = (rep.checked, rep.ok, len(rep.bad), rep.forged, rep.unverified_salt)
+        _verify_namespace(rep, s, keyring, tag, digest, buf, action)
+        if keyring is not None and namespace is None and rep.ok == mark[1] and rep.unverified_salt == mark[4] \
+                and sum(r == FORGED for _, r in rep.bad[mark[2]:]) == rep.checked - mark[0] > 0:
+            # Nothing there is signed with this secret: another deployment's namespace, not ours to judge.
+            rep.checked, rep.ok, _, rep.forged, rep.unverified_salt = mark
+            del rep.bad[mark[2]:]
+            rep.foreign_namespaces.append(s.namespace)
     return rep
+
+
+def _verify_namespace(rep: VerifyReport, s: NamespaceScan, keyring: Keyring | None, tag, digest, buf,
+                      action: str) -> None:
+    for f in s.chunks:
+        try:
+            with safedir.dir_at(s.path, f.dirs) as d:
+                if keyring is not None:
+                    reason = _verify_keyed(rep, d, f, tag, keyring)
+                else:
+                    reason = _verify_one(rep, d, f, digest, buf)
+                if reason is None:
+                    continue
+                rep.bad.append((f.path, reason))
+                if not reason.startswith(("not_regular", "unreadable", NOT_OURS, FORGED)):
+                    _act(action, s.path, d, f, reason)
+        except FileNotFoundError:
+            rep.vanished += 1
+        except OSError as e:
+            rep.unreadable.append(f"{f.path}: {e.strerror or e}")
+
+
+def _verify_keyed(rep: VerifyReport, d: int, f: Found, tag: bytes, keyring: Keyring) -> str | None:
+    """Header MAC, then the whole file as the tier reads it (payload MAC or AEAD tag) with the salt's keys."""
+    from tpu_offload.core.fs.chunkfile import check_chunk
+
+    rep.checked += 1
+    try:
+        fd, st = safedir.open_regular(f.name, d)
+    except safedir.NotRegular as e:
+        return f"not_regular ({e.kind})"
+    except OSError as e:
+        if isinstance(e, FileNotFoundError):
+            rep.checked -= 1
+            raise
+        return f"unreadable ({e.strerror})"
+    try:
+        hdr = aligned_empty(HEADER_SIZE)
+        n = os.preadv(fd, [memoryview(hdr)], 0)
+        h = keyring.header(bytes(hdr[:n]), tag, f.name)
+        if h is None:
+            rep.forged += 1
+            return FORGED
+        tk = keyring.tenant(tag, h.salt_id)
+        if tk is None:  # a tenant salt we were not given: the header is ours, the payload unchecked
+            rep.unverified_salt += 1
+            return None
+        if h.payload_len > st.st_size:
+            return "truncated"
+        payload = aligned_empty(h.payload_len)
+        got = os.preadv(fd, [memoryview(payload)], HEADER_SIZE) if h.payload_len else 0
+    except OSError as e:
+        return f"unreadable ({e.strerror})"
+    finally:
+        os.close(fd)
+    scratch = {}
+
+    def ct_buf(m: int):
+        if m not in scratch:
+            scratch[m] = aligned_empty(m + 16)
+        return scratch[m]
+
+    reason = check_chunk(tag, h.key, hdr, memoryview(payload), HEADER_SIZE + got, tk, st.st_size, ct_buf)
+    if reason is None:
+        rep.ok += 1
+        return None
+    if reason == "mac":  # our header, someone else's payload (e.g. an xxh3 collision): forged
+        rep.forged += 1
+        return "mac (payload not signed with this secret: forged)"
+    return reason
 
 
 def _verify_one(rep: VerifyReport, d: int, f: Found, digest: bytes | None, buf) -> str | None:

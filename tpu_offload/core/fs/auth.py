@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import math
 import os
 import stat
 
@@ -44,11 +45,23 @@ def _kdf(key: bytes, person: bytes, data: bytes, size: int = 32) -> bytes:
 class TenantKeys:
     """Name and MAC keys of one (layout, tenant salt) pair."""
 
-    __slots__ = ("_name_key", "_mac_key", "enc_key", "gmac_key", "_aead", "_gmac")
+    __slots__ = ("_name_key", "_mac_key", "enc_key", "gmac_key", "_aead", "_gmac", "_head_key", "salt_id")
 
-    def __init__(self, name_key: bytes, mac_key: bytes, enc_key: bytes, gmac_key: bytes = b""):
+    def __init__(self, name_key: bytes, mac_key: bytes, enc_key: bytes, gmac_key: bytes = b"",
+                 head_key: bytes = b"", salt_id: bytes = bytes(8)):
         self._name_key, self._mac_key, self.enc_key, self.gmac_key = name_key, mac_key, enc_key, gmac_key
+        self._head_key, self.salt_id = head_key, salt_id
         self._aead = self._gmac = None
+
+    def head_mac(self, header: memoryview) -> bytes:
+        """HMAC-SHA256 of a header's leading bytes under the namespace's header key (salt-free).
+
+        What ``tpu-offload-fs`` checks with the secret alone: it proves one of
+        our writers made this header (name, layout tag, length, checksum), so
+        another tenant's files are never counted or deleted, without reading
+        payloads. The payload's own MAC still decides what is served.
+        """
+        return hmac.new(self._head_key, header, "sha256").digest()
 
     def gmac(self, header: memoryview, payload: memoryview, nonce: bytes) -> bytes:
         """16-byte AES-GCM tag over the payload (as associated data) and the header (as plaintext).
@@ -105,20 +118,48 @@ class FsAuth:
 
     def tenant(self, layout_digest: bytes, salt: bytes = b"") -> TenantKeys:
         """Keys of one tenant salt within one layout (``b""``: the deployment's own)."""
-        base = _kdf(self._root, b"tpuoff-tenant", layout_digest + b"\0" + bytes(salt), 64)
+        return self.tenant_of_tag(self.layout_tag(layout_digest), salt)
+
+    def head_key(self, tag: bytes) -> bytes:
+        """The header-MAC key of one namespace (its layout tag): the same for every tenant salt."""
+        return _kdf(self._root, b"tpuoff-headkey", bytes(tag))
+
+    def salt_id(self, tag: bytes, salt: bytes) -> bytes:
+        """8 bytes naming a tenant salt in headers: reveals nothing without the secret."""
+        return _kdf(self.head_key(tag), b"tpuoff-saltid", bytes(salt), 8)
+
+    def tenant_of_tag(self, tag: bytes, salt: bytes = b"") -> TenantKeys:
+        """Tenant keys from a namespace's layout tag (its name): what the CLI can derive with the secret."""
+        base = _kdf(self._root, b"tpuoff-tenant2", bytes(tag) + b"\0" + bytes(salt), 64)
         return TenantKeys(_kdf(base, b"tpuoff-namekey", b""), _kdf(base, b"tpuoff-mackey", b""),
-                          _kdf(base, b"tpuoff-enckey", b""), _kdf(base, b"tpuoff-gmackey", b""))
+                          _kdf(base, b"tpuoff-enckey", b""), _kdf(base, b"tpuoff-gmackey", b""),
+                          self.head_key(tag), self.salt_id(tag, salt))
 
     def index_mac(self, body: bytes) -> str:
         """MAC of a snapshot index (hex)."""
         return _kdf(self._root, b"tpuoff-snapshot", body).hex()
+
+    def row_mac(self, context: bytes, views) -> str:
+        """HMAC-SHA256 (hex) of one snapshot row's bytes, bound to ``context`` (what the row stands for).
+
+        Why per row and keyed: an index MAC over xxh3 sums does not protect
+        the data (xxh3 is not a MAC: a row can be rewritten keeping its xxh3),
+        so each row carries its own MAC and a restore drops every row that fails.
+        """
+        h = hmac.new(_kdf(self._root, b"tpuoff-snaprow", b""), digestmod="sha256")
+        h.update(len(context).to_bytes(4, "little") + bytes(context))
+        for v in views:
+            h.update(v)
+        return h.hexdigest()
 
 
 def read_secret_file(path: str) -> bytes:
     """The secret in ``path`` (surrounding whitespace stripped); ValueError(allowed) otherwise.
 
     Followed if a symlink (Kubernetes mounts Secrets through symlinks), but
-    opened without blocking and kept only if a regular file of sane size.
+    opened without blocking and kept only if a regular file of sane size that
+    nobody else could have rewritten: not group- or world-writable, owned by
+    us or root (a file another uid can rewrite gives that uid our keys).
     """
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -128,17 +169,100 @@ def read_secret_file(path: str) -> bytes:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_SECRET_BYTES:
             raise ValueError(f"a regular file of {MIN_SECRET_BYTES} to {MAX_SECRET_BYTES} bytes")
+        if st.st_mode & 0o022:
+            raise ValueError(f"a file only its owner can write (this one is mode {stat.S_IMODE(st.st_mode):04o}: "
+                             "group- or world-writable, so another user could replace the secret; chmod 600 it)")
+        if st.st_uid not in (os.geteuid(), 0):
+            raise ValueError(f"a file owned by this user ({os.geteuid()}) or root (this one is owned by uid "
+                             f"{st.st_uid}, who could replace the secret)")
         data = os.read(fd, MAX_SECRET_BYTES + 1)
     finally:
         os.close(fd)
     return check_secret(data)
 
 
+def make_secret_file(path: str) -> bytes:
+    """Write a fresh secret (32 random bytes, base64) to a new file of mode 0600; returns it.
+
+    What ``tpu-offload-fs make-secret`` does, and the same as
+    ``head -c 32 /dev/urandom | base64 > path; chmod 600 path``.
+    """
+    import base64
+
+    data = base64.b64encode(os.urandom(32))
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, data + b"\n")
+    finally:
+        os.close(fd)
+    return data
+
+
+MIN_SECRET_BITS = 128
+HOW_TO_MAKE = "32 random bytes, e.g. `head -c 32 /dev/urandom | base64`"
+
+
+_ALPHABETS = (  # (characters, size): the smallest one a secret fits in sets its bits per character
+    (frozenset(b"0123456789"), 10),
+    (frozenset(b"0123456789abcdef"), 16), (frozenset(b"0123456789ABCDEF"), 16),
+    (frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ234567="), 32), (frozenset(b"abcdefghijklmnopqrstuvwxyz234567="), 32),
+    (frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/=-_"), 64),
+    (frozenset(range(32, 127)), 95),
+)
+
+
+def _alphabet_bits(data: bytes) -> float:
+    chars = set(data)
+    return math.log2(next((n for a, n in _ALPHABETS if chars <= a), 256))
+
+
+def secret_weakness(data: bytes) -> str | None:
+    """Why ``data`` is a guessable secret (an estimate below 128 bits), or None.
+
+    An estimate, not a proof: bits per character of the smallest usual
+    alphabet it fits (digits, hex, base32, base64, printable, bytes) times
+    its length, not counting characters a run predicts (``aaaaa``,
+    ``01234``: all but the first two of a run of 5 or more); and refused
+    outright when it shows a pattern a person types (fewer than 8 distinct
+    characters, one character a third of it, a repeated block). 32 random
+    bytes (256 bits) are recommended: a 16-byte key sits on the threshold.
+    """
+    n = len(data)
+    predictable, run = 0, 1
+    for i in range(1, n + 1):
+        step = data[i] - data[i - 1] if i < n else None
+        if i < n and step in (-1, 0, 1) and (run == 1 or step == data[i - 1] - data[i - 2]):
+            run += 1
+            continue
+        if run >= 5:
+            predictable += run - 2
+        run = 2 if i < n and step in (-1, 0, 1) else 1
+    bits = (n - predictable) * _alphabet_bits(data)
+    if bits < MIN_SECRET_BITS:
+        return f"about {bits:.0f} bits for its length and alphabet" + (
+            f", {predictable} characters of it runs like aaaaa or 01234" if predictable else "")
+    distinct = len(set(data))
+    if distinct < 8:
+        return f"only {distinct} distinct characters"
+    top = max(data.count(bytes([c])) for c in set(data))
+    if top > max(3, n // 3):
+        return f"one character makes up {top} of its {n}"
+    for p in range(1, n // 2 + 1):
+        if data[p:] == data[:-p]:
+            return f"a block of {p} characters repeated"
+    return None
+
+
 def check_secret(data: bytes) -> bytes:
     data = bytes(data).strip()
     if not MIN_SECRET_BYTES <= len(data) <= MAX_SECRET_BYTES:
         raise ValueError(f"a secret of {MIN_SECRET_BYTES} to {MAX_SECRET_BYTES} bytes "
-                         f"(got {len(data)}; e.g. `openssl rand -hex 32`)")
+                         f"(got {len(data)}; use {HOW_TO_MAKE})")
+    weak = secret_weakness(data)
+    if weak is not None:
+        raise ValueError(f"a secret of at least {MIN_SECRET_BITS} bits of entropy (this one is guessable: "
+                         f"{weak}; use {HOW_TO_MAKE})")
     return data
 
 

@@ -21,7 +21,7 @@ from typing import Callable
 
 import numpy as np
 
-from tpu_offload.core.fs import actions, layout, safedir
+from tpu_offload.core.fs import actions, fileio, layout, safedir
 from tpu_offload.core.fs.fileio import (
     O_DIRECT, aligned_empty, direct_ok, is_direct_refusal, read_all, write_all,
 )
@@ -66,7 +66,7 @@ class ChunkFiles:
 
     # ---- write ---------------------------------------------------------
     def write(self, key: bytes, khex: str, mv: memoryview, *, unless_size: int | None = None,
-              tk: TenantKeys | None = None) -> os.stat_result | None:
+              tk: TenantKeys | None = None, publish: Callable[[], bool] | None = None) -> os.stat_result | None:
         """Publish ``mv`` as the chunk ``key``; raises OSError (ELOOP/ENOTDIR: a symlink on the way).
 
         ``key`` is what the header names (the file id with a secret); with
@@ -75,7 +75,9 @@ class ChunkFiles:
         With ``unless_size``, a regular file of that size already published
         (maybe by another instance) is kept: its stat is returned and nothing
         is written. The check uses the directory fd the write would use, so a
-        write walks the directories once.
+        write walks the directories once. ``publish()`` is asked once the
+        payload is down: False (past its deadline, abandoned) and the temp
+        file goes instead of being renamed (``TimeoutError``).
         """
         with self._dir(khex, create=True) as d:
             if unless_size is not None:
@@ -88,10 +90,10 @@ class ChunkFiles:
             elif tk is not None and self.gmac:
                 nonce = os.urandom(NONCE_BYTES)
                 pack_header(hdr, self.digest, key, len(mv), payload_checksum(mv),
-                            lambda h: nonce + tk.gmac(h, mv, nonce) + bytes(MAC_BYTES_PAD), flags=FLAG_GMAC)
+                            lambda h: nonce + tk.gmac(h, mv, nonce) + bytes(MAC_BYTES_PAD), flags=FLAG_GMAC, head=tk)
             else:
                 pack_header(hdr, self.digest, key, len(mv), payload_checksum(mv),
-                            None if tk is None else (lambda h: tk.mac(h, mv)))
+                            None if tk is None else (lambda h: tk.mac(h, mv)), head=tk)
             use_direct = self.direct and direct_ok(mv)
             tmp = layout.temp_name(khex)
             fd, use_direct = self._open_tmp(tmp, d, use_direct)
@@ -110,8 +112,11 @@ class ChunkFiles:
                         write_all(fd, [memoryview(hdr), mv])
                     if self.fsync:
                         os.fsync(fd)
+                    self._tls.ino = os.fstat(fd).st_ino  # what we publish: the only inode ours to restamp
                 finally:
                     os.close(fd)
+                if publish is not None and not publish():
+                    raise TimeoutError(errno.ETIMEDOUT, "the write passed its deadline (fs_io_timeout_s)")
                 if self.before_publish is not None:
                     self.before_publish(os.path.join(layout.chunk_dir(self.ns_dir, khex), tmp))
                 os.rename(tmp, khex, src_dir_fd=d, dst_dir_fd=d)
@@ -176,6 +181,7 @@ class ChunkFiles:
                         reason = self._check(key, hdr, mv, n, tk, _st.st_size)
                         if reason is not None:
                             return CORRUPT, (reason, _st.st_ino)
+                        self._tls.ino = _st.st_ino  # verified: ours to restamp
                     finally:
                         os.close(fd)
                     return HIT, None
@@ -191,18 +197,32 @@ class ChunkFiles:
     def stat(self, khex: str) -> os.stat_result | None:
         """The published file's stat, or None: absent, or not a regular file reached without symlinks."""
         try:
+            if fileio.fault is not None:
+                fileio.fault("stat")
             with self._dir(khex) as d:
                 st = safedir.lstat_regular(khex, d)
         except OSError:
             return None
         return st if st is not None and st.st_nlink == 1 else None
 
-    def restamp(self, khex: str) -> None:
-        """Set the file's mtime to now (the shared recency clock); never through a symlink."""
+    def last_inode(self) -> int | None:
+        """The inode this thread last published (``write``) or verified (a ``read`` hit)."""
+        return getattr(self._tls, "ino", None)
+
+    def restamp(self, khex: str, ino: int | None = None) -> bool:
+        """Set the file's mtime to now (the shared recency clock); never through a symlink.
+
+        ``ino``: only if the file is still that inode (one we wrote or
+        verified): a file someone swapped in since is never kept alive by us.
+        """
         with self._dir(khex) as d:
             st = safedir.lstat_regular(khex, d)
-            if st is not None and st.st_nlink == 1:  # a hardlink's inode is shared with a path outside
-                os.utime(khex, dir_fd=d, follow_symlinks=False)
+            if st is None or st.st_nlink != 1:  # a hardlink's inode is shared with a path outside
+                return False
+            if ino is not None and st.st_ino != ino:
+                return False
+            os.utime(khex, dir_fd=d, follow_symlinks=False)
+            return True
 
     def unlink(self, khex: str, ino: int | None = None, ours: bool = False) -> bool:
         """Remove the regular file (that inode, if given); True if we did. Symlinks are never removed.
@@ -227,34 +247,7 @@ class ChunkFiles:
 
     def _check(self, key: bytes, hdr: np.ndarray, mv: memoryview, n: int, tk: TenantKeys | None,
                size: int) -> str | None:
-        if n < HEADER_SIZE:
-            return "truncated"
-        try:
-            h = parse_header(hdr)
-        except HeaderError as e:
-            return e.reason
-        reason = check_header(h, self.digest, key, len(mv))
-        if reason is not None:
-            return reason
-        if n < HEADER_SIZE + len(mv) or size < HEADER_SIZE + len(mv):
-            return "truncated"
-        if size > HEADER_SIZE + len(mv):  # trailing bytes: not the file we wrote
-            return "length"
-        if payload_checksum(mv) != h.checksum:
-            return "checksum"
-        if tk is not None:  # damage is caught above; this says whether one of our keys wrote it
-            if h.flags & FLAG_AEAD:
-                return self._open_sealed(h, key, mv, tk)
-            if h.flags & FLAG_GMAC:
-                try:
-                    ok = tk.gmac_ok(memoryview(hdr)[:MAC_OFF], mv, h.mac[:NONCE_BYTES],
-                                    h.mac[NONCE_BYTES:NONCE_BYTES + TAG_BYTES])
-                except ImportError:  # no cryptography here: cannot verify, so never serve
-                    ok = False
-                return None if ok else "mac"
-            if not h.flags & FLAG_MAC or not tk.mac_ok(memoryview(hdr)[:MAC_OFF], mv, h.mac):
-                return "mac"
-        return None
+        return check_chunk(self.digest, key, hdr, mv, n, tk, size, self._ct_buf)
 
     # ---- encryption at rest (fs_encrypt) --------------------------------
     def _seal(self, hdr: np.ndarray, key: bytes, mv: memoryview, tk: TenantKeys) -> memoryview:
@@ -265,25 +258,8 @@ class ChunkFiles:
         ct = memoryview(buf)[: len(mv)]
         tag = bytes(buf[len(mv):])
         pack_header(hdr, self.digest, key, len(mv), payload_checksum(ct),
-                    lambda _h: nonce + tag + bytes(MAC_BYTES_PAD), flags=FLAG_AEAD)
+                    lambda _h: nonce + tag + bytes(MAC_BYTES_PAD), flags=FLAG_AEAD, head=tk)
         return ct
-
-    def _open_sealed(self, h, key: bytes, mv: memoryview, tk: TenantKeys) -> str | None:
-        """Decrypt the ciphertext in ``mv`` in place (through a per-thread buffer); "mac" if the tag fails."""
-        try:
-            from cryptography.exceptions import InvalidTag
-        except ImportError:  # no cryptography here: cannot decrypt, so never serve
-            return "mac"
-
-        n = len(mv)
-        buf = self._ct_buf(n)
-        buf[:n] = np.frombuffer(mv, dtype=np.uint8)
-        buf[n:] = np.frombuffer(h.mac[NONCE_BYTES:NONCE_BYTES + TAG_BYTES], dtype=np.uint8)
-        try:
-            tk.aead().decrypt_into(h.mac[:NONCE_BYTES], memoryview(buf), aead_aad(self.digest, key, n), mv)
-        except InvalidTag:
-            return "mac"
-        return None
 
     def _ct_buf(self, n: int) -> np.ndarray:
         buf = getattr(self._tls, "ct", None)
@@ -302,3 +278,59 @@ class ChunkFiles:
         if buf is None:  # one page per I/O thread, aligned for O_DIRECT
             buf = self._tls.hdr = aligned_empty(HEADER_SIZE)
         return buf
+
+
+def check_chunk(digest: bytes, key: bytes, hdr, mv: memoryview, n: int, tk: TenantKeys | None, size: int,
+                ct_buf: Callable[[int], np.ndarray]) -> str | None:
+    """Why a chunk read into ``hdr`` + ``mv`` (``n`` bytes, file of ``size``) must not be served, or None.
+
+    With ``tk`` the MAC (or AEAD tag, decrypting ``mv`` in place) must verify;
+    the tier and ``tpu-offload-fs verify`` both judge files with this one copy.
+    """
+    if n < HEADER_SIZE:
+        return "truncated"
+    try:
+        h = parse_header(hdr)
+    except HeaderError as e:
+        return e.reason
+    reason = check_header(h, digest, key, len(mv))
+    if reason is not None:
+        return reason
+    if n < HEADER_SIZE + len(mv) or size < HEADER_SIZE + len(mv):
+        return "truncated"
+    if size > HEADER_SIZE + len(mv):  # trailing bytes: not the file we wrote
+        return "length"
+    if payload_checksum(mv) != h.checksum:
+        return "checksum"
+    if tk is not None:  # damage is caught above; this says whether one of our keys wrote it
+        if h.flags & FLAG_AEAD:
+            return _open_sealed(digest, h, key, mv, tk, ct_buf)
+        if h.flags & FLAG_GMAC:
+            try:
+                ok = tk.gmac_ok(memoryview(hdr)[:MAC_OFF], mv, h.mac[:NONCE_BYTES],
+                                h.mac[NONCE_BYTES:NONCE_BYTES + TAG_BYTES])
+            except ImportError:  # no cryptography here: cannot verify, so never serve
+                ok = False
+            return None if ok else "mac"
+        if not h.flags & FLAG_MAC or not tk.mac_ok(memoryview(hdr)[:MAC_OFF], mv, h.mac):
+            return "mac"
+    return None
+
+
+def _open_sealed(digest: bytes, h, key: bytes, mv: memoryview, tk: TenantKeys,
+                 ct_buf: Callable[[int], np.ndarray]) -> str | None:
+    """Decrypt the ciphertext in ``mv`` in place (through ``ct_buf``); "mac" if the tag fails."""
+    try:
+        from cryptography.exceptions import InvalidTag
+    except ImportError:  # no cryptography here: cannot decrypt, so never serve
+        return "mac"
+
+    n = len(mv)
+    buf = ct_buf(n)
+    buf[:n] = np.frombuffer(mv, dtype=np.uint8)
+    buf[n:] = np.frombuffer(h.mac[NONCE_BYTES:NONCE_BYTES + TAG_BYTES], dtype=np.uint8)
+    try:
+        tk.aead().decrypt_into(h.mac[:NONCE_BYTES], memoryview(buf), aead_aad(digest, key, n), mv)
+    except InvalidTag:
+        return "mac"
+    return None

@@ -7,6 +7,12 @@ Exit codes (stable, for cron jobs and probes):
   3  the root is missing or unreadable
   4  done, but some directories or files could not be read and were skipped
      (listed on stderr); 1 takes precedence over 4
+
+Keyed namespaces (kv-..., a tier with a secret): pass the secret the connectors
+use (--secret-file, --config with fs_secret_file, or TPU_OFFLOAD_FS_SECRET_FILE /
+TPU_OFFLOAD_FS_SECRET); then only files signed with it are counted, evicted or
+passed, and only keyed namespaces are touched. Without it evict and verify
+refuse a keyed namespace (exit 2): the magic is public, forgeries look alike.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ from typing import Any, Callable
 
 from tpu_offload.core import config
 from tpu_offload.core.fs import admin
+from tpu_offload.core.fs.auth import check_secret, make_secret_file, read_secret_file
+from tpu_offload.core.fs.keyring import Keyring
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, EXIT_NO_ROOT, EXIT_PARTIAL = 0, 1, 2, 3, 4
 MIN_TMP_AGE_S = 60.0  # a slow write (NFS, a big chunk) can take this long: younger temps may be live
@@ -64,6 +72,15 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("root", help="the shared_storage_path all instances use")
         sp.add_argument("--namespace", help="only this namespace (a directory under root)")
         sp.add_argument("--json", action="store_true", help="machine-readable output")
+        sp.add_argument("--secret-file", help="the file tier's secret (as fs_secret_file); else "
+                        "TPU_OFFLOAD_FS_SECRET_FILE / TPU_OFFLOAD_FS_SECRET / --config")
+        sp.add_argument("--config", help="a kv-transfer-config JSON file (or its kv_connector_extra_config) "
+                        "whose fs_secret_file names the secret")
+        sp.add_argument("--salt", action="append", default=[],
+                        help="a tenant's cache_salt whose files verify should check in full (repeatable)")
+
+    sub.add_parser("make-secret", help="write a fresh secret (32 random bytes, base64) to a new 0600 file"
+                   ).add_argument("path")
 
     e = sub.add_parser("evict", help="delete least recently used files above a high watermark")
     common(e)
@@ -75,6 +92,8 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"delete our temp files older than this many seconds on the file server's clock "
                         f"(default 600, at least {MIN_TMP_AGE_S:g})")
     e.add_argument("--dry-run", action="store_true", help="report what would be deleted")
+    e.add_argument("--budget-scope", choices=("namespace", "total"), default="namespace",
+                   help="--budget for each namespace on its own (default), or for all in scope together")
 
     i = sub.add_parser("inspect", help="namespaces, sizes, counts and ages")
     common(i)
@@ -87,8 +106,22 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, env=None) -> int:
     args = _parser().parse_args(argv)
+    if args.cmd == "make-secret":
+        try:
+            make_secret_file(args.path)
+        except OSError as e:
+            print(f"tpu-offload-fs: cannot create {args.path!r}: {e.strerror or e} (it must not exist yet)",
+                  file=sys.stderr)
+            return EXIT_USAGE
+        print(f"wrote a 32-byte secret to {args.path} (mode 0600)")
+        return EXIT_OK
+    try:
+        args.keyring = _keyring(args, os.environ if env is None else env)
+    except ValueError as e:
+        print(f"tpu-offload-fs: {e}", file=sys.stderr)
+        return EXIT_USAGE
     if not os.path.isdir(args.root) or not os.access(args.root, os.R_OK | os.X_OK):
         print(f"tpu-offload-fs: root {args.root!r} is missing or unreadable", file=sys.stderr)
         return EXIT_NO_ROOT
@@ -98,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     try:
         problems, unreadable = _run(args)
+    except admin.KeyRequired as e:
+        print(f"tpu-offload-fs: {e}", file=sys.stderr)
+        return EXIT_USAGE
     except OSError as e:  # only the root itself can fail this way: everything below is skipped and listed
         print(f"tpu-offload-fs: cannot read root {args.root!r}: {e.strerror or e}", file=sys.stderr)
         return EXIT_NO_ROOT
@@ -108,19 +144,59 @@ def main(argv: list[str] | None = None) -> int:
     return EXIT_PROBLEMS if problems else EXIT_PARTIAL if unreadable else EXIT_OK
 
 
+def _keyring(args, env) -> Keyring | None:
+    """The secret the connectors would use, from the flags, then the environment; None without one."""
+    salts = tuple(s.encode() for s in args.salt)
+    if args.secret_file:
+        try:
+            return Keyring(read_secret_file(args.secret_file), salts)
+        except ValueError as e:
+            raise ValueError(f"--secret-file {args.secret_file!r}: not allowed; allowed: {e}") from None
+    if args.config:
+        try:
+            with open(args.config) as f:
+                obj = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"--config {args.config!r}: cannot read a JSON object ({e})") from None
+        extra = obj.get("kv_connector_extra_config", obj) if isinstance(obj, dict) else None
+        path = extra.get("fs_secret_file") if isinstance(extra, dict) else None
+        if not path:
+            raise ValueError(f"--config {args.config!r}: no fs_secret_file in it; allowed: a kv-transfer-config "
+                             "or extra config naming the tier's secret file")
+        try:
+            return Keyring(read_secret_file(path), salts)
+        except ValueError as e:
+            raise ValueError(f"--config {args.config!r}: fs_secret_file {path!r}: not allowed; allowed: {e}") from None
+    if env.get("TPU_OFFLOAD_FS_SECRET_FILE"):
+        path = env["TPU_OFFLOAD_FS_SECRET_FILE"]
+        try:
+            return Keyring(read_secret_file(path), salts)
+        except ValueError as e:
+            raise ValueError(f"TPU_OFFLOAD_FS_SECRET_FILE {path!r}: not allowed; allowed: {e}") from None
+    if env.get("TPU_OFFLOAD_FS_SECRET"):
+        try:
+            return Keyring(check_secret(env["TPU_OFFLOAD_FS_SECRET"].encode()), salts)
+        except ValueError as e:
+            raise ValueError(f"TPU_OFFLOAD_FS_SECRET (value hidden): not allowed; allowed: {e}") from None
+    if salts:
+        raise ValueError("--salt needs the secret (--secret-file, --config, or the environment)")
+    return None
+
+
 def _run(args) -> tuple[bool, list[str]]:
     """Do the command and print its report; (problems found, paths skipped)."""
     if args.cmd == "evict":
         rep = admin.evict(args.root, budget_bytes=args.budget, high_pct=args.high, low_pct=args.low,
-                          namespace=args.namespace, tmp_age_s=args.tmp_age, dry_run=args.dry_run)
+                          namespace=args.namespace, tmp_age_s=args.tmp_age, dry_run=args.dry_run,
+                          keyring=args.keyring, per_namespace=args.budget_scope == "namespace")
         _emit(args, {**dataclasses.asdict(rep), "reached_low": rep.reached_low}, _evict_text(rep))
         return not rep.reached_low, rep.unreadable
     if args.cmd == "inspect":
-        out = admin.inspect(args.root, args.namespace)
+        out = admin.inspect(args.root, args.namespace, keyring=args.keyring)
         _emit(args, out, _inspect_text(out))
         return False, out["unreadable"]
     action = "quarantine" if args.quarantine else "delete" if args.delete else "report"
-    rep = admin.verify(args.root, args.namespace, action)
+    rep = admin.verify(args.root, args.namespace, action, keyring=args.keyring)
     _emit(args, dataclasses.asdict(rep), _verify_text(rep))
     return bool(rep.bad), rep.unreadable
 
@@ -142,7 +218,7 @@ def _evict_text(r: admin.EvictReport) -> str:
     return (f"{head}\n{verb} {r.evicted_files} files ({_gib(r.evicted_bytes)}), now {_gib(r.used_after)}; "
             f"{r.temps_removed} stale temps removed ({r.clock} clock); skipped: {r.skipped_vanished} vanished, "
             f"{r.skipped_recently_used} used meanwhile, {r.skipped_not_ours} without our magic; "
-            f"{r.not_ours} files without our magic not counted"
+            f"{r.not_ours} files not ours (no magic, or not signed with the secret) not counted"
             + ("" if r.reached_low else "\nWARNING: could not reach the low mark"))
 
 
@@ -165,6 +241,9 @@ def _inspect_text(out: dict) -> str:
 
 def _verify_text(r: admin.VerifyReport) -> str:
     lines = [f"checked {r.checked} files: {r.ok} ok, {len(r.bad)} bad"
+             + (f" ({r.forged} forged)" if r.forged else "")
+             + (f", {r.unverified_salt} of a tenant salt not given (header ours, payload unchecked: --salt)"
+                if r.unverified_salt else "")
              + (f" ({r.action}d)" if r.bad and r.action != "report" else "")
              + (f", {r.vanished} vanished during the check" if r.vanished else "")]
     lines += [f"BAD {path}: {reason}" for path, reason in r.bad]

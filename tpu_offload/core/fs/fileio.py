@@ -16,6 +16,10 @@ import numpy as np
 PAGE = 4096
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 
+# Fault injection at the syscall wrapper (tests): called with "read", "write" or "stat" before each
+# preadv / pwritev / presence stat of the file tier; it may sleep (a hung mount) or raise OSError.
+fault = None
+
 
 def aligned_empty(nbytes: int, align: int = PAGE) -> np.ndarray:
     raw = np.empty(nbytes + align, dtype=np.uint8)
@@ -50,6 +54,8 @@ def write_all(fd: int, bufs: list[memoryview], offset: int = 0) -> int:
     total = sum(len(b) for b in bufs)
     done = 0
     while done < total:
+        if fault is not None:
+            fault("write")
         n = os.pwritev(fd, bufs, offset + done)
         if n <= 0:
             raise OSError(errno.EIO, "pwritev wrote nothing")
@@ -63,6 +69,8 @@ def read_all(fd: int, bufs: list[memoryview], offset: int = 0) -> int:
     total = sum(len(b) for b in bufs)
     done = 0
     while done < total:
+        if fault is not None:
+            fault("read")
         n = os.preadv(fd, bufs, offset + done)
         if n == 0:
             break

@@ -19,6 +19,10 @@ Layout of the header (little-endian)::
     40  Q   xxh3-64 of the payload
     48  H   key length
     50  ..  key bytes (with a secret: the keyed file id), zero padding
+    4016 8s  keyed id of the tenant salt (flag 8; else zero)
+    4024 32s HMAC-SHA256 of bytes [0, 4024) under the namespace's header key (flag 8; else zero):
+             lets ``tpu-offload-fs`` tell our files from forgeries with the secret alone (no salt,
+             no layout), without reading payloads
     4056 32s HMAC-SHA256 of bytes [0, 4056) and the payload (flag 1; else zero)
     4088 Q  xxh3-64 of bytes [0, 4088)
 
@@ -47,6 +51,10 @@ MAC_OFF = _HCHK_OFF - MAC_BYTES  # the MAC covers every header byte before it
 FLAG_MAC = 1
 FLAG_AEAD = 2
 FLAG_GMAC = 4
+FLAG_HEAD = 8  # salt id and header MAC present
+HEAD_MAC_OFF = MAC_OFF - MAC_BYTES
+SALT_ID_BYTES = 8
+SALT_ID_OFF = HEAD_MAC_OFF - SALT_ID_BYTES
 NONCE_BYTES, TAG_BYTES = 12, 16  # AES-GCM, stored at MAC_OFF
 
 
@@ -74,6 +82,8 @@ class Header:
     checksum: int
     flags: int = 0
     mac: bytes = b""
+    salt_id: bytes = b""  # FLAG_HEAD
+    head_mac: bytes = b""  # FLAG_HEAD: over bytes [0, HEAD_MAC_OFF)
 
     @property
     def file_size(self) -> int:
@@ -85,11 +95,13 @@ def payload_checksum(data) -> int:
 
 
 def pack_header(buf, digest: bytes, key: bytes, payload_len: int, checksum: int,
-                seal: Callable[[memoryview], bytes] | None = None, flags: int | None = None) -> None:
+                seal: Callable[[memoryview], bytes] | None = None, flags: int | None = None,
+                head=None) -> None:
     """Fill ``buf`` (a writable 4096-byte buffer, e.g. an aligned numpy row).
 
     ``seal(header[:MAC_OFF])`` returns the MAC (it also covers the payload);
-    with it the MAC flag is set.
+    with it the MAC flag is set. ``head`` (tenant keys: ``salt_id`` and
+    ``head_mac``) adds the salt id and the header MAC, before the seal.
     """
     if len(key) > MAX_KEY_BYTES or not key:
         raise ValueError(f"key of {len(key)} bytes; allowed 1..{MAX_KEY_BYTES}")
@@ -101,8 +113,13 @@ def pack_header(buf, digest: bytes, key: bytes, payload_len: int, checksum: int,
     mv[:] = _ZERO
     if flags is None:
         flags = FLAG_MAC if seal is not None else 0
+    if head is not None:
+        flags |= FLAG_HEAD
     _FIXED.pack_into(mv, 0, MAGIC, VERSION, HEADER_SIZE, flags, digest, payload_len, checksum, len(key))
     mv[_KEY_OFF : _KEY_OFF + len(key)] = key
+    if head is not None:
+        mv[SALT_ID_OFF:HEAD_MAC_OFF] = head.salt_id
+        mv[HEAD_MAC_OFF:MAC_OFF] = head.head_mac(mv[:HEAD_MAC_OFF])
     if seal is not None:
         tag = seal(mv[:MAC_OFF])
         if len(tag) != MAC_BYTES:
@@ -137,8 +154,11 @@ def parse_header(buf) -> Header:
     if hsize != HEADER_SIZE or klen == 0 or klen > MAX_KEY_BYTES:
         raise HeaderError("header", f"header size {hsize}, key length {klen}")
     key = bytes(mv[_KEY_OFF : _KEY_OFF + klen])
+    head = flags & FLAG_HEAD
     return Header(version=version, digest=digest, key=key, payload_len=plen, checksum=chk, flags=flags,
-                  mac=bytes(mv[MAC_OFF:_HCHK_OFF]) if flags & (FLAG_MAC | FLAG_AEAD | FLAG_GMAC) else b"")
+                  mac=bytes(mv[MAC_OFF:_HCHK_OFF]) if flags & (FLAG_MAC | FLAG_AEAD | FLAG_GMAC) else b"",
+                  salt_id=bytes(mv[SALT_ID_OFF:HEAD_MAC_OFF]) if head else b"",
+                  head_mac=bytes(mv[HEAD_MAC_OFF:MAC_OFF]) if head else b"")
 
 
 def check_header(h: Header, digest: bytes, key: bytes, payload_len: int) -> str | None:

@@ -80,8 +80,12 @@ def published_stat(ns_dir: str, khex: str) -> os.stat_result | None:
     The presence check for anyone who only looks (``os.stat`` would follow
     a symlink planted at the key or on the way, and count a FIFO).
     """
+    from tpu_offload.core.fs import fileio
+
     a, b, _ = chunk_relpath(khex)
     try:
+        if fileio.fault is not None:
+            fileio.fault("stat")
         with safedir.dir_at(ns_dir, (a, b)) as d:
             st = safedir.lstat_regular(khex, d)
     except OSError:

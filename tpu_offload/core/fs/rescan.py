@@ -7,6 +7,12 @@ sharing a volume disagree on the time, and a file's mtime was stamped by the
 server, so ages and recency are judged against a probe file's mtime: a host
 whose clock runs ahead must not reap a live writer's temp file, and a file
 stamped in the future is set back to now so that it ages and can be evicted.
+A crashed writer's temp is reaped at start if its pid-and-boot tagged name
+says its writer (on this host) is gone, and by any rescan once it is older
+than ``stale_tmp_s`` on the server's clock or has not changed (inode, size,
+mtime) for ``stale_tmp_s`` of our own monotonic time across rescans: a temp
+stamped in the future by a host whose clock runs ahead (or a server clock we
+cannot read) cannot keep it alive, and a live writer changes it.
 The index is rebuilt off its lock (``FileIndex.adopt``), paced, so a rescan
 of 150k files never stalls the engine thread.
 """
@@ -43,6 +49,8 @@ class Rescanner:
         self.last = 0.0  # time.monotonic() of the last completed scan
         self.unreadable: list[tuple[str, str]] = []  # (path, why) skipped by the last scan
         self.temp_bytes = 0  # writes in progress (anyone's) the last scan saw: they count in the budget
+        # temp (dirs, name) -> (inode, size, mtime_ns, time.monotonic() when first seen like that)
+        self._temps_seen: dict[tuple, tuple[int, int, int, float]] = {}
 
     def run(self, block: bool) -> bool:
         """Re-read the directory into the index; False if another thread was scanning (and not ``block``)."""
@@ -64,15 +72,25 @@ class Rescanner:
                 self.index.abort_rebuild()
                 raise
             temp_bytes = 0
+            mono = time.monotonic()
+            seen, self._temps_seen = self._temps_seen, {}
             for t in scan.temps:
                 # Ages on the server's clock: our clock may run ahead of the writer's.
                 # Without it (read-only) we cannot judge an age, and could not delete anyway.
                 # A writer of this host (pid namespace) that is gone: its temp goes now.
+                # Unchanged for stale_tmp_s of our monotonic time: nobody is writing it.
                 # Only ours (our magic, or empty): someone else's file named like our temps stays.
+                sig = (t.ino, t.size, t.mtime_ns)
+                prev = seen.get((t.dirs, t.name))
+                since = prev[3] if prev is not None and prev[:3] == sig else mono
+                self._temps_seen[(t.dirs, t.name)] = (*sig, since)
                 stale = srv is not None and srv - t.mtime > self.stale_tmp_s
-                dead = not stale and srv is not None and layout.temp_writer_dead(t.name)
-                if (stale or dead) and actions.unlink_temp_if_ours(self.ns_dir, t):
-                    self._count("stale_temps_removed" if stale else "dead_temps_removed")
+                still = not stale and srv is not None and mono - since > self.stale_tmp_s
+                dead = not stale and not still and srv is not None and layout.temp_writer_dead(t.name)
+                if (stale or still or dead) and actions.unlink_temp_if_ours(self.ns_dir, t):
+                    self._temps_seen.pop((t.dirs, t.name), None)
+                    self._count("stale_temps_removed" if stale else "unchanged_temps_removed" if still
+                                else "dead_temps_removed")
                 else:
                     temp_bytes += self._bytes_of(t.size, t.blocks)
             self.temp_bytes = temp_bytes

@@ -4,7 +4,9 @@ Format: a directory with ``chunks.npy`` (a standard ``.npy`` of shape
 ``[n, chunk_bytes]`` uint8, rows in LRU order, least recent first) and
 ``index.json`` (format, version, layout fingerprint and its digest, chunk
 size, key hex, original slot and xxh3-64 per row, plus an xxh3-64 of the
-index itself). It is published by renaming a fully written temp directory.
+index itself; with a secret also a keyed HMAC-SHA256 per row over the
+layout digest, the key and the row's bytes, and a MAC of the index). It is
+published by renaming a fully written temp directory.
 
 Why not orbax: orbax-checkpoint imports jax, and this core is shared with
 the torch (GPU) backend whose installs have no jax; the host slab is a plain
@@ -18,7 +20,9 @@ followed, never blocking on a FIFO, regular files only), ``data`` must be
 a bare file name inside the directory, every field is type- and
 range-checked (anything malformed is a cold start with one warning, never
 an exception), and with a secret the index carries a keyed MAC
-(``index_mac``) that must verify.
+(``index_mac``) that must verify, and every row its own MAC (``macs``): a
+row whose bytes changed under an intact index (even keeping its xxh3) is
+dropped and counted (``RestoreStats``), the rest are served.
 """
 
 from __future__ import annotations
@@ -132,6 +136,18 @@ def _is_host_snapshot(path: str) -> bool:
     return is_snapshot_json(os.path.join(path, INDEX), FORMAT)
 
 
+@dataclasses.dataclass
+class RestoreStats:
+    """What a restore kept and dropped (rows that failed their MAC or checksum)."""
+
+    restored: int = 0
+    dropped: int = 0
+
+
+def _row_context(fp_digest: str, key_hex: str) -> bytes:
+    return f"host-row|{fp_digest}|{key_hex}".encode()
+
+
 FORMAT = "tpu-offload-host-snapshot"
 VERSION = 1
 INDEX = "index.json"
@@ -160,8 +176,10 @@ def snapshot_host_tier(
     tmp = os.path.join(parent, f".{os.path.basename(path)}.tmp.{os.getpid()}.{secrets.token_hex(4)}")
     os.mkdir(tmp, DIR_MODE)
     os.chmod(tmp, DIR_MODE)
+    auth = FsAuth(secret) if secret else None
+    fp_digest = fingerprint.digest().hex()
     try:
-        sums = []
+        sums, macs = [], []
         data_path = os.path.join(tmp, DATA)
         with open(data_path, "wb") as f:
             os.fchmod(f.fileno(), FILE_MODE)
@@ -169,9 +187,11 @@ def snapshot_host_tier(
                 f, {"descr": "|u1", "fortran_order": False, "shape": (len(items), cb)}
             )
             offset = f.tell()
-            for _, slot in items:
+            for k, slot in items:
                 row = pool.row(slot)
                 sums.append(format(xxhash.xxh3_64_intdigest(row), "016x"))
+                if auth is not None:
+                    macs.append(auth.row_mac(_row_context(fp_digest, bytes(k).hex()), [memoryview(row)]))
                 f.write(memoryview(row))
             f.flush()
             os.fsync(f.fileno())
@@ -188,6 +208,8 @@ def snapshot_host_tier(
             "slots": [int(s) for _, s in items],
             "checksums": sums,
         }
+        if auth is not None:
+            index["macs"] = macs
         index["index_xxh3"] = _index_digest(index)
         if secret:
             index["index_mac"] = _index_mac(index, secret)
@@ -212,18 +234,22 @@ def restore_host_tier(
     enable_events: bool = True,
     medium: Medium = Medium.CPU,
     secret: bytes | None = None,
+    stats: RestoreStats | None = None,
 ) -> tuple[LRUChunkManager, HostChunkPool] | None:
     """A manager and pool holding the snapshot's chunks, or None if unusable.
 
     A snapshot of another layout, chunk size, format or a damaged index is
-    refused whole (None, one warning). A row whose checksum fails is left
-    out. When the new tier is smaller, the most recent chunks are kept.
+    refused whole (None, one warning). A row whose checksum (with a secret:
+    whose MAC) fails is left out and counted in ``stats``. When the new tier
+    is smaller, the most recent chunks are kept.
     """
     index = _load_index(path, fingerprint, chunk_bytes, secret)
     if index is None:
         return None
     keys = [ChunkKey(bytes.fromhex(h)) for h in index["keys"]]
     sums = index["checksums"]
+    auth, macs = (FsAuth(secret), index["macs"]) if secret else (None, None)
+    fp_digest = fingerprint.digest().hex()
     first = max(0, len(keys) - num_slots)  # drop the least recent that do not fit
     manager = LRUChunkManager(num_slots, chunk_bytes, medium=medium, enable_events=enable_events)
     pool = HostChunkPool(num_slots, chunk_bytes)
@@ -238,7 +264,11 @@ def restore_host_tier(
                 row = pool.row(int(slot))
                 n = read_all(fd, [memoryview(row)], offset)
                 offset += chunk_bytes
-                if n == chunk_bytes and format(xxhash.xxh3_64_intdigest(row), "016x") == sums[i]:
+                ok = n == chunk_bytes and format(xxhash.xxh3_64_intdigest(row), "016x") == sums[i]
+                if ok and auth is not None:
+                    want = auth.row_mac(_row_context(fp_digest, index["keys"][i]), [memoryview(row)])
+                    ok = hmac.compare_digest(want, macs[i])
+                if ok:
                     pool.valid[slot] = True
                     good.append(key)
                 else:
@@ -250,9 +280,11 @@ def restore_host_tier(
         return None
     manager.complete_store(good, success=True)  # in LRU order: recency is restored
     manager.complete_store(bad, success=False)
+    if stats is not None:
+        stats.restored, stats.dropped = len(good), len(bad)
     if bad:
-        log.warning("host snapshot %s: %d of %d chunks failed their checksum and were dropped",
-                    path, len(bad), len(alloc.keys))
+        log.warning("host snapshot %s: %d of %d chunks failed their %s and were dropped",
+                    path, len(bad), len(alloc.keys), "MAC or checksum" if auth else "checksum")
     return manager, pool
 
 
@@ -272,6 +304,7 @@ def _load_index(path: str, fingerprint: LayoutFingerprint, chunk_bytes: int,
 
 
 _HEX16 = re.compile(r"^[0-9a-f]{16}$")
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _KEY_HEX = re.compile(r"^(?:[0-9a-f]{2}){1,%d}$" % MAX_KEY_BYTES)
 
 
@@ -313,6 +346,10 @@ def _index_problem(index, fingerprint: LayoutFingerprint, chunk_bytes: int, secr
         return "a checksum that is not 16 hex digits"
     if not all(_is_int(s) for s in slots):
         return "a slot that is not an integer >= 0"
+    if secret:
+        macs = index.get("macs")
+        if not (isinstance(macs, list) and len(macs) == n and all(isinstance(m, str) and _HEX64.match(m) for m in macs)):
+            return "row MACs missing or malformed (not signed per row with this secret)"
     return None
 
 

@@ -24,19 +24,32 @@ class WriteTicket:
     otherwise the new bytes could be published under the old key.
     """
 
-    __slots__ = ("key", "_fut")
+    __slots__ = ("key", "_fut", "_guard")
 
-    def __init__(self, key: ChunkKey, fut: Future):
+    def __init__(self, key: ChunkKey, fut: Future, guard=None):
         self.key = key
         self._fut = fut
+        self._guard = guard  # deadline.WriteGuard with fs_io_timeout_s
 
     def cancel_or_wait(self, timeout: float | None = None) -> bool:
-        """True once the slot may be reused: the write was cancelled or ended."""
+        """True once the slot may be reused: the write was cancelled, ended, or passed its deadline.
+
+        Never waits past the write's deadline (``fs_io_timeout_s``): a write
+        still in a hung ``pwritev`` then is abandoned (never published, so
+        the slot's next bytes can never reach its file).
+        """
         if self._fut.cancel():
             return True
+        g = self._guard
+        wait = timeout
+        if g is not None:
+            left = max(0.0, g.remaining())
+            wait = left if timeout is None else min(timeout, left)
         try:
-            self._fut.result(timeout)
+            self._fut.result(wait)
         except FutureTimeout:
+            if g is not None and g.remaining() <= 0:
+                return g.abandon()
             return False
         except (Exception, CancelledError):  # a failed write has ended too; it was counted
             pass

@@ -46,7 +46,8 @@ import numpy as np
 from tpu_offload.core.fs import layout, safedir
 from tpu_offload.core.fs.auth import FsAuth, Names
 from tpu_offload.core.fs.chunkfile import CORRUPT, ERROR, HIT, MISS, UNSAFE, ChunkFiles
-from tpu_offload.core.fs.fileio import byte_view
+from tpu_offload.core.fs.deadline import WATCHDOG, BoundedCalls, WriteGuard
+from tpu_offload.core.fs.fileio import aligned_empty, byte_view
 from tpu_offload.core.fs.format import HEADER_SIZE
 from tpu_offload.core.fs.index import FileIndex
 from tpu_offload.core.fs.journal import FileJournal
@@ -102,6 +103,7 @@ class FileTier:
         dir_mode: int = layout.DIR_MODE,
         encrypt: bool = False,
         mac: str = "hmac-sha256",
+        io_timeout_s: float | None = None,
     ):
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes}")
@@ -116,6 +118,10 @@ class FileTier:
         if dir_mode not in (0o700, 0o750):
             raise ValueError(f"dir_mode {dir_mode:o}; allowed: 0700 or 0750")
         self.dir_mode = dir_mode
+        # Deadline of every read and write (deadline.py): past it a read is a miss, a write is dropped.
+        self.io_timeout_s = io_timeout_s
+        self._stats_bounded = BoundedCalls(io_timeout_s, name=f"{name}-stat") if io_timeout_s else None
+        self._tls = threading.local()  # per I/O thread: the bounce buffer of deadline reads
         self._uid = os.geteuid()  # every directory we use must be this uid's (``safedir.check_ours``)
         self.name = name
         self.root = os.path.abspath(root)
@@ -124,6 +130,11 @@ class FileTier:
         self.ns_dir = self.names.ns_dir
         self._tk = self.names.keys()  # None without a secret
         self._key_of: dict[bytes, bytes] = {}  # file id -> chunk key, for the journal (with a secret)
+        # file id -> inode of a file that failed its MAC: absent for ``contains``, and our next write of
+        # the chunk replaces it (temp + rename over it) instead of keeping "a file of the right size".
+        self._suspect: collections.OrderedDict[bytes, int] = collections.OrderedDict()
+        # file id -> the inode we last published or verified there: the only one ``touch`` restamps.
+        self._ours_ino: dict[bytes, int] = {}
         self.chunk_bytes = chunk_bytes
         self.file_bytes = HEADER_SIZE + chunk_bytes
         self.capacity_bytes = capacity_bytes
@@ -177,13 +188,17 @@ class FileTier:
         """The configured tier, or None when no ``shared_storage_path`` is set."""
         if not cfg.shared_storage_path:
             return None
+        if not cfg.fs_secret and not cfg.fs_allow_unauthenticated:  # a config built without from_sources
+            from tpu_offload.core.config import _check_authenticated
+
+            _check_authenticated({"shared_storage_path": cfg.shared_storage_path})
         try:
             return cls(
                 cfg.shared_storage_path, fingerprint, chunk_bytes,
                 capacity_bytes=cfg.fs_capacity_bytes, threads=cfg.fs_threads,
                 queue_depth=cfg.fs_queue_depth, fsync=cfg.fs_fsync, o_direct=cfg.fs_o_direct,
                 metrics=metrics, secret=cfg.fs_secret, dir_mode=cfg.fs_dir_mode, encrypt=cfg.fs_encrypt,
-                mac=cfg.fs_mac, **kw,
+                mac=cfg.fs_mac, **{"io_timeout_s": cfg.fs_io_timeout_s, **kw},
             )
         except CapacityError as e:  # checked (once) by the constructor, before it touches anything
             from tpu_offload.core.config import ConfigError
@@ -248,9 +263,14 @@ class FileTier:
             fid = self._fid(key, salt=salt)
         except ValueError:
             return False
+        if fid in self._suspect:  # failed its MAC: not present until our own copy replaces it
+            return False
         if fid in self._index:
             return True
-        st = self.files.stat(fid.hex())
+        if self._stats_bounded is not None:  # never block a caller on a hung mount
+            st = self._stats_bounded.call(self.files.stat, fid.hex())
+        else:
+            st = self.files.stat(fid.hex())
         return st is not None and st.st_size == self.file_bytes
 
     # ---- writes --------------------------------------------------------
@@ -278,15 +298,16 @@ class FileTier:
             if self._writes >= self.queue_depth:
                 self._drop("queue_full", key)
                 return None
+            guard = WriteGuard(self.io_timeout_s) if self.io_timeout_s else None
             try:
-                fut = self._workers.submit(self._write_task, key, mv, salt)
+                fut = self._workers.submit(self._write_task, key, mv, salt, guard)
             except RuntimeError:  # closed under us
                 self._drop("closed", key)
                 return None
             self._writes += 1
             self._inflight[key] = fut
             fut.add_done_callback(functools.partial(self._write_done, key))
-        return WriteTicket(key, fut)
+        return WriteTicket(key, fut, guard)
 
     def _write_done(self, key: bytes, fut: Future) -> None:
         with self._lock:
@@ -299,24 +320,35 @@ class FileTier:
             ok = not fut.cancelled() and fut.exception() is None and fut.result() is True
             (self.journal.published if ok else self.journal.failed)(key)
 
-    def _write_task(self, key: bytes, mv: memoryview, salt: bytes = b"") -> bool:
+    def _write_task(self, key: bytes, mv: memoryview, salt: bytes = b"", guard: WriteGuard | None = None) -> bool:
+        if guard is not None:
+            guard.start()
+            if guard.abandoned:  # the engine took the slot back while this waited in the queue
+                self._drop("timeout")
+                return False
         if self._state is not TierState.RW:
             self._drop(self._state.value)
             return False
         fid = self._fid(key, remember=True, salt=salt)
         khex = fid.hex()
+        replace = fid in self._suspect  # a forged file sits there: write over it, never keep it
         t0 = time.perf_counter()
         try:
-            st = self.files.write(fid, khex, mv, unless_size=self.file_bytes, tk=self._keys(salt))
+            st = self.files.write(fid, khex, mv, unless_size=None if replace else self.file_bytes,
+                                  tk=self._keys(salt), publish=None if guard is None else guard.publish)
         except OSError as e:
             self._write_error(e)
             return False
         if st is not None:  # someone (maybe another instance) already published it
+            # Not restamped: we have not verified it (a read hit does, and restamps then).
             self._index.add(fid, st.st_size, disk_time=st.st_mtime)
             self._count("writes_exist")
             self._m.op("write", "exists")
-            self.touch(key, salt)
             return True
+        self._ours_ino[fid] = self.files.last_inode()
+        if replace and self._suspect.pop(fid, None) is not None:
+            self._count("auth_replaced")
+            self._m.op("write", "replaced_forged")
         dt = time.perf_counter() - t0
         self._index.add(fid, self.file_bytes)
         self._written_since_scan += self.file_bytes
@@ -332,6 +364,15 @@ class FileTier:
     def _write_error(self, e: OSError) -> None:
         self._count("writes_failed")
         self._m.op("write", "error")
+        if e.errno == errno.ETIMEDOUT:  # past fs_io_timeout_s: never published
+            self._count("write_timeouts")
+            self._drop("timeout")
+            if "write_timeout" not in self._warned_errnos:
+                self._warned_errnos.add("write_timeout")
+                log.warning("fs tier %s: a write passed its deadline (fs_io_timeout_s=%gs); dropped, not "
+                            "published, counted in tpu_offload_fs_dropped_writes_total{reason=\"timeout\"}",
+                            self.name, self.io_timeout_s)
+            return
         if safedir.is_unsafe(e):  # a symlink or file where a fan-out directory belongs
             self._drop("unsafe_path")
             if "unsafe" not in self._warned_errnos:
@@ -341,9 +382,11 @@ class FileTier:
         elif e.errno in _SPACE_ERRNOS or e.errno in _DENIED_ERRNOS:
             self._to_read_only(e)
             self._drop(errno.errorcode.get(e.errno, "oserror").lower())
-        elif e.errno not in self._warned_errnos:
-            self._warned_errnos.add(e.errno)
-            log.warning("fs tier %s: write failed (%s); the chunk is not cached", self.name, e)
+        else:
+            self._drop(errno.errorcode.get(e.errno, "oserror").lower())  # EIO and the like: one metric each
+            if e.errno not in self._warned_errnos:
+                self._warned_errnos.add(e.errno)
+                log.warning("fs tier %s: write failed (%s); the chunk is not cached", self.name, e)
 
     def _after_write(self) -> None:
         if self.capacity_bytes is None:
@@ -395,6 +438,8 @@ class FileTier:
         self._count("reads_ok", 1, "bytes_read", len(mv))
         if self._offload_metrics is not None:
             self._offload_metrics.loaded_chunks.labels(tier=self.name, **self._offload_metrics.labels).inc()
+        self._ours_ino[fid] = self.files.last_inode()  # verified: this inode may be restamped
+        self._suspect.pop(fid, None)  # another replica's good copy replaced a forged one
         if fid not in self._index:  # another instance wrote it: restamp its mtime too
             self._index.add(fid, self.file_bytes, disk_time=0.0)
         if self._tk is not None:
@@ -410,9 +455,69 @@ class FileTier:
         """
         if self._state in (TierState.OFF, TierState.CLOSED) or self._workers is None:
             return False
-        if len(byte_view(out, writable=True)) != self.chunk_bytes:
+        out_mv = byte_view(out, writable=True)
+        if len(out_mv) != self.chunk_bytes:
             raise ValueError(f"buffer is not {self.chunk_bytes} bytes")
+        if not self.io_timeout_s:
+            return self._submit_plain_read(key, out, on_done, salt)
+        # With a deadline the read lands in a per-thread bounce buffer and is copied into ``out`` only if
+        # the deadline has not fired: a read that un-hangs later never writes into a slot reused since.
+        lock, state = threading.Lock(), [False]  # reported?
 
+        def report(ok: bool) -> None:
+            try:
+                on_done(ok)
+            except Exception:
+                log.exception("fs tier %s: read callback failed", self.name)
+
+        def expire() -> None:
+            with lock:
+                if state[0]:
+                    return
+                state[0] = True
+            self._count("read_timeouts")
+            self._m.op("read", "timeout")
+            if "read_timeout" not in self._warned_errnos:
+                self._warned_errnos.add("read_timeout")
+                log.warning("fs tier %s: a read passed its deadline (fs_io_timeout_s=%gs); reported failed, the "
+                            "request recomputes", self.name, self.io_timeout_s)
+            report(False)
+
+        def task() -> bool:
+            ok = False
+            try:
+                buf = self._bounce()
+                ok = self.read_into(key, buf, salt)
+            finally:
+                with lock:
+                    late = state[0]
+                    if not late:
+                        if ok:
+                            out_mv[:] = byte_view(buf)
+                        state[0] = True
+                WATCHDOG.disarm(entry)
+                if late:
+                    self._count("late_reads_dropped")
+                else:
+                    report(ok)
+            return ok and not late
+
+        entry = WATCHDOG.arm(self.io_timeout_s, expire)
+        try:
+            self._workers.submit(task, high=True)
+        except RuntimeError:
+            WATCHDOG.disarm(entry)
+            return False
+        return True
+
+    def _bounce(self) -> np.ndarray:
+        buf = getattr(self._tls, "bounce", None)
+        if buf is None:
+            buf = self._tls.bounce = aligned_empty(self.chunk_bytes)
+        return buf
+
+    def _submit_plain_read(self, key: ChunkKey, out: np.ndarray, on_done: Callable[[bool], None],
+                           salt: bytes = b"") -> bool:
         def task() -> bool:
             ok = False
             try:
@@ -440,7 +545,7 @@ class FileTier:
 
     def _read_error(self, e: OSError) -> bool:
         self._count("read_errors")
-        self._m.op("read", "error")
+        self._m.op("read", errno.errorcode.get(e.errno, "error").lower())  # eio, ...: a metric each
         if e.errno not in self._warned_errnos:
             self._warned_errnos.add(e.errno)
             log.warning("fs tier %s: read failed (%s); treated as a miss", self.name, e)
@@ -452,13 +557,19 @@ class FileTier:
         self._journal_removed(fid)
         path = layout.chunk_dir_and_path(self.ns_dir, khex)[1]
         if reason == "mac":  # valid checksums, wrong MAC: made by someone without our key. Not ours to delete.
+            self._ours_ino.pop(fid, None)
+            self._suspect[fid] = ino  # hidden from contains; our next write of it replaces it
+            self._suspect.move_to_end(fid)
+            while len(self._suspect) > 1 << 16:
+                self._suspect.popitem(last=False)
             self._count("auth_failures")
             self._m.auth_failure()
             self._m.op("read", "auth_failure")
             if "mac" not in self._warned_errnos:
                 self._warned_errnos.add("mac")
                 log.warning("fs tier %s: %s fails its MAC (written without this tier's key); not served, "
-                            "left in place, counted in tpu_offload_fs_auth_failures_total", self.name, path)
+                            "replaced by our next write of that chunk, counted in "
+                            "tpu_offload_fs_auth_failures_total", self.name, path)
             return False
         self._count("corrupt", 1, f"corrupt_{reason}", 1)
         self._m.corrupt(reason)
@@ -498,8 +609,11 @@ class FileTier:
             keys, self._touch_q = self._touch_q, {}
             self._touch_scheduled = False
         for fid in keys:
+            ino = self._ours_ino.get(fid)
+            if ino is None:
+                continue  # never restamp a file we did not write or verify
             try:
-                self.files.restamp(fid.hex())
+                self.files.restamp(fid.hex(), ino)
             except OSError:
                 pass  # evicted meanwhile, or another uid's file
 
@@ -539,6 +653,9 @@ class FileTier:
         if self._tk is not None and len(self._key_of) > 2 * len(self._index) + 1024:
             idx = self._index
             self._key_of = {f: k for f, k in list(self._key_of.items()) if f in idx}
+        if len(self._ours_ino) > 2 * len(self._index) + 1024:
+            idx = self._index
+            self._ours_ino = {f: i for f, i in list(self._ours_ino.items()) if f in idx}
         if self.capacity_bytes is not None:
             self._enforce_budget()
 
