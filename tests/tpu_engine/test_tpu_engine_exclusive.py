@@ -178,7 +178,12 @@ def test_exclusive_with_the_file_tier_below(both, engines, tmp_path):
     """A host tier smaller than HBM over a file tier written through: an eviction copy lands on the
     host and goes on to its file; the second pass promotes what only the files still hold."""
     cfg = config("exclusive")
-    cfg["kv_connector_extra_config"].update(num_cpu_chunks=16, shared_storage_path=str(tmp_path),
+    from tpu_offload.core.fs.auth import make_secret_file
+
+    make_secret_file(str(tmp_path / "fs-secret"))
+    (tmp_path / "fs").mkdir()
+    cfg["kv_connector_extra_config"].update(num_cpu_chunks=16, shared_storage_path=str(tmp_path / "fs"),
+                                            fs_secret_file=str(tmp_path / "fs-secret"),
                                             fs_capacity_bytes="256MiB", fs_write_mode="write_through")
     eng = engines.get(("exclusive-test", "fs", str(tmp_path)), SHAPE, cfg)
     loads = sch(eng).loads
