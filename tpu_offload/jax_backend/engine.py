@@ -94,7 +94,8 @@ class TransferPlan:
 
 
 def plan_transfers(layout: KVLayout, *, num_slots: int, blocks_per_chunk: int, staging_blocks: int,
-                   memory_kind: str = "pinned_host", max_slab_bytes: int = DEFAULT_MAX_SLAB_BYTES) -> TransferPlan:
+                   memory_kind: str = "pinned_host", max_slab_bytes: int = DEFAULT_MAX_SLAB_BYTES,
+                   kernel: str | None = None) -> TransferPlan:
     if staging_blocks < blocks_per_chunk:
         raise ValueError(
             f"staging_blocks={staging_blocks} cannot hold one chunk of {blocks_per_chunk} blocks; "
@@ -107,7 +108,7 @@ def plan_transfers(layout: KVLayout, *, num_slots: int, blocks_per_chunk: int, s
     n_full, rest = divmod(num_slots, rows_per_slab)
     rows = (rows_per_slab,) * n_full + ((rest,) if rest else ())
     programs = Programs(layout, staging_blocks=staging_blocks, blocks_per_chunk=blocks_per_chunk,
-                        slab_rows=rows, memory_kind=memory_kind)
+                        slab_rows=rows, memory_kind=memory_kind, kernel=kernel)
     return TransferPlan(staging_blocks=staging_blocks, rows_per_slab=rows_per_slab, programs=programs)
 
 
@@ -124,10 +125,13 @@ class TransferEngine:
         max_slab_bytes: int = DEFAULT_MAX_SLAB_BYTES,
         hbm_check: Callable[[int, int], None] | None = None,
         path: str = "program",
+        kernel: str | None = None,
     ):
-        """``hbm_check(staging_bytes, scratch_bytes)``, per device, runs before anything is allocated."""
+        """``hbm_check(staging_bytes, scratch_bytes)``, per device, runs before anything is allocated.
+        ``kernel``: how gather/scatter move blocks (programs.KERNELS; default by platform)."""
         plan = plan_transfers(layout, num_slots=num_slots, blocks_per_chunk=blocks_per_chunk,
-                              staging_blocks=staging_blocks, memory_kind=memory_kind, max_slab_bytes=max_slab_bytes)
+                              staging_blocks=staging_blocks, memory_kind=memory_kind, max_slab_bytes=max_slab_bytes,
+                              kernel=kernel)
         self.layout = layout
         self.bpc = blocks_per_chunk
         self.num_slots = num_slots
@@ -148,6 +152,9 @@ class TransferEngine:
         self.host: list[tuple | None] = [None] * num_slots if path == "device_put" else []
         self.valid = np.zeros(num_slots, dtype=bool)
         self.checksums = np.zeros(num_slots, dtype=np.uint64) if checksums else None
+        # DMAs the gather/scatter kernels issued: the last call's and the total, per program
+        self.dmas = {"gather": 0, "scatter": 0}
+        self.last_dmas = {"gather": 0, "scatter": 0}
 
     # ---- public ----------------------------------------------------------
     @property
@@ -250,21 +257,24 @@ class TransferEngine:
             out.append((ids[keep], keep))
         return out
 
+    def _count_dmas(self, lists, name: str) -> None:
+        n = self.programs.dma_count(lists, name)
+        self.last_dmas[name] = n
+        self.dmas[name] += n
+
     def _load_pass(self, kv_caches, part: Sequence[LoadChunk]):
-        n = self.staging_blocks
         lists = self._block_lists(part)
         self._host_to_staging([x.slot for x in part], [self._chunks_moved(pos) for _, pos in lists])
-        caches, done = self.programs.scatter()(
-            tuple(kv_caches), self.staging, tuple(ints(ids, n, 0) for ids, _ in lists),
-            tuple(ints(pos, n, 0) for _, pos in lists), ints([len(ids) for ids, _ in lists], len(lists), 0))
+        caches, done = self.programs.scatter()(tuple(kv_caches), self.staging,
+                                               *self.programs.block_args(lists, "scatter"))
+        self._count_dmas(lists, "scatter")
         return list(caches), done
 
     def _store_pass(self, kv_caches, part: Sequence[StoreChunk]):
-        n = self.staging_blocks
         lists = self._block_lists(part)
-        self.staging = self.programs.gather()(
-            tuple(kv_caches), self.staging, tuple(ints(ids, n, 0) for ids, _ in lists),
-            tuple(ints(pos, n, 0) for _, pos in lists), ints([len(ids) for ids, _ in lists], len(lists), 0))
+        self.staging = self.programs.gather()(tuple(kv_caches), self.staging,
+                                              *self.programs.block_args(lists, "gather"))
+        self._count_dmas(lists, "gather")
         return self._staging_to_host([x.slot for x in part], [self._chunks_moved(pos) for _, pos in lists])
 
     def _chunks_moved(self, positions) -> np.ndarray:
