@@ -35,7 +35,7 @@ from typing import Callable, Sequence
 import jax
 import numpy as np
 
-from tpu_offload.jax_backend import hostview
+from tpu_offload.jax_backend import hostview, memory
 from tpu_offload.jax_backend.layout import KVLayout
 from tpu_offload.jax_backend.programs import Programs, ints
 
@@ -144,6 +144,9 @@ class TransferEngine:
         if path not in PATHS:
             raise ValueError(f"transfer path {path!r}: expected one of {', '.join(PATHS)}")
         self.path = path
+        if path == "device_put":  # one host buffer per chunk and device: refused past the kernel's limits
+            local = round(_local_fraction(layout) * layout.mesh.devices.size)
+            memory.check_host_buffers(num_slots, local, len(layout.groups))
         if hbm_check is not None:
             hbm_check(self.staging_device_bytes + self.in_flight_device_bytes, self.programs.scratch_bytes(path))
         self.staging = self.programs.alloc_staging()
