@@ -112,6 +112,24 @@ def test_ring_runs_once_per_pass_outside_any_loop():
         assert not any("collective-permute" in b for b in bodies), d[2]
 
 
+def test_tensorcore_ops_do_not_grow_with_blocks():
+    """TensorCore ops per call, from the HLO with loops counted per trip: the DMA kernels' stay a
+    handful at 16, 64 and 1,000 blocks; the loop kernel's grow with every block (Qwen3-32B)."""
+    d = DEPLOYMENTS[0]
+    model, mesh = aot.MODELS[d[2]], aot.compile_only_mesh(d[0], d[1])
+    caches = aot.kv_cache_avals(mesh, model, d[3], 128)
+    for kernel in ("dma", "loop"):
+        programs = aot.deployment_programs(caches, mesh, num_slots=1000, blocks_per_chunk=1, staging_blocks=d[5],
+                                           kernel=kernel)
+        for name in ("gather", "scatter"):
+            hlo = getattr(programs, name)().as_text()
+            ops = [aot.tensorcore_ops(hlo, n) for n in (16, 64, 1000)]
+            if kernel == "dma":
+                assert ops[0] == ops[1] == ops[2] <= 8, (name, ops)
+            else:
+                assert ops[2] > ops[1] > ops[0] >= 16, (name, ops)
+
+
 def test_dma_count_per_call():
     """The counter tests and figures read: one DMA per (layer, run of adjacent blocks)."""
     programs = build(*DEPLOYMENTS[0])

@@ -16,6 +16,7 @@ host it is; on CPU, see ``tests/tpu_engine/cpu_support.prepare_vllm``).
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 from typing import Callable, Sequence
 from unittest import mock
@@ -202,3 +203,57 @@ def budget_failures(programs: Programs, figs: dict[str, Figures]) -> list[str]:
 def replicated_over(caches: Sequence, mesh: Mesh) -> tuple[str, ...]:
     """Mesh axes (of size > 1) over which every device of the cache holds the same bytes."""
     return tuple(replicated_axes(mesh, tuple(caches[0].sharding.spec)))
+
+
+# HLO instructions that are no work on the TensorCore (names, views, control).
+_FREE_OPS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
+             "replica-id", "opt-barrier", "copy-done", "copy-start"}
+
+
+def tensorcore_ops(hlo: str, trips: int) -> int:
+    """TensorCore ops one call of a compiled program runs, from its optimized HLO text: the entry
+    computation's instructions (a fusion or a kernel custom-call is one op), plus each ``while``
+    body's times its trips: ``known_trip_count`` where the compiler knows it, else ``trips`` (a
+    loop over the blocks of the call). Views and names (parameter, tuple, bitcast, ...) are free."""
+    comps, name, body = {}, None, []
+    for line in hlo.splitlines():
+        head = re.match(r"^(ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
+        if head:
+            name, body = ("ENTRY" if head.group(1) else head.group(2)), []
+        elif line.startswith("}") and name is not None:
+            comps[name], name = body, None
+        elif name is not None and "=" in line:
+            body.append(line)
+
+    def count(comp: str, seen=()) -> int:
+        n = 0
+        for ins in comps.get(comp, []):
+            op = _opcode(ins)
+            if op in _FREE_OPS:
+                continue
+            if op == "while":
+                b = re.search(r"\bbody=%?([\w.\-]+)", ins).group(1)
+                known = re.search(r'"known_trip_count":\{"n":"(\d+)"', ins)
+                n += (int(known.group(1)) if known else trips) * count(b, seen + (comp,))
+                continue
+            n += 1
+        return n
+
+    return count("ENTRY")
+
+
+def _opcode(ins: str) -> str:
+    """The opcode of one HLO instruction line (``%x = <shape> opcode(...)``), past a tuple shape."""
+    rest = ins.split("=", 1)[1].lstrip()
+    if rest.startswith("("):  # a tuple shape: skip to its closing parenthesis
+        depth = 0
+        for i, ch in enumerate(rest):
+            depth += ch == "("
+            depth -= ch == ")"
+            if depth == 0:
+                rest = rest[i + 1:]
+                break
+    else:
+        rest = rest.split(" ", 1)[1] if " " in rest else ""
+    m = re.match(r"\s*([\w\-]+)\(", rest)
+    return m.group(1) if m else ""
