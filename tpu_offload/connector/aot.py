@@ -139,7 +139,7 @@ def figures(name: str, build: Callable, moved: int) -> Figures:
                    host_output=int(getattr(m, "host_output_size_in_bytes", 0)))
 
 
-def measure(programs: Programs) -> dict[str, Figures]:
+def measure(programs: Programs, path: str = "program") -> dict[str, Figures]:
     """Compile every transfer program (what start-up precompiles) and read its figures.
 
     ``moved`` is the per-device amount of one call: gather/scatter a whole
@@ -152,10 +152,15 @@ def measure(programs: Programs) -> dict[str, Figures]:
     block = programs.layout.device_block_bytes() * blocks  # a device's pieces: what gather moves
     written = blocks * sum(g.local_elems * jnp.dtype(g.dtype).itemsize * len(g.layers) for g in programs.layout.groups)
     chunk = programs.layout.device_block_bytes() * programs.bpc
-    builders = {"gather": programs.gather, "scatter": programs.scatter, "store": programs.store,
-                "load": programs.load, "alloc_slabs": programs._slab_allocator}
+    if path == "device_put":  # the host side is the runtime's device_put of chunks sliced out of staging
+        builders = {"gather": programs.gather, "scatter": programs.scatter, "take_chunk": programs.take_chunk,
+                    "put_chunk": programs.put_chunk}
+    else:
+        builders = {"gather": programs.gather, "scatter": programs.scatter, "store": programs.store,
+                    "load": programs.load, "alloc_slabs": programs._slab_allocator}
     # scatter writes the whole head shard (replicas x the piece) into the cache
-    moved = {"gather": block, "scatter": written, "store": chunk, "load": chunk, "alloc_slabs": chunk}
+    moved = {"gather": block, "scatter": written, "store": chunk, "load": chunk, "alloc_slabs": chunk,
+             "take_chunk": chunk, "put_chunk": chunk}
     return {name: figures(name, build, moved[name]) for name, build in builders.items()}
 
 
@@ -183,6 +188,13 @@ def budget_failures(programs: Programs, figs: dict[str, Figures]) -> list[str]:
             out.append(f"{name}: {f.hbm_scratch / MIB:.1f} MiB of HBM scratch for {f.moved / MIB:.2f} MiB moved per pass")
         if f.bytes_accessed > limit * f.moved:
             out.append(f"{name}: {f.bytes_accessed / MIB:.1f} MiB accessed for {f.moved / MIB:.2f} MiB moved per pass")
+    for name in ("take_chunk", "put_chunk"):  # device_put path: one chunk in place, nothing more
+        f = figs.get(name)
+        if f is not None and (f.hbm_scratch > 1.1 * f.moved or f.bytes_accessed > 3 * f.moved):
+            out.append(f"{name}: {f.hbm_scratch / MIB:.1f} MiB of HBM scratch, {f.bytes_accessed / MIB:.1f} MiB "
+                       f"accessed for a {f.moved / MIB:.2f} MiB chunk")
+    if "store" not in figs:
+        return out
     slab = slab_device_bytes(programs)
     st, ld = figs["store"], figs["load"]
     if st.host_alias != st.host_argument or st.host_argument < slab:
