@@ -73,3 +73,76 @@ def test_device_put_refused_past_the_node_limits(mesh, tmp_path, monkeypatch):
     TransferEngine(layout, num_slots=23040, blocks_per_chunk=1, staging_blocks=8, path="device_put")
     with pytest.raises(ConfigError, match="vfio_iommu_type1 dma_entry_limit = 65535"):
         memory.check_host_buffers(23040, 8, 1, dma_entry_limit=65535)
+
+
+@pytest.mark.parametrize("fail", ["missing-chunk", "transfer"])
+def test_device_put_load_failure_leaves_live_staging(mesh, monkeypatch, fail):
+    """A load whose chunk is missing, or whose batched host-to-device transfer raises, fails before
+    anything is donated: staging stays live and later stores and loads are bit-exact."""
+    import numpy as np
+
+    from test_tpu_roundtrip import bits
+    from tpu_offload.jax_backend import LoadChunk
+    from tpu_offload.jax_backend import engine as engine_mod
+
+    caches = make_caches(mesh, jnp.float32, layers=2, seed=3)
+    ref = [bits(c) for c in caches]
+    eng = TransferEngine(KVLayout.from_caches(caches), num_slots=8, blocks_per_chunk=1, staging_blocks=4,
+                         path="device_put")
+    eng.store(caches, [StoreChunk(s, [s]) for s in range(3)]).block_until_ready()
+    eng.complete_store(range(3), True)
+    if fail == "missing-chunk":
+        eng.host[1] = None
+        match = "host slot 1 holds nothing"
+    else:
+        real = jax.device_put
+
+        def broken(x, *a, **kw):
+            if isinstance(x, list):
+                raise RuntimeError("injected transfer failure")
+            return real(x, *a, **kw)
+
+        monkeypatch.setattr(engine_mod.jax, "device_put", broken)
+        match = "injected transfer failure"
+    with pytest.raises(RuntimeError, match=match):
+        eng.load(caches, [LoadChunk(s, [20 + s]) for s in range(3)])
+    monkeypatch.undo()
+    assert not any(st.is_deleted() for st in eng.staging)
+    eng.store(caches, [StoreChunk(s, [s]) for s in range(3)]).block_until_ready()
+    eng.complete_store(range(3), True)
+    caches, done = eng.load(caches, [LoadChunk(s, [20 + s]) for s in range(3)])
+    done.block_until_ready()
+    got = [bits(c) for c in caches]
+    for layer in range(2):
+        for s in range(3):
+            assert np.array_equal(got[layer][20 + s], ref[layer][s])
+
+
+def test_device_put_path_one_program_and_one_transfer_per_pass(mesh, monkeypatch):
+    """Per pass, in each direction: one call of the chunk program and one batched device_put, whatever
+    the chunks (3 chunks in a 4-chunk staging buffer here)."""
+    from tpu_offload.jax_backend import LoadChunk
+    from tpu_offload.jax_backend import engine as engine_mod
+
+    caches = make_caches(mesh, jnp.bfloat16, layers=2)
+    eng = TransferEngine(KVLayout.from_caches(caches), num_slots=8, blocks_per_chunk=1, staging_blocks=4,
+                         path="device_put")
+    eng.precompile()
+    calls = {"device_put": 0, "take_chunks": 0, "put_chunks": 0}
+    real_put = jax.device_put
+
+    def counting_put(*a, **kw):
+        calls["device_put"] += 1
+        return real_put(*a, **kw)
+
+    monkeypatch.setattr(engine_mod.jax, "device_put", counting_put)
+    for key in (("take_chunks",), ("put_chunks", 0)):
+        prog = eng.programs._cache[key]
+        eng.programs._cache[key] = lambda *a, prog=prog, name=key[0]: (calls.__setitem__(name, calls[name] + 1),
+                                                                       prog(*a))[1]
+    eng.store(caches, [StoreChunk(s, [s]) for s in range(3)]).block_until_ready()
+    assert calls == {"device_put": 1, "take_chunks": 1, "put_chunks": 0}
+    eng.complete_store(range(3), True)
+    caches, done = eng.load(caches, [LoadChunk(s, [20 + s]) for s in range(3)])
+    done.block_until_ready()
+    assert calls == {"device_put": 2, "take_chunks": 1, "put_chunks": 1}

@@ -198,15 +198,16 @@ def test_whole_deployment_compiles_in_seconds():
 
 
 def test_device_put_path_programs_fit(deployment):
-    """The device_put host path's two extra programs (slice a chunk out of staging for the runtime
-    to send; write one it brought back) move one chunk in place, nothing more."""
+    """The device_put host path's two extra programs, one call each per pass (slice every chunk out of
+    staging for one batched device_put; write back the chunks one batched device_put brought) move
+    a pass's chunks, nothing more: their outputs (take) are the chunks themselves, no scratch."""
     _, programs, _ = deployment
-    chunk = programs.layout.device_block_bytes() * programs.bpc
-    figs = {n: aot.figures(n, getattr(programs, n), chunk) for n in ("take_chunk", "put_chunk")}
+    pass_bytes = programs.layout.device_block_bytes() * programs.staging_blocks
+    figs = {n: aot.figures(n, getattr(programs, n), pass_bytes) for n in ("take_chunks", "put_chunks")}
     for f in figs.values():
-        assert f.hbm_scratch <= 1.1 * chunk and f.bytes_accessed <= 3 * chunk, f
+        assert f.hbm_scratch <= 0.1 * pass_bytes and f.bytes_accessed <= 3 * pass_bytes, f
         assert f.host_argument == f.host_output == 0  # the host side is the runtime's device_put
-    put = programs.put_chunk().memory_analysis()
+    put = programs.put_chunks().memory_analysis()
     staging = programs.layout.device_block_bytes() * programs.staging_blocks
     assert put.alias_size_in_bytes >= staging  # staging updated in place
-    assert set(programs.all_programs("device_put")) == {"gather", "scatter", "take_chunk", "put_chunk"}
+    assert set(programs.all_programs("device_put")) == {"gather", "scatter", "take_chunks", "put_chunks"}

@@ -50,7 +50,7 @@ def test_shipped_config_passes(shipped, capsys):
     assert comp["target"] == "TPU7x:2x2x1" and comp["budget_failures"] == []
     # the path and kernel TPU runs: device_put (auto on TPU) with the DMA gather/scatter
     assert comp["path"] == "device_put" and comp["kernel"] == "dma" and rep["deployment"]["path"] == "device_put"
-    assert set(comp["programs"]) == {"gather", "scatter", "take_chunk", "put_chunk"}
+    assert set(comp["programs"]) == {"gather", "scatter", "take_chunks", "put_chunks"}
     assert 0 <= comp["scratch_bytes"] < 64 << 20 and comp["staging_device_bytes"] == 1000 * (4 << 20)
     assert comp["in_flight_device_bytes"] == comp["staging_device_bytes"]  # chunks waiting for their device_put
     rt = c["roundtrip"]

@@ -153,14 +153,14 @@ def measure(programs: Programs, path: str = "program") -> dict[str, Figures]:
     written = blocks * sum(g.local_elems * jnp.dtype(g.dtype).itemsize * len(g.layers) for g in programs.layout.groups)
     chunk = programs.layout.device_block_bytes() * programs.bpc
     if path == "device_put":  # the host side is the runtime's device_put of chunks sliced out of staging
-        builders = {"gather": programs.gather, "scatter": programs.scatter, "take_chunk": programs.take_chunk,
-                    "put_chunk": programs.put_chunk}
+        builders = {"gather": programs.gather, "scatter": programs.scatter, "take_chunks": programs.take_chunks,
+                    "put_chunks": programs.put_chunks}
     else:
         builders = {"gather": programs.gather, "scatter": programs.scatter, "store": programs.store,
                     "load": programs.load, "alloc_slabs": programs._slab_allocator}
     # scatter writes the whole head shard (replicas x the piece) into the cache
     moved = {"gather": block, "scatter": written, "store": chunk, "load": chunk, "alloc_slabs": chunk,
-             "take_chunk": chunk, "put_chunk": chunk}
+             "take_chunks": block, "put_chunks": block}  # every chunk of a pass
     return {name: figures(name, build, moved[name]) for name, build in builders.items()}
 
 
@@ -188,11 +188,11 @@ def budget_failures(programs: Programs, figs: dict[str, Figures]) -> list[str]:
             out.append(f"{name}: {f.hbm_scratch / MIB:.1f} MiB of HBM scratch for {f.moved / MIB:.2f} MiB moved per pass")
         if f.bytes_accessed > limit * f.moved:
             out.append(f"{name}: {f.bytes_accessed / MIB:.1f} MiB accessed for {f.moved / MIB:.2f} MiB moved per pass")
-    for name in ("take_chunk", "put_chunk"):  # device_put path: one chunk in place, nothing more
+    for name in ("take_chunks", "put_chunks"):  # device_put path: a pass's chunks in place, nothing more
         f = figs.get(name)
         if f is not None and (f.hbm_scratch > 1.1 * f.moved or f.bytes_accessed > 3 * f.moved):
             out.append(f"{name}: {f.hbm_scratch / MIB:.1f} MiB of HBM scratch, {f.bytes_accessed / MIB:.1f} MiB "
-                       f"accessed for a {f.moved / MIB:.2f} MiB chunk")
+                       f"accessed for {f.moved / MIB:.2f} MiB of chunks")
     if "store" not in figs:
         return out
     slab = slab_device_bytes(programs)

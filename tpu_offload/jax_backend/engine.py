@@ -288,16 +288,7 @@ class TransferEngine:
         """Slot ``slots[i]`` into staging chunk i, by this engine's host path; group g only
         for the chunks in ``moved[g]``."""
         if self.path == "device_put":
-            staging = list(self.staging)
-            for gi, chunks in enumerate(moved):
-                put = self.programs.put_chunk(gi)
-                for i in chunks:
-                    host = self.host[slots[i]]
-                    if host is None or host[gi] is None:
-                        raise RuntimeError(f"host slot {slots[i]} holds nothing for layer group {gi}")
-                    chunk = jax.device_put(host[gi], self.programs.chunk_sh[gi])  # H2D, queued by the runtime
-                    staging[gi] = put(staging[gi], chunk, ints([i], 1, 0))
-            self.staging = tuple(staging)
+            self._device_put_load(slots, moved)
             return
         c = self.staging_chunks
         for k, pos, rows in self._by_slab(slots):
@@ -306,17 +297,41 @@ class TransferEngine:
                 self.staging, tuple(g[k] for g in self.slabs), tuple(ints(rows[m], c, 0) for m in sel),
                 tuple(ints(pos[m], c, 0) for m in sel), ints([int(m.sum()) for m in sel], len(sel), 0))
 
+    def _device_put_load(self, slots: Sequence[int], moved: Sequence[np.ndarray]) -> None:
+        """device_put path: every chunk the pass needs, checked first (nothing donated before a refusal),
+        then one batched host-to-device transfer and one program per group that moves any."""
+        want = [(int(i), gi) for gi, chunks in enumerate(moved) for i in chunks]
+        for i, gi in want:
+            host = self.host[slots[i]]
+            if host is None or host[gi] is None:
+                raise RuntimeError(f"host slot {slots[i]} holds nothing for layer group {gi}")
+        got = jax.device_put([self.host[slots[i]][gi] for i, gi in want],  # H2D, queued by the runtime
+                             [self.programs.chunk_sh[gi] for _, gi in want])
+        staging, k = list(self.staging), self.staging_chunks
+        for gi in range(len(moved)):
+            mine = [(i, a) for (i, g), a in zip(want, got) if g == gi]
+            if not mine:
+                continue
+            mine += [mine[0]] * (k - len(mine))  # a shorter pass rewrites its first chunk
+            staging[gi] = self.programs.put_chunks(gi)(staging[gi], tuple(a for _, a in mine),
+                                                       ints([i for i, _ in mine], k, 0))
+            self.staging = tuple(staging)  # each group's new staging as soon as it exists (the old is donated)
+
     def _staging_to_host(self, slots: Sequence[int], moved: Sequence[np.ndarray]) -> Done:
         """Staging chunk i into slot ``slots[i]``, by this engine's host path; group g only for the
         chunks in ``moved[g]`` (a slot's other groups keep bytes no load will ask for)."""
         dones = []
-        if self.path == "device_put":
+        if self.path == "device_put":  # one program and one batched transfer per pass
+            chunks = self.programs.take_chunks()(self.staging)
+            want = [(i, gi) for i in range(len(slots)) for gi, m in enumerate(moved) if i in m]
+            sent = jax.device_put([chunks[gi][i] for i, gi in want],  # D2H, outside any program
+                                  [self.programs.host_chunk_sh[gi] for _, gi in want])
+            host = [[None] * len(moved) for _ in slots]
+            for (i, gi), a in zip(want, sent):
+                host[i][gi] = a
             for i, slot in enumerate(slots):
-                chunk = self.programs.take_chunk()(self.staging, ints([i], 1, 0))
-                host = [jax.device_put(a, sh) if i in m else None  # D2H, outside any program
-                        for a, sh, m in zip(chunk, self.programs.host_chunk_sh, moved)]
-                self.host[slot] = tuple(host)
-                dones.extend(a for a in host if a is not None)
+                self.host[slot] = tuple(host[i])
+            dones.extend(sent)
             return Done(dones)
         c = self.staging_chunks
         for k, pos, rows in self._by_slab(slots):

@@ -156,21 +156,24 @@ class Programs:
         rows = self.slab_rows[0] if rows is None else rows
         return self._get(("load", rows), self._build_load, rows)
 
-    def take_chunk(self) -> Callable:
-        """(staging, pos[1]) -> one chunk per group, (bpc, layers, *piece): what ``device_put`` sends to host."""
-        return self._get(("take_chunk",), self._build_take_chunk)
+    def take_chunks(self) -> Callable:
+        """(staging) -> per group, every staging chunk as its own array, (bpc, layers, *piece): what one
+        batched ``device_put`` per pass sends to host (one program per pass, never per chunk)."""
+        return self._get(("take_chunks",), self._build_take_chunks)
 
-    def put_chunk(self, group: int = 0) -> Callable:
-        """(staging of ``group``, its chunk, pos[1]) -> that staging (donated): a chunk ``device_put``
-        brought back. One per group: a load brings back only the groups it needs."""
-        return self._get(("put_chunk", group), self._build_put_chunk, group)
+    def put_chunks(self, group: int = 0) -> Callable:
+        """(staging of ``group``, staging_chunks chunk arrays, pos[staging_chunks]) -> that staging
+        (donated): chunk k written at staging chunk pos[k]. The chunks one batched ``device_put``
+        brought back; a pass with fewer repeats its first (chunk, pos) pair. One per group: a load
+        brings back only the groups it needs."""
+        return self._get(("put_chunks", group), self._build_put_chunks, group)
 
     def all_programs(self, path: str = "program") -> dict[str, Callable]:
         """Every transfer program ``path`` uses, compiled (what precompile builds and the HBM check measures)."""
         if path == "device_put":
-            out = {"gather": self.gather(), "scatter": self.scatter(), "take_chunk": self.take_chunk(),
-                   "put_chunk": self.put_chunk()}
-            out.update({f"put_chunk_{gi}": self.put_chunk(gi) for gi in range(1, len(self.layout.groups))})
+            out = {"gather": self.gather(), "scatter": self.scatter(), "take_chunks": self.take_chunks(),
+                   "put_chunks": self.put_chunks()}
+            out.update({f"put_chunks_{gi}": self.put_chunks(gi) for gi in range(1, len(self.layout.groups))})
             return out
         out = {"gather": self.gather(), "scatter": self.scatter(), "store": self.store(), "load": self.load(),
                "alloc_slabs": self._slab_allocator()}
@@ -378,22 +381,25 @@ class Programs:
         return tuple(jax.ShapeDtypeStruct(g.staging_shape(self.bpc), g.dtype, sharding=s)
                      for g, s in zip(self.layout.groups, self.chunk_sh))
 
-    def _build_take_chunk(self):
-        bpc = self.bpc
+    def _build_take_chunks(self):
+        bpc, k = self.bpc, self.staging_chunks
 
-        def take(staging, pos):
-            return tuple(lax.dynamic_slice_in_dim(st, pos[0] * bpc, bpc, axis=0) for st in staging)
+        def take(staging):
+            return tuple(tuple(lax.slice_in_dim(st, i * bpc, (i + 1) * bpc, axis=0) for i in range(k)) for st in staging)
 
-        return jax.jit(take, out_shardings=self.chunk_sh).lower(self._staging_aval(), self._ints(1)).compile()
+        out_sh = tuple((sh,) * k for sh in self.chunk_sh)
+        return jax.jit(take, out_shardings=out_sh).lower(self._staging_aval()).compile()
 
-    def _build_put_chunk(self, group: int):
-        bpc = self.bpc
+    def _build_put_chunks(self, group: int):
+        bpc, k = self.bpc, self.staging_chunks
 
-        def put(staging, chunk, pos):
-            return lax.dynamic_update_slice_in_dim(staging, chunk, pos[0] * bpc, axis=0)
+        def put(staging, chunks, pos):
+            for i, chunk in enumerate(chunks):
+                staging = lax.dynamic_update_slice_in_dim(staging, chunk, pos[i] * bpc, axis=0)
+            return staging
 
         jitted = jax.jit(put, donate_argnums=(0,), out_shardings=self._staging_sh[group])
-        return jitted.lower(self._staging_aval()[group], self._chunk_aval()[group], self._ints(1)).compile()
+        return jitted.lower(self._staging_aval()[group], (self._chunk_aval()[group],) * k, self._ints(k)).compile()
 
     # ---- allocation -------------------------------------------------------
     def alloc_staging(self):
