@@ -256,29 +256,34 @@ def check_host(rep: Report, cfg: OffloadConfig, tier_bytes: int, num_slots: int,
     rep.check("host", "pass", **fields)
 
 
-def check_compile(rep: Report, programs, target: str, args) -> None:
+def check_compile(rep: Report, programs, target: str, args, path: str = "program") -> None:
+    """The programs of the host ``path`` the engine will run, compiled for ``target``, within budget; staging,
+    the HBM in flight on that path and the programs' scratch within the HBM left free."""
     from tpu_offload.connector import aot
     from tpu_offload.jax_backend import memory
 
     try:
-        figs = aot.measure(programs)
+        figs = aot.measure(programs, path)
     except Exception as e:  # the TPU compiler's refusal (e.g. RESOURCE_EXHAUSTED) is the verdict
         rep.fail("compile", f"{type(e).__name__}: {e}", target=target)
         return
     failures = aot.budget_failures(programs, figs)
     staging = programs.staging_blocks * programs.layout.device_block_bytes()
+    in_flight = staging if path == "device_put" else 0  # chunks waiting on HBM for their device_put (engine.py)
     scratch = max(f.hbm_scratch for f in figs.values())
-    fields = dict(target=target, programs={k: f.to_dict() for k, f in figs.items()}, budget_failures=failures,
-                  staging_device_bytes=staging, scratch_bytes=scratch,
+    fields = dict(target=target, path=path, kernel=programs.kernel, programs={k: f.to_dict() for k, f in figs.items()},
+                  budget_failures=failures, staging_device_bytes=staging, in_flight_device_bytes=in_flight,
+                  scratch_bytes=scratch,
                   compile_s=round(sum(f.compile_s for f in figs.values()), 3))
     hbm = memory.device_hbm(programs.layout.mesh.devices.flat[0]) if not args.topology else None
     if hbm is not None:
         fields["hbm_limit_bytes"] = hbm[0]
         free = hbm[0] * (1 - args.gpu_memory_utilization) if args.gpu_memory_utilization else hbm[0]
-        if staging + scratch > free:
+        if staging + in_flight + scratch > free:
             at = f" at --gpu-memory-utilization {args.gpu_memory_utilization}" if args.gpu_memory_utilization else ""
-            failures = failures + [f"staging ({staging / GIB:.3f} GiB) + transfer scratch ({scratch / GIB:.3f} GiB) "
-                                   f"per device exceed the {free / GIB:.3f} GiB of HBM left free{at}"]
+            failures = failures + [f"staging ({staging / GIB:.3f} GiB) + HBM in flight ({in_flight / GIB:.3f} GiB) + "
+                                   f"transfer scratch ({scratch / GIB:.3f} GiB) per device exceed the "
+                                   f"{free / GIB:.3f} GiB of HBM left free{at}"]
     if failures:
         rep.fail("compile", "; ".join(failures), **fields)
     else:
@@ -291,6 +296,10 @@ def host_path(cfg, devices) -> str | None:
 
     pick = getattr(worker, "transfer_path", None)
     return pick(cfg, devices) if pick is not None and hasattr(cfg, "transfer_path") else None
+
+
+MIN_VS_RAW = 0.5  # on a TPU, below this fraction of a raw device_put's GB/s the round trip FAILs
+LINK_GBPS_PER_CHIP = 47.0  # TPU7x host <-> device, measured per chip (what the load budget assumes)
 
 
 def check_roundtrip(rep: Report, model, cfg, args, bpc: int, staging: int) -> None:
@@ -312,7 +321,8 @@ def check_roundtrip(rep: Report, model, cfg, args, bpc: int, staging: int) -> No
     _, replicas = aot.padded_kv_heads(small, tp_rt)
     try:
         r = round_trip(avals, mesh, replicas=replicas, blocks_per_chunk=bpc, staging_blocks=staging,
-                       memory_kind=cfg.host_memory_kind, path=host_path(cfg, devices))
+                       memory_kind=cfg.host_memory_kind, path=host_path(cfg, devices),
+                       kernel=None if getattr(cfg, "transfer_kernel", "auto") == "auto" else cfg.transfer_kernel)
     except Exception as e:  # the engine refused or failed on these devices
         rep.fail("roundtrip", f"{type(e).__name__}: {e}", devices=tp_rt, layers=small.layers, blocks=blocks)
         return
@@ -322,10 +332,25 @@ def check_roundtrip(rep: Report, model, cfg, args, bpc: int, staging: int) -> No
     if r["mismatches"]:
         rep.fail("roundtrip", f"bytes loaded back differ from those stored in layers {r['mismatches']}", **r)
         return
-    if accel and min(r["store_vs_raw"] or 1, r["load_vs_raw"] or 1) < 0.5:
-        rep.warnings.append(f"roundtrip: our store/load reach {r['store_vs_raw']}x/{r['load_vs_raw']}x the GB/s of a "
-                            "raw jax.device_put of the same bytes")
+    chips = len({getattr(d, "coords", None) and tuple(d.coords) for d in mesh.devices.flat} - {None})
+    r["chips"] = chips or None  # TPU devices report their chip's coordinates; CPU none
+    if chips:  # against TPU7x's measured host link, per chip
+        r["store_vs_link"] = round(r["store_gbps"] / (LINK_GBPS_PER_CHIP * chips), 3)
+        r["load_vs_link"] = round(r["load_gbps"] / (LINK_GBPS_PER_CHIP * chips), 3)
+    slow = too_slow(r, accel)
+    if slow:
+        rep.fail("roundtrip", slow, **r)
+        return
     rep.check("roundtrip", "pass", **r)
+
+
+def too_slow(r: dict, accel: bool) -> str | None:
+    """The round trip's FAIL reason on an accelerator below ``MIN_VS_RAW`` of a raw device_put (CPU: never)."""
+    slow = [f"{k} {r[k]}x" for k in ("store_vs_raw", "load_vs_raw") if r.get(k) is not None and r[k] < MIN_VS_RAW]
+    if not (accel and slow):
+        return None
+    return (f"our store/load reach only {', '.join(slow)} the GB/s of a raw jax.device_put of the same bytes "
+            f"(threshold {MIN_VS_RAW}x)")
 
 
 def target_devices(args):
@@ -378,13 +403,24 @@ def check_deployment(rep: Report, cfg, model, args, host) -> tuple[int, int, int
     rep.data["deployment"] = dict(target=target, tp=tp, kv_head_replicas=replicas, block_bytes=layout.block_bytes,
                                   blocks_per_chunk=bpc, num_slots=num_slots, staging_blocks=staging,
                                   local_share=share, tier_bytes=tier)
+    path = host_path(cfg, devices) or "program"  # the host path the engine picks on these devices
+    rep.data["deployment"]["path"] = path
     if "host" not in args.skip:
         check_host(rep, cfg, tier, num_slots, host)
+        if path == "device_put" and rep.data["checks"]["host"]["status"] == "pass":
+            from tpu_offload.jax_backend import memory
+
+            try:  # one host buffer per stored chunk and device on this path
+                memory.check_host_buffers(num_slots, round(share * mesh.devices.size), len(layout.groups))
+            except ConfigError as e:
+                fields = {k: v for k, v in rep.data["checks"]["host"].items() if k != "status"}
+                rep.fail("host", str(e), **{**fields, "path": path})
     if "compile" not in args.skip:
+        kernel = getattr(cfg, "transfer_kernel", "auto")
         programs = aot.deployment_programs(caches, mesh, num_slots=num_slots, blocks_per_chunk=bpc,
                                            staging_blocks=staging, head_replicas=replicas,
-                                           memory_kind=cfg.host_memory_kind)
-        check_compile(rep, programs, target, args)
+                                           memory_kind=cfg.host_memory_kind, kernel=None if kernel == "auto" else kernel)
+        check_compile(rep, programs, target, args, path)
     return tp, bpc, staging
 
 
@@ -428,14 +464,18 @@ def summary(rep: Report) -> str:
                      f"allowed ({(x['available'] or 0) / GIB:.2f} GiB available, margin {x['margin']})")
     if "compile" in c and "programs" in c["compile"]:
         x = c["compile"]
-        lines.append(f"  compile   {x['status']}: {len(x['programs'])} programs for {x['target']} in "
-                     f"{x['compile_s']:.1f}s, scratch {x['scratch_bytes'] / MIB:.1f} MiB + staging "
-                     f"{x['staging_device_bytes'] / MIB:.0f} MiB per device")
+        lines.append(f"  compile   {x['status']}: {len(x['programs'])} programs of the {x['path']} path "
+                     f"({x['kernel']} kernel) for {x['target']} in {x['compile_s']:.1f}s, scratch "
+                     f"{x['scratch_bytes'] / MIB:.1f} MiB + staging {x['staging_device_bytes'] / MIB:.0f} MiB + in "
+                     f"flight {x['in_flight_device_bytes'] / MIB:.0f} MiB per device")
     if "roundtrip" in c and "bytes" in c["roundtrip"]:
         x = c["roundtrip"]
         lines.append(f"  roundtrip {x['status']}: {x['bytes'] / MIB:.1f} MiB bit-exact={not x['mismatches']} on "
                      f"{x['devices']} {x['platform']} device(s), {x['path']} path; store {x['store_gbps']} GB/s "
-                     f"(raw {x['raw_d2h_gbps']}), load {x['load_gbps']} GB/s (raw {x['raw_h2d_gbps']})")
+                     f"(raw {x['raw_d2h_gbps']}, {x['store_vs_raw']}x), load {x['load_gbps']} GB/s (raw "
+                     f"{x['raw_h2d_gbps']}, {x['load_vs_raw']}x)"
+                     + (f"; {x['store_vs_link']}x / {x['load_vs_link']}x of {LINK_GBPS_PER_CHIP:g} GB/s per chip x "
+                        f"{x['chips']}" if x.get("chips") else ""))
     for name, x in c.items():
         if x["status"] == "skipped":
             lines.append(f"  {name:<9} skipped: {x.get('reason', '')}")

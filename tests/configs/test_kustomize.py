@@ -259,6 +259,9 @@ def test_overlay_builds_safe_and_self_consistent(rel):
             assert "hostPath" not in v, f"hostPath volume {v['name']}"
         for c in pod_containers(dep):
             sc = c.get("securityContext") or {}
+            if c in (spec.get("initContainers") or []) and c["name"] == "tpu-node-setup":
+                assert_only_raises_node_limits(c)  # the one privileged container: see tpu-v7/patch-vllm.yaml
+                continue
             assert sc.get("privileged") is not True, f"privileged container {c['name']}"
             caps = set((sc.get("capabilities") or {}).get("add") or [])
             assert not caps & {"SYS_ADMIN", "ALL"}, f"{c['name']} adds {caps}"
@@ -387,12 +390,31 @@ def test_overlay_contract(rel):
         assert sz["config"].shared_storage_path is None and not of_kind(docs, "PersistentVolumeClaim")
 
 
+def assert_only_raises_node_limits(c):
+    """A privileged init container that writes the two node limits and nothing else."""
+    script = " ".join(c.get("command", []) + c.get("args", []))
+    lines = [w for w in re.split(r"&&|\n|;", script) if w.strip()]
+    allowed = ("/bin/sh -c", "sysctl -w vm.max_map_count=", "if [ -w /sys/module/vfio_iommu_type1/parameters/dma_entry_limit ]",
+               "then", "echo 8000000 > /sys/module/vfio_iommu_type1/parameters/dma_entry_limit", "fi")
+    for line in lines:
+        assert any(line.strip().startswith(a) or a.startswith(line.strip()) for a in allowed), line
+
+
 def test_tpu_v7_sizing_matches_the_documented_arithmetic():
-    """The numbers patch-vllm.yaml and configs/README.md state, and no sysctl init container."""
+    """The numbers patch-vllm.yaml and configs/README.md state, and the node limits the device_put
+    host path needs (one host buffer per chunk and device: the connector refuses below them)."""
+    from tpu_offload.jax_backend.memory import check_host_buffers
+
     dep = one(render("kustomize/tpu-v7"), "Deployment")
-    assert not dep["spec"]["template"]["spec"].get("initContainers")
+    (init,) = dep["spec"]["template"]["spec"]["initContainers"]
+    assert init["name"] == "tpu-node-setup" and init["securityContext"]["privileged"] is True
+    map_count = int(re.search(r"vm.max_map_count=(\d+)", init["args"][0]).group(1))
     (_, c, cfg), = list(offload_containers([dep]))
     sz = tier_sizing(dep, c, cfg)
+    slots = sz["tier_bytes"] // sz["chunk_bytes"]
+    check_host_buffers(slots, 8, 1, max_map_count=map_count, dma_entry_limit=8000000)  # fits once raised
+    with pytest.raises(ConfigError, match="vm.max_map_count = 65530"):
+        check_host_buffers(slots, 8, 1, max_map_count=65530)  # the kernel default: refused at start
     assert sz["kvpt"] == 256 << 10 and sz["chunk_tokens"] == 128 and sz["chunk_bytes"] == 32 << 20
     assert sz["tier_bytes"] == 720 * GIB == 23040 * sz["chunk_bytes"]
     assert sz["tier_bytes"] + sz["baseline"] == quantity("784Gi")

@@ -29,7 +29,12 @@ def run(tmp_path, *extra, config=SHIPPED, host=TPU7X_HOST, name="r.json"):
 
 @pytest.fixture(scope="module")
 def shipped(tmp_path_factory):
-    return run(tmp_path_factory.mktemp("selfcheck"))
+    """The TPU7x host with vm.max_map_count raised as configs/kustomize/tpu-v7's init container does."""
+    d = tmp_path_factory.mktemp("selfcheck")
+    (d / "max_map_count").write_text("33554432\n")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(memory, "MAP_COUNT_FILE", str(d / "max_map_count"))
+        return run(d)
 
 
 def test_shipped_config_passes(shipped, capsys):
@@ -43,12 +48,35 @@ def test_shipped_config_passes(shipped, capsys):
     assert c["host"]["budget"] >= 720 * GIB and c["host"]["cgroup_limit"] is None
     comp = c["compile"]
     assert comp["target"] == "TPU7x:2x2x1" and comp["budget_failures"] == []
-    assert set(comp["programs"]) == {"gather", "scatter", "store", "load", "alloc_slabs"}
-    assert 0 < comp["scratch_bytes"] < 64 << 20 and comp["staging_device_bytes"] == 1000 * (4 << 20)
+    # the path and kernel TPU runs: device_put (auto on TPU) with the DMA gather/scatter
+    assert comp["path"] == "device_put" and comp["kernel"] == "dma" and rep["deployment"]["path"] == "device_put"
+    assert set(comp["programs"]) == {"gather", "scatter", "take_chunks", "put_chunks"}
+    assert 0 <= comp["scratch_bytes"] < 64 << 20 and comp["staging_device_bytes"] == 1000 * (4 << 20)
+    assert comp["in_flight_device_bytes"] == comp["staging_device_bytes"]  # chunks waiting for their device_put
     rt = c["roundtrip"]
     assert rt["mismatches"] == [] and rt["platform"] == "cpu" and rt["bytes"] == 16 * rt["layers"] * (512 << 10)
     for k in ("store_gbps", "load_gbps", "raw_d2h_gbps", "raw_h2d_gbps", "store_vs_raw", "load_vs_raw"):
         assert rt[k] > 0, k
+
+
+def test_default_map_count_fails_the_device_put_path(tmp_path, monkeypatch):
+    """The path TPU runs allocates a host buffer per chunk and device: 23,040 x 8 at the default limit fails."""
+    (tmp_path / "max_map_count").write_text("65530\n")
+    monkeypatch.setattr(memory, "MAP_COUNT_FILE", str(tmp_path / "max_map_count"))
+    rc, rep = run(tmp_path, "--skip", "compile,roundtrip")
+    assert rc == 1 and rep["checks"]["host"]["status"] == "fail"
+    (reason,) = rep["reasons"]
+    assert "23040 chunks x 8 local devices x 1 groups = 184320 buffers" in reason and "vm.max_map_count" in reason
+
+
+def test_slow_round_trip_fails_on_an_accelerator():
+    """Below half a raw device_put's GB/s on a TPU the round trip FAILs (it used to warn); CPU figures
+    say nothing about a TPU's host link and never fail."""
+    r = {"store_vs_raw": 0.3, "load_vs_raw": 0.9}
+    assert selfcheck.too_slow(r, accel=True) == ("our store/load reach only store_vs_raw 0.3x the GB/s of a raw "
+                                                 "jax.device_put of the same bytes (threshold 0.5x)")
+    assert selfcheck.too_slow(r, accel=False) is None
+    assert selfcheck.too_slow({"store_vs_raw": 0.5, "load_vs_raw": 1.2}, accel=True) is None
 
 
 def test_tier_that_does_not_fit_fails_with_the_numbers(tmp_path, capsys):

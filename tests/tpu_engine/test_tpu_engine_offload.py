@@ -71,6 +71,26 @@ def test_device_put_path_gives_identical_tokens_and_hits(setup, engines):
     assert delta(t2, t1, "load_errors") == 0
 
 
+def test_dma_kernel_gives_identical_tokens_and_hits(setup, engines):
+    """The gather/scatter TPU runs (``transfer_kernel: dma``, a Pallas kernel of DMAs), here in TPU
+    interpret mode, inside the real engine: same tokens, every chunk hit, DMAs issued."""
+    w = ROUNDTRIP[setup.block_size]
+    base = engines.baseline(setup, w)
+    run = engines.get(("ours-dma", setup), setup, kv_transfer_config("offload.json", **OURS, transfer_kernel="dma"))
+    eng = wrk(run).engine
+    assert eng.programs.kernel == "dma"
+    assert w.run(run) == base
+    settle(run)
+    t1 = totals(run)
+    run.reset_prefix_cache()
+    assert w.run(run) == base
+    t2 = totals(run)
+    assert delta(t2, t1, "hit_tokens") == sum(hit_tokens(len(p), setup.block_size) for p in w.prompts)
+    assert delta(t2, t1, "loaded_chunks") == sum(len(p) // setup.block_size for p in w.prompts)
+    assert delta(t2, t1, "load_errors") == 0
+    assert eng.dmas["gather"] > 0 and eng.dmas["scatter"] > 0
+
+
 def test_device_pressure_revisits_hit_our_tier_without_reset(setup, engines, ours):
     """More prefixes than the KV cache holds: vLLM evicts the first ones from
     HBM, and revisiting them hits our tier, with no reset in between."""

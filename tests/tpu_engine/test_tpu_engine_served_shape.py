@@ -53,7 +53,7 @@ PAGE_BYTES = 2 * 128 * 8 * 2 * 128 * 2
 PATHS = ("program", "device_put")
 # Compiled at start: gather, scatter, and per path what moves chunks to and from the host.
 PROGRAMS = {"program": 7,  # slab allocation, a store and a load per slab size
-            "device_put": 4}  # a chunk out of staging, a chunk into staging
+            "device_put": 4}  # a pass's chunks out of staging, a pass's chunks into staging
 WALL_LIMIT_S = 360  # measured 60-137 s for the child on 2 shared cores (aim: under 240)
 
 

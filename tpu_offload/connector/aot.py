@@ -16,6 +16,7 @@ host it is; on CPU, see ``tests/tpu_engine/cpu_support.prepare_vllm``).
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 from typing import Callable, Sequence
 from unittest import mock
@@ -93,12 +94,12 @@ def kv_cache_avals(mesh: Mesh, model: ModelShape, num_blocks: int, block_size: i
 
 def deployment_programs(caches: Sequence, mesh: Mesh, *, num_slots: int, blocks_per_chunk: int,
                         staging_blocks: int, head_replicas: int = 1, memory_kind: str = "pinned_host",
-                        max_slab_bytes: int = DEFAULT_MAX_SLAB_BYTES) -> Programs:
+                        max_slab_bytes: int = DEFAULT_MAX_SLAB_BYTES, kernel: str | None = None) -> Programs:
     """The product's own programs for this deployment, nothing allocated."""
     layout = KVLayout.from_caches(caches, mesh, head_replicas=head_replicas)
     return plan_transfers(layout, num_slots=num_slots, blocks_per_chunk=blocks_per_chunk,
                           staging_blocks=staging_blocks, memory_kind=memory_kind,
-                          max_slab_bytes=max_slab_bytes).programs
+                          max_slab_bytes=max_slab_bytes, kernel=kernel).programs
 
 
 @dataclasses.dataclass
@@ -138,19 +139,28 @@ def figures(name: str, build: Callable, moved: int) -> Figures:
                    host_output=int(getattr(m, "host_output_size_in_bytes", 0)))
 
 
-def measure(programs: Programs) -> dict[str, Figures]:
+def measure(programs: Programs, path: str = "program") -> dict[str, Figures]:
     """Compile every transfer program (what start-up precompiles) and read its figures.
 
-    gather/scatter move one block per loop trip, store/load one chunk, the
-    slab allocator one slab row; ``moved`` is that per-device amount.
+    ``moved`` is the per-device amount of one call: gather/scatter a whole
+    staging buffer (a full pass; the cost model does not see inside a DMA
+    kernel, so its bytes accessed are those of the ops around it: the
+    replicas' ring; a loop's body it counts once); store/load one chunk, the
+    slab allocator one slab row.
     """
-    block = programs.layout.device_block_bytes()  # a device's piece: what gather moves per trip
-    written = sum(g.local_elems * jnp.dtype(g.dtype).itemsize * len(g.layers) for g in programs.layout.groups)
-    chunk = block * programs.bpc
-    builders = {"gather": programs.gather, "scatter": programs.scatter, "store": programs.store,
-                "load": programs.load, "alloc_slabs": programs._slab_allocator}
+    blocks = programs.staging_blocks
+    block = programs.layout.device_block_bytes() * blocks  # a device's pieces: what gather moves
+    written = blocks * sum(g.local_elems * jnp.dtype(g.dtype).itemsize * len(g.layers) for g in programs.layout.groups)
+    chunk = programs.layout.device_block_bytes() * programs.bpc
+    if path == "device_put":  # the host side is the runtime's device_put of chunks sliced out of staging
+        builders = {"gather": programs.gather, "scatter": programs.scatter, "take_chunks": programs.take_chunks,
+                    "put_chunks": programs.put_chunks}
+    else:
+        builders = {"gather": programs.gather, "scatter": programs.scatter, "store": programs.store,
+                    "load": programs.load, "alloc_slabs": programs._slab_allocator}
     # scatter writes the whole head shard (replicas x the piece) into the cache
-    moved = {"gather": block, "scatter": written, "store": chunk, "load": chunk, "alloc_slabs": chunk}
+    moved = {"gather": block, "scatter": written, "store": chunk, "load": chunk, "alloc_slabs": chunk,
+             "take_chunks": block, "put_chunks": block}  # every chunk of a pass
     return {name: figures(name, build, moved[name]) for name, build in builders.items()}
 
 
@@ -162,8 +172,8 @@ def slab_device_bytes(programs: Programs) -> int:
 def budget_failures(programs: Programs, figs: dict[str, Figures]) -> list[str]:
     """Every budget a program misses (empty: the deployment fits), in words an operator can act on.
 
-    gather/scatter: HBM scratch <= 1.1x and bytes accessed <= 3x what a trip
-    moves; store/load: the host slabs read and updated in place (host alias =
+    gather/scatter: HBM scratch <= 1.1x and bytes accessed <= 3x what a full
+    pass moves; store/load: the host slabs read and updated in place (host alias =
     host argument for store, no host temporaries); slab allocation: HBM
     scratch no bigger than one slab row, whatever the tier's size.
     """
@@ -171,13 +181,20 @@ def budget_failures(programs: Programs, figs: dict[str, Figures]) -> list[str]:
     replicated = any(g.replicas > 1 for g in programs.layout.groups)
     for name in ("gather", "scatter"):
         f = figs[name]
-        # Replicated KV heads: the scatter also ring-shifts the missing token slices between the
-        # replicas (a collective a TP > KV-heads deployment cannot avoid); its budget is 6x, not 3x.
-        limit = REPLICATED_SCATTER_ACCESS if (replicated and name == "scatter") else 3
+        # Replicated KV heads / MLA with the loop kernel: the scatter also ring-shifts the missing slices
+        # between the replicas (a collective a TP > KV-heads deployment cannot avoid); its budget is 6x.
+        limit = REPLICATED_SCATTER_ACCESS if (replicated and name == "scatter" and programs.kernel == "loop") else 3
         if f.hbm_scratch > 1.1 * f.moved:
-            out.append(f"{name}: {f.hbm_scratch / MIB:.1f} MiB of HBM scratch for {f.moved / MIB:.2f} MiB moved per block")
+            out.append(f"{name}: {f.hbm_scratch / MIB:.1f} MiB of HBM scratch for {f.moved / MIB:.2f} MiB moved per pass")
         if f.bytes_accessed > limit * f.moved:
-            out.append(f"{name}: {f.bytes_accessed / MIB:.1f} MiB accessed for {f.moved / MIB:.2f} MiB moved per block")
+            out.append(f"{name}: {f.bytes_accessed / MIB:.1f} MiB accessed for {f.moved / MIB:.2f} MiB moved per pass")
+    for name in ("take_chunks", "put_chunks"):  # device_put path: a pass's chunks in place, nothing more
+        f = figs.get(name)
+        if f is not None and (f.hbm_scratch > 1.1 * f.moved or f.bytes_accessed > 3 * f.moved):
+            out.append(f"{name}: {f.hbm_scratch / MIB:.1f} MiB of HBM scratch, {f.bytes_accessed / MIB:.1f} MiB "
+                       f"accessed for {f.moved / MIB:.2f} MiB of chunks")
+    if "store" not in figs:
+        return out
     slab = slab_device_bytes(programs)
     st, ld = figs["store"], figs["load"]
     if st.host_alias != st.host_argument or st.host_argument < slab:
@@ -198,3 +215,57 @@ def budget_failures(programs: Programs, figs: dict[str, Figures]) -> list[str]:
 def replicated_over(caches: Sequence, mesh: Mesh) -> tuple[str, ...]:
     """Mesh axes (of size > 1) over which every device of the cache holds the same bytes."""
     return tuple(replicated_axes(mesh, tuple(caches[0].sharding.spec)))
+
+
+# HLO instructions that are no work on the TensorCore (names, views, control).
+_FREE_OPS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
+             "replica-id", "opt-barrier", "copy-done", "copy-start"}
+
+
+def tensorcore_ops(hlo: str, trips: int) -> int:
+    """TensorCore ops one call of a compiled program runs, from its optimized HLO text: the entry
+    computation's instructions (a fusion or a kernel custom-call is one op), plus each ``while``
+    body's times its trips: ``known_trip_count`` where the compiler knows it, else ``trips`` (a
+    loop over the blocks of the call). Views and names (parameter, tuple, bitcast, ...) are free."""
+    comps, name, body = {}, None, []
+    for line in hlo.splitlines():
+        head = re.match(r"^(ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
+        if head:
+            name, body = ("ENTRY" if head.group(1) else head.group(2)), []
+        elif line.startswith("}") and name is not None:
+            comps[name], name = body, None
+        elif name is not None and "=" in line:
+            body.append(line)
+
+    def count(comp: str, seen=()) -> int:
+        n = 0
+        for ins in comps.get(comp, []):
+            op = _opcode(ins)
+            if op in _FREE_OPS:
+                continue
+            if op == "while":
+                b = re.search(r"\bbody=%?([\w.\-]+)", ins).group(1)
+                known = re.search(r'"known_trip_count":\{"n":"(\d+)"', ins)
+                n += (int(known.group(1)) if known else trips) * count(b, seen + (comp,))
+                continue
+            n += 1
+        return n
+
+    return count("ENTRY")
+
+
+def _opcode(ins: str) -> str:
+    """The opcode of one HLO instruction line (``%x = <shape> opcode(...)``), past a tuple shape."""
+    rest = ins.split("=", 1)[1].lstrip()
+    if rest.startswith("("):  # a tuple shape: skip to its closing parenthesis
+        depth = 0
+        for i, ch in enumerate(rest):
+            depth += ch == "("
+            depth -= ch == ")"
+            if depth == 0:
+                rest = rest[i + 1:]
+                break
+    else:
+        rest = rest.split(" ", 1)[1] if " " in rest else ""
+    m = re.match(r"\s*([\w\-]+)\(", rest)
+    return m.group(1) if m else ""

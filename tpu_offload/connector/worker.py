@@ -133,7 +133,8 @@ class OffloadWorker:
         self.engine = TransferEngine(
             layout, num_slots=self.s.num_slots, blocks_per_chunk=self.s.blocks_per_chunk,
             staging_blocks=self.s.staging_blocks, memory_kind=cfg.host_memory_kind,
-            checksums=cfg.verify_checksums, hbm_check=hbm_check if known else None, path=path, **kw,
+            checksums=cfg.verify_checksums, hbm_check=hbm_check if known else None, path=path,
+            kernel=None if cfg.transfer_kernel == "auto" else cfg.transfer_kernel, **kw,
         )
         staging_per_device = self.engine.staging_device_bytes
         self.chunk_bytes = self.engine.chunk_bytes  # what one chunk costs on the host and on the wire

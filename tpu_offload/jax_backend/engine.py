@@ -35,7 +35,7 @@ from typing import Callable, Sequence
 import jax
 import numpy as np
 
-from tpu_offload.jax_backend import hostview
+from tpu_offload.jax_backend import hostview, memory
 from tpu_offload.jax_backend.layout import KVLayout
 from tpu_offload.jax_backend.programs import Programs, ints
 
@@ -94,7 +94,8 @@ class TransferPlan:
 
 
 def plan_transfers(layout: KVLayout, *, num_slots: int, blocks_per_chunk: int, staging_blocks: int,
-                   memory_kind: str = "pinned_host", max_slab_bytes: int = DEFAULT_MAX_SLAB_BYTES) -> TransferPlan:
+                   memory_kind: str = "pinned_host", max_slab_bytes: int = DEFAULT_MAX_SLAB_BYTES,
+                   kernel: str | None = None) -> TransferPlan:
     if staging_blocks < blocks_per_chunk:
         raise ValueError(
             f"staging_blocks={staging_blocks} cannot hold one chunk of {blocks_per_chunk} blocks; "
@@ -107,7 +108,7 @@ def plan_transfers(layout: KVLayout, *, num_slots: int, blocks_per_chunk: int, s
     n_full, rest = divmod(num_slots, rows_per_slab)
     rows = (rows_per_slab,) * n_full + ((rest,) if rest else ())
     programs = Programs(layout, staging_blocks=staging_blocks, blocks_per_chunk=blocks_per_chunk,
-                        slab_rows=rows, memory_kind=memory_kind)
+                        slab_rows=rows, memory_kind=memory_kind, kernel=kernel)
     return TransferPlan(staging_blocks=staging_blocks, rows_per_slab=rows_per_slab, programs=programs)
 
 
@@ -124,10 +125,13 @@ class TransferEngine:
         max_slab_bytes: int = DEFAULT_MAX_SLAB_BYTES,
         hbm_check: Callable[[int, int], None] | None = None,
         path: str = "program",
+        kernel: str | None = None,
     ):
-        """``hbm_check(staging_bytes, scratch_bytes)``, per device, runs before anything is allocated."""
+        """``hbm_check(staging_bytes, scratch_bytes)``, per device, runs before anything is allocated.
+        ``kernel``: how gather/scatter move blocks (programs.KERNELS; default by platform)."""
         plan = plan_transfers(layout, num_slots=num_slots, blocks_per_chunk=blocks_per_chunk,
-                              staging_blocks=staging_blocks, memory_kind=memory_kind, max_slab_bytes=max_slab_bytes)
+                              staging_blocks=staging_blocks, memory_kind=memory_kind, max_slab_bytes=max_slab_bytes,
+                              kernel=kernel)
         self.layout = layout
         self.bpc = blocks_per_chunk
         self.num_slots = num_slots
@@ -140,6 +144,9 @@ class TransferEngine:
         if path not in PATHS:
             raise ValueError(f"transfer path {path!r}: expected one of {', '.join(PATHS)}")
         self.path = path
+        if path == "device_put":  # one host buffer per chunk and device: refused past the kernel's limits
+            local = round(_local_fraction(layout) * layout.mesh.devices.size)
+            memory.check_host_buffers(num_slots, local, len(layout.groups))
         if hbm_check is not None:
             hbm_check(self.staging_device_bytes + self.in_flight_device_bytes, self.programs.scratch_bytes(path))
         self.staging = self.programs.alloc_staging()
@@ -148,6 +155,9 @@ class TransferEngine:
         self.host: list[tuple | None] = [None] * num_slots if path == "device_put" else []
         self.valid = np.zeros(num_slots, dtype=bool)
         self.checksums = np.zeros(num_slots, dtype=np.uint64) if checksums else None
+        # DMAs the gather/scatter kernels issued: the last call's and the total, per program
+        self.dmas = {"gather": 0, "scatter": 0}
+        self.last_dmas = {"gather": 0, "scatter": 0}
 
     # ---- public ----------------------------------------------------------
     @property
@@ -250,21 +260,24 @@ class TransferEngine:
             out.append((ids[keep], keep))
         return out
 
+    def _count_dmas(self, lists, name: str) -> None:
+        n = self.programs.dma_count(lists, name)
+        self.last_dmas[name] = n
+        self.dmas[name] += n
+
     def _load_pass(self, kv_caches, part: Sequence[LoadChunk]):
-        n = self.staging_blocks
         lists = self._block_lists(part)
         self._host_to_staging([x.slot for x in part], [self._chunks_moved(pos) for _, pos in lists])
-        caches, done = self.programs.scatter()(
-            tuple(kv_caches), self.staging, tuple(ints(ids, n, 0) for ids, _ in lists),
-            tuple(ints(pos, n, 0) for _, pos in lists), ints([len(ids) for ids, _ in lists], len(lists), 0))
+        caches, done = self.programs.scatter()(tuple(kv_caches), self.staging,
+                                               *self.programs.block_args(lists, "scatter"))
+        self._count_dmas(lists, "scatter")
         return list(caches), done
 
     def _store_pass(self, kv_caches, part: Sequence[StoreChunk]):
-        n = self.staging_blocks
         lists = self._block_lists(part)
-        self.staging = self.programs.gather()(
-            tuple(kv_caches), self.staging, tuple(ints(ids, n, 0) for ids, _ in lists),
-            tuple(ints(pos, n, 0) for _, pos in lists), ints([len(ids) for ids, _ in lists], len(lists), 0))
+        self.staging = self.programs.gather()(tuple(kv_caches), self.staging,
+                                              *self.programs.block_args(lists, "gather"))
+        self._count_dmas(lists, "gather")
         return self._staging_to_host([x.slot for x in part], [self._chunks_moved(pos) for _, pos in lists])
 
     def _chunks_moved(self, positions) -> np.ndarray:
@@ -275,16 +288,7 @@ class TransferEngine:
         """Slot ``slots[i]`` into staging chunk i, by this engine's host path; group g only
         for the chunks in ``moved[g]``."""
         if self.path == "device_put":
-            staging = list(self.staging)
-            for gi, chunks in enumerate(moved):
-                put = self.programs.put_chunk(gi)
-                for i in chunks:
-                    host = self.host[slots[i]]
-                    if host is None or host[gi] is None:
-                        raise RuntimeError(f"host slot {slots[i]} holds nothing for layer group {gi}")
-                    chunk = jax.device_put(host[gi], self.programs.chunk_sh[gi])  # H2D, queued by the runtime
-                    staging[gi] = put(staging[gi], chunk, ints([i], 1, 0))
-            self.staging = tuple(staging)
+            self._device_put_load(slots, moved)
             return
         c = self.staging_chunks
         for k, pos, rows in self._by_slab(slots):
@@ -293,17 +297,41 @@ class TransferEngine:
                 self.staging, tuple(g[k] for g in self.slabs), tuple(ints(rows[m], c, 0) for m in sel),
                 tuple(ints(pos[m], c, 0) for m in sel), ints([int(m.sum()) for m in sel], len(sel), 0))
 
+    def _device_put_load(self, slots: Sequence[int], moved: Sequence[np.ndarray]) -> None:
+        """device_put path: every chunk the pass needs, checked first (nothing donated before a refusal),
+        then one batched host-to-device transfer and one program per group that moves any."""
+        want = [(int(i), gi) for gi, chunks in enumerate(moved) for i in chunks]
+        for i, gi in want:
+            host = self.host[slots[i]]
+            if host is None or host[gi] is None:
+                raise RuntimeError(f"host slot {slots[i]} holds nothing for layer group {gi}")
+        got = jax.device_put([self.host[slots[i]][gi] for i, gi in want],  # H2D, queued by the runtime
+                             [self.programs.chunk_sh[gi] for _, gi in want])
+        staging, k = list(self.staging), self.staging_chunks
+        for gi in range(len(moved)):
+            mine = [(i, a) for (i, g), a in zip(want, got) if g == gi]
+            if not mine:
+                continue
+            mine += [mine[0]] * (k - len(mine))  # a shorter pass rewrites its first chunk
+            staging[gi] = self.programs.put_chunks(gi)(staging[gi], tuple(a for _, a in mine),
+                                                       ints([i for i, _ in mine], k, 0))
+            self.staging = tuple(staging)  # each group's new staging as soon as it exists (the old is donated)
+
     def _staging_to_host(self, slots: Sequence[int], moved: Sequence[np.ndarray]) -> Done:
         """Staging chunk i into slot ``slots[i]``, by this engine's host path; group g only for the
         chunks in ``moved[g]`` (a slot's other groups keep bytes no load will ask for)."""
         dones = []
-        if self.path == "device_put":
+        if self.path == "device_put":  # one program and one batched transfer per pass
+            chunks = self.programs.take_chunks()(self.staging)
+            want = [(i, gi) for i in range(len(slots)) for gi, m in enumerate(moved) if i in m]
+            sent = jax.device_put([chunks[gi][i] for i, gi in want],  # D2H, outside any program
+                                  [self.programs.host_chunk_sh[gi] for _, gi in want])
+            host = [[None] * len(moved) for _ in slots]
+            for (i, gi), a in zip(want, sent):
+                host[i][gi] = a
             for i, slot in enumerate(slots):
-                chunk = self.programs.take_chunk()(self.staging, ints([i], 1, 0))
-                host = [jax.device_put(a, sh) if i in m else None  # D2H, outside any program
-                        for a, sh, m in zip(chunk, self.programs.host_chunk_sh, moved)]
-                self.host[slot] = tuple(host)
-                dones.extend(a for a in host if a is not None)
+                self.host[slot] = tuple(host[i])
+            dones.extend(sent)
             return Done(dones)
         c = self.staging_chunks
         for k, pos, rows in self._by_slab(slots):

@@ -289,3 +289,43 @@ def check_memory_kind(kind: str, devices=None) -> None:
         f"host_memory_kind={kind!r} is not offered by {len(lacking)} of {len(devices)} local devices (e.g. {d}, "
         f"{getattr(d, 'device_kind', '?')}, offers {', '.join(sorted(offered[d])) or 'no memory kinds'}). {fix}."
     )
+
+
+# ---- host mappings -----------------------------------------------------------------
+MAP_COUNT_FILE = "/proc/sys/vm/max_map_count"
+DMA_ENTRY_FILE = "/sys/module/vfio_iommu_type1/parameters/dma_entry_limit"
+MAP_SHARE = 0.9  # of the limit the tier's own buffers may take; the rest is the engine's
+
+
+def _read_int(path: str) -> int | None:
+    text = _read(path)
+    return int(text) if text and text.isdigit() else None
+
+
+def check_host_buffers(num_slots: int, local_devices: int, groups: int, *,
+                       max_map_count: int | None = None, dma_entry_limit: int | None = None,
+                       map_count_file: str | None = None, dma_entry_file: str | None = None) -> None:
+    """Raise ConfigError if a host path that allocates one host buffer per stored chunk, device and
+    layer group (``device_put``) would pass 90% of the kernel's limits once the tier is full.
+
+    Each pinned host buffer is a memory mapping (``vm.max_map_count``, 65530 by default) and, on
+    a TPU host, a vfio DMA entry (``dma_entry_limit``, 65535): the shipped tier of 23,040 chunks on
+    8 devices needs ~184,000 of each. Neither sysctl is namespaced, so a pod raises them only with
+    a privileged init container (configs/kustomize/tpu-v7). Limits not readable here are not checked."""
+    need = num_slots * local_devices * groups
+    map_count_file, dma_entry_file = map_count_file or MAP_COUNT_FILE, dma_entry_file or DMA_ENTRY_FILE
+    limits = {"vm.max_map_count": (max_map_count if max_map_count is not None else _read_int(map_count_file),
+                                   map_count_file),
+              "vfio_iommu_type1 dma_entry_limit": (dma_entry_limit if dma_entry_limit is not None
+                                                   else _read_int(dma_entry_file), dma_entry_file)}
+    for name, (limit, where) in limits.items():
+        if limit is None or need <= MAP_SHARE * limit:
+            continue
+        fit = int(MAP_SHARE * limit) // max(1, local_devices * groups)
+        raise ConfigError(
+            f"transfer_path=device_put allocates one host buffer per stored chunk, device and layer group: "
+            f"{num_slots} chunks x {local_devices} local devices x {groups} groups = {need} buffers, more than "
+            f"{int(MAP_SHARE * 100)}% of {name} = {limit} ({where}). Raise {name} on the node to at least "
+            f"{-(-need * 10 // 9)} (a privileged init container, as configs/kustomize/tpu-v7 does), or set "
+            f"transfer_path=program (TPU_OFFLOAD_TRANSFER_PATH: preallocated slabs, a few buffers whatever the "
+            f"tier), or lower num_cpu_chunks (TPU_OFFLOAD_NUM_CPU_CHUNKS) / cpu_bytes to at most {fit} chunks.")

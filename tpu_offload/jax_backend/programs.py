@@ -8,7 +8,12 @@ between devices is the scatter's rebuild of replicated heads (see layout.py).
 * ``store``   staging -> host slabs (donates the slabs): one batched D2H.
 * ``load``    host slabs -> staging (donates staging): one batched H2D.
 
-Every program loops over a dynamic count (blocks or chunks) and moves one
+On TPU, ``gather`` and ``scatter`` are Pallas kernels of DMAs (dma.py): one
+DMA per (layer, run of adjacent blocks), all in flight at once, no
+TensorCore loop over blocks. The ``loop`` kernel below is what CPU runs by
+default (the DMA kernel runs there too, in TPU interpret mode, for tests).
+
+The ``loop`` programs and store/load loop over a dynamic count (blocks or chunks) and move one
 whole block (or chunk) per trip with ``dynamic_slice``/``dynamic_update_slice``
 in the cache's own dtype and block shape. That is what the TPU compiler
 turns into in-place copies: a vectorised ``cache.at[ids].set`` or a gather of
@@ -31,15 +36,29 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from tpu_offload.jax_backend import dma
 from tpu_offload.jax_backend.layout import KVLayout
+
+KERNELS = ("dma", "loop")
 
 
 class Programs:
     """Builds and caches the compiled transfer programs for one layout."""
 
     def __init__(self, layout: KVLayout, *, staging_blocks: int, blocks_per_chunk: int,
-                 slab_rows: tuple[int, ...], memory_kind: str):
+                 slab_rows: tuple[int, ...], memory_kind: str, kernel: str | None = None):
+        """``kernel``: how gather/scatter move blocks: ``dma`` (the Pallas kernel; interpreted on CPU)
+        or ``loop`` (XLA ops, one block per trip). Default: ``dma`` on TPU, ``loop`` elsewhere."""
         self.layout = layout
+        self.platform = layout.program_mesh.devices.flat[0].platform
+        kernel = kernel or default_kernel(self.platform, layout)
+        if kernel not in KERNELS:
+            raise ValueError(f"transfer kernel {kernel!r}: expected one of {', '.join(KERNELS)}")
+        if kernel == "dma" and self.platform == "tpu" and not dma_sliceable(layout):
+            raise ValueError("transfer kernel 'dma': a replica's slice of a block lies along a tiled dimension "
+                             f"(block shapes {[g.block_shape for g in layout.groups]}), which a TPU DMA cannot "
+                             "address; use the 'loop' kernel (TPU_OFFLOAD_TRANSFER_KERNEL=loop)")
+        self.kernel = kernel
         self.staging_blocks = staging_blocks
         self.bpc = blocks_per_chunk
         self.staging_chunks = staging_blocks // blocks_per_chunk
@@ -90,14 +109,38 @@ class Programs:
 
     # ---- public: compiled programs --------------------------------------
     def gather(self) -> Callable:
-        """(caches, staging, src_ids[g][n], dst_pos[g][n], count[groups]) -> staging: per group g,
-        block src_ids[g][i] to staging position dst_pos[g][i], for i < count[g]."""
-        return self._get(("gather",), self._build_gather)
+        """(caches, staging, *block_args(moves, "gather")) -> staging: per group g, block ids[g][i]
+        to staging position pos[g][i]."""
+        build = self._build_gather_dma if self.kernel == "dma" else self._build_gather
+        return self._get(("gather",), build)
 
     def scatter(self) -> Callable:
-        """(caches, staging, dst_ids[g][n], src_pos[g][n], count[groups]) -> (caches, done): per group g,
-        staging[src_pos[g][i]] to block dst_ids[g][i]."""
-        return self._get(("scatter",), self._build_scatter)
+        """(caches, staging, *block_args(moves, "scatter")) -> (caches, done): per group g,
+        staging[pos[g][i]] to block ids[g][i]."""
+        build = self._build_scatter_dma if self.kernel == "dma" else self._build_scatter
+        return self._get(("scatter",), build)
+
+    def block_args(self, moves, name: str) -> tuple:
+        """The index operands of ``gather``/``scatter`` (``name``) for ``moves``: per group, (cache
+        block ids, staging positions) of the blocks it moves."""
+        n = self.staging_blocks
+        if self.kernel == "loop":
+            return (tuple(ints(ids, n, 0) for ids, _ in moves), tuple(ints(pos, n, 0) for _, pos in moves),
+                    ints([len(ids) for ids, _ in moves], len(moves), 0))
+        ops = [dma.run_operands(self._runs(ids, pos, name), n) for ids, pos in moves]
+        return tuple(tuple(o[k] for o in ops) for k in range(4))
+
+    def dma_count(self, moves, name: str) -> int:
+        """DMAs one ``gather``/``scatter`` call issues for ``moves`` (0 for the loop kernel): one per
+        (layer, coalesced run), and the scatter's once per replica slice."""
+        if self.kernel != "dma":
+            return 0
+        return sum(len(self._runs(ids, pos, name)) * len(g.layers) * (g.replicas if name == "scatter" else 1)
+                   for g, (ids, pos) in zip(self.layout.groups, moves))
+
+    @staticmethod
+    def _runs(ids, pos, name: str) -> np.ndarray:
+        return dma.coalesce(ids, pos) if name == "gather" else dma.coalesce(pos, ids)
 
     def store(self, rows: int | None = None) -> Callable:
         """(one slab per group, staging, slab rows[g][c], staging chunks[g][c], count[groups]) -> (slabs, done).
@@ -113,21 +156,24 @@ class Programs:
         rows = self.slab_rows[0] if rows is None else rows
         return self._get(("load", rows), self._build_load, rows)
 
-    def take_chunk(self) -> Callable:
-        """(staging, pos[1]) -> one chunk per group, (bpc, layers, *piece): what ``device_put`` sends to host."""
-        return self._get(("take_chunk",), self._build_take_chunk)
+    def take_chunks(self) -> Callable:
+        """(staging) -> per group, every staging chunk as its own array, (bpc, layers, *piece): what one
+        batched ``device_put`` per pass sends to host (one program per pass, never per chunk)."""
+        return self._get(("take_chunks",), self._build_take_chunks)
 
-    def put_chunk(self, group: int = 0) -> Callable:
-        """(staging of ``group``, its chunk, pos[1]) -> that staging (donated): a chunk ``device_put``
-        brought back. One per group: a load brings back only the groups it needs."""
-        return self._get(("put_chunk", group), self._build_put_chunk, group)
+    def put_chunks(self, group: int = 0) -> Callable:
+        """(staging of ``group``, staging_chunks chunk arrays, pos[staging_chunks]) -> that staging
+        (donated): chunk k written at staging chunk pos[k]. The chunks one batched ``device_put``
+        brought back; a pass with fewer repeats its first (chunk, pos) pair. One per group: a load
+        brings back only the groups it needs."""
+        return self._get(("put_chunks", group), self._build_put_chunks, group)
 
     def all_programs(self, path: str = "program") -> dict[str, Callable]:
         """Every transfer program ``path`` uses, compiled (what precompile builds and the HBM check measures)."""
         if path == "device_put":
-            out = {"gather": self.gather(), "scatter": self.scatter(), "take_chunk": self.take_chunk(),
-                   "put_chunk": self.put_chunk()}
-            out.update({f"put_chunk_{gi}": self.put_chunk(gi) for gi in range(1, len(self.layout.groups))})
+            out = {"gather": self.gather(), "scatter": self.scatter(), "take_chunks": self.take_chunks(),
+                   "put_chunks": self.put_chunks()}
+            out.update({f"put_chunks_{gi}": self.put_chunks(gi) for gi in range(1, len(self.layout.groups))})
             return out
         out = {"gather": self.gather(), "scatter": self.scatter(), "store": self.store(), "load": self.load(),
                "alloc_slabs": self._slab_allocator()}
@@ -197,22 +243,26 @@ class Programs:
             for gi, (g, st) in enumerate(zip(groups, staging)):
                 zeros = (0,) * len(g.piece_shape)
 
-                def body(i, layers, g=g, gi=gi, st=st, zeros=zeros):
-                    if g.replicas > 1:  # the whole head shard, from the slices this device's replicas kept
-                        row = lax.dynamic_index_in_dim(st, pos[gi][i], 0, keepdims=True)  # (1, layers, *piece_shape)
-                        new = list(layers)
-                        for piece, offset in _replica_slices(row, g, as_bits):
-                            at = (ids[gi][i],) + tuple(offset if d == g.split_dim else 0 for d in range(len(zeros)))
-                            new = [lax.dynamic_update_slice(c, piece[:, li], at) for li, c in enumerate(new)]
-                        return tuple(new)
-                    # slice each layer's block straight out of staging: no copy of the row
-                    return tuple(
-                        lax.dynamic_update_slice(
-                            c, lax.dynamic_slice(st, (pos[gi][i], li, *zeros), (1, 1, *g.piece_shape))[:, 0],
-                            (ids[gi][i],) + zeros)
-                        for li, c in enumerate(layers))
+                def write(offset, source, layers, g=g, gi=gi, zeros=zeros):
+                    """Each block's piece of ``source`` into its cache block, at ``offset`` along the split
+                    dim (a replica's slice), sliced straight out of ``source``: no copy of the row."""
+                    at = lambda i: (ids[gi][i],) + tuple(offset[0] if d == g.split_dim else 0 for d in range(len(zeros)))
 
-                new = lax.fori_loop(0, count[gi], body, tuple(caches[a] for a in g.layers))
+                    def body(i, layers):
+                        return tuple(
+                            lax.dynamic_update_slice(
+                                c, lax.dynamic_slice(source, (pos[gi][i], li, *zeros), (1, 1, *g.piece_shape))[:, 0],
+                                at(i))
+                            for li, c in enumerate(layers))
+
+                    return lax.fori_loop(0, count[gi], body, tuple(layers))
+
+                layers = tuple(caches[a] for a in g.layers)
+                if g.replicas > 1:  # the whole head shard: the ring runs once per pass, outside the loop
+                    new = _scatter_replicas(lambda off, src, lay: write(off, src, lay), st, layers, g, as_bits)
+                else:
+                    new = write(jnp.zeros((1,), jnp.int32), st, layers)
+
                 for a, arr in zip(g.layers, new):
                     caches[a] = arr
             return tuple(caches), count
@@ -224,6 +274,58 @@ class Programs:
         n = self.staging_blocks
         return jitted.lower(self._caches_aval(), self._staging_aval(), self._group_ints(n), self._group_ints(n),
                             self._ints(len(groups))).compile()
+
+    def _gp(self):
+        return tuple(P() for _ in self.layout.groups)
+
+    def _dma_avals(self):
+        n, g = self.staging_blocks, len(self.layout.groups)
+        return (tuple(self._ints(1) for _ in range(g)),) + tuple(self._group_ints(n) for _ in range(3))
+
+    def _build_gather_dma(self):
+        groups, platform = self.layout.groups, self.platform
+
+        def gather_local(caches, staging, count, src, dst, length):
+            out = []
+            for gi, (g, st) in enumerate(zip(groups, staging)):
+                split, offset = _replica_split(g)
+                call = dma.gather_call(len(g.layers), st.shape, st.dtype, platform, split)
+                out.append(call(count[gi], src[gi], dst[gi], length[gi], offset,
+                                [caches[a] for a in g.layers], st))
+            return tuple(out)
+
+        gp = self._gp()
+        body = self._local(gather_local, (self._cache_specs(), self._staging_specs(), gp, gp, gp, gp),
+                           self._staging_specs())
+        jitted = jax.jit(body, donate_argnums=(1,), out_shardings=self._staging_sh)
+        return jitted.lower(self._caches_aval(), self._staging_aval(), *self._dma_avals()).compile()
+
+    def _build_scatter_dma(self):
+        groups, platform = self.layout.groups, self.platform
+        as_bits = collectives_as_bits(self.layout)
+
+        def scatter_local(caches, staging, count, src, dst, length):
+            caches = list(caches)
+            for gi, (g, st) in enumerate(zip(groups, staging)):
+                layers = [caches[a] for a in g.layers]
+                args = (count[gi], src[gi], dst[gi], length[gi])
+                if g.replicas == 1:
+                    call = dma.scatter_call(len(g.layers), layers[0].shape, layers[0].dtype, platform)
+                    layers = call(*args, jnp.zeros((1,), jnp.int32), st, layers)
+                else:  # every replica's slices, one ring shift per replica: once per pass, never per block
+                    split, _ = _replica_split(g)
+                    call = dma.scatter_call(len(g.layers), layers[0].shape, layers[0].dtype, platform, split)
+                    layers = _scatter_replicas(lambda off, src, lay: call(*args, off, src, lay), st, layers, g,
+                                               as_bits)
+                for a, arr in zip(g.layers, layers):
+                    caches[a] = arr
+            return tuple(caches), jnp.concatenate(count)
+
+        gp = self._gp()
+        body = self._local(scatter_local, (self._cache_specs(), self._staging_specs(), gp, gp, gp, gp),
+                           (self._cache_specs(), P()))
+        jitted = jax.jit(body, donate_argnums=(0,), out_shardings=(self._cache_sh, self._rep))
+        return jitted.lower(self._caches_aval(), self._staging_aval(), *self._dma_avals()).compile()
 
     def _cache_specs(self):
         return tuple(P(*g.cache_spec) for g in self._arrays)
@@ -279,22 +381,25 @@ class Programs:
         return tuple(jax.ShapeDtypeStruct(g.staging_shape(self.bpc), g.dtype, sharding=s)
                      for g, s in zip(self.layout.groups, self.chunk_sh))
 
-    def _build_take_chunk(self):
-        bpc = self.bpc
+    def _build_take_chunks(self):
+        bpc, k = self.bpc, self.staging_chunks
 
-        def take(staging, pos):
-            return tuple(lax.dynamic_slice_in_dim(st, pos[0] * bpc, bpc, axis=0) for st in staging)
+        def take(staging):
+            return tuple(tuple(lax.slice_in_dim(st, i * bpc, (i + 1) * bpc, axis=0) for i in range(k)) for st in staging)
 
-        return jax.jit(take, out_shardings=self.chunk_sh).lower(self._staging_aval(), self._ints(1)).compile()
+        out_sh = tuple((sh,) * k for sh in self.chunk_sh)
+        return jax.jit(take, out_shardings=out_sh).lower(self._staging_aval()).compile()
 
-    def _build_put_chunk(self, group: int):
-        bpc = self.bpc
+    def _build_put_chunks(self, group: int):
+        bpc, k = self.bpc, self.staging_chunks
 
-        def put(staging, chunk, pos):
-            return lax.dynamic_update_slice_in_dim(staging, chunk, pos[0] * bpc, axis=0)
+        def put(staging, chunks, pos):
+            for i, chunk in enumerate(chunks):
+                staging = lax.dynamic_update_slice_in_dim(staging, chunk, pos[i] * bpc, axis=0)
+            return staging
 
         jitted = jax.jit(put, donate_argnums=(0,), out_shardings=self._staging_sh[group])
-        return jitted.lower(self._staging_aval()[group], self._chunk_aval()[group], self._ints(1)).compile()
+        return jitted.lower(self._staging_aval()[group], (self._chunk_aval()[group],) * k, self._ints(k)).compile()
 
     # ---- allocation -------------------------------------------------------
     def alloc_staging(self):
@@ -340,27 +445,54 @@ def _arrays(layout: KVLayout) -> tuple:
     return tuple(by_array[a] for a in range(layout.num_layers))
 
 
-def _replica_slices(piece, g, as_bits: bool):
-    """The ``replicas`` slices of this device's shard of one block, with their offsets along ``split_dim``.
+def _replica_split(g):
+    """(split, offset) for the DMA kernels: this device's slice of a block, ``(dim, size)``, and its
+    offset along that dim as a (1,) operand; (None, 0) without replicas."""
+    if g.replicas == 1:
+        return None, jnp.zeros((1,), jnp.int32)
+    t = g.piece_shape[g.split_dim]
+    j = lax.axis_index(g.rep_axes) % g.replicas
+    return (g.split_dim, t), jnp.reshape(j * t, (1,)).astype(jnp.int32)
+
+
+def _scatter_replicas(write, staging, layers, g, as_bits: bool):
+    """Write every replica's slices of the pass into ``layers`` (the whole head shard, or MLA's
+    whole copy), each with one ``write(offset, source, layers)``.
 
     Replicas are consecutive shards of the head axes (repeated heads) or the
     devices along the axes MLA's latent cache is copied over, and each kept
-    one slice (see layout.py); ``replicas - 1`` ring shifts inside each group move only
-    the missing slices (a full all-gather over the head axes would move every
-    group's bytes to every device). Each slice is written at its own dynamic
-    offset, so nothing is reordered or concatenated on the device.
-    """
+    one slice of every block (see layout.py). This device's own slices come
+    from its staging; ``replicas - 1`` ring shifts of the whole staging buffer
+    within each group of replicas bring the others (shift k: the slices of
+    replica (j - k) mod r), once per pass, never per block (a full all-gather
+    over the head axes would move every group's bytes to every device). Each
+    shift waits (optimization barrier) for the previous write, so one
+    received buffer is live at a time: one staging buffer of HBM scratch."""
     r, h = g.replicas, g.rep_size
-    j = lax.axis_index(g.rep_axes) % r
-    t = g.piece_shape[g.split_dim]
-    raw = lax.bitcast_convert_type(piece, _bits(piece.dtype)) if as_bits else piece
-    out = [(piece, j * t)]  # received from k shifts back: the slice of replica (j - k) mod r
+    split_offset = lambda k: jnp.reshape(((lax.axis_index(g.rep_axes) % r - k) % r) * g.piece_shape[g.split_dim],
+                                         (1,)).astype(jnp.int32)
+    layers = write(split_offset(0), staging, layers)
+    raw = lax.bitcast_convert_type(staging, _bits(staging.dtype)) if as_bits else staging
     for k in range(1, r):
-        perm = [(i, i // r * r + (i % r + k) % r) for i in range(h)]
-        got = lax.ppermute(raw, g.rep_axes, perm)
-        got = lax.bitcast_convert_type(got, piece.dtype) if as_bits else got
-        out.append((got, ((j - k) % r) * t))
-    return out
+        raw, layers = lax.optimization_barrier((raw, tuple(layers)))
+        got = lax.ppermute(raw, g.rep_axes, [(i, i // r * r + (i % r + k) % r) for i in range(h)])
+        got = lax.bitcast_convert_type(got, staging.dtype) if as_bits else got
+        layers = write(split_offset(k), got, layers)
+    return layers
+
+
+def default_kernel(platform: str, layout: KVLayout | None = None) -> str:
+    """``dma`` where a TPU runs it; ``loop`` elsewhere (the DMA kernel is interpreted on CPU, slowly),
+    and where a TPU DMA cannot address a replica's slice (``dma_sliceable``)."""
+    return "dma" if platform == "tpu" and (layout is None or dma_sliceable(layout)) else "loop"
+
+
+def dma_sliceable(layout: KVLayout) -> bool:
+    """Whether every group's replica slice lies along a dimension a TPU DMA can slice at any offset.
+    HBM arrays are tiled over their last two dimensions, and a DMA's offsets there must be whole
+    tiles: MLA's latent cache (4, 32, 640) per 128-token page, split 8 ways at TP 8, keeps 4 of 32
+    rows, a part of an 8-row tile (the TPU compiler refuses that kernel)."""
+    return all(g.replicas == 1 or g.split_dim < len(g.block_shape) - 2 for g in layout.groups)
 
 
 def _bits(dtype):

@@ -69,7 +69,8 @@ def _best(fn, reps: int) -> float:
 
 
 def round_trip(avals: Sequence, mesh, *, replicas: int, blocks_per_chunk: int, staging_blocks: int,
-               memory_kind: str, path: str | None = None, reps: int = 3, seed: int = 0) -> dict:
+               memory_kind: str, path: str | None = None, reps: int = 3, seed: int = 0,
+               kernel: str | None = None) -> dict:
     """Store every whole chunk of ``avals``' caches, load it back elsewhere, compare, time both.
 
     Returns the figures (bytes, seconds, GB/s, ours and raw) and ``mismatches``: the layers
@@ -84,7 +85,7 @@ def round_trip(avals: Sequence, mesh, *, replicas: int, blocks_per_chunk: int, s
         raise ValueError(f"{layout.num_blocks} blocks cannot hold one chunk of {bpc} blocks")
     staging = max(bpc, min(staging_blocks, n * bpc) // bpc * bpc)
     engine = TransferEngine(layout, num_slots=n, blocks_per_chunk=bpc, staging_blocks=staging,
-                            memory_kind=memory_kind, **({} if path is None else {"path": path}))
+                            memory_kind=memory_kind, kernel=kernel, **({} if path is None else {"path": path}))
     t0 = time.perf_counter()
     engine.precompile()
     compile_s = time.perf_counter() - t0
@@ -136,7 +137,7 @@ def round_trip(avals: Sequence, mesh, *, replicas: int, blocks_per_chunk: int, s
     return {
         "devices": len(mesh.devices.flat), "layers": len(avals), "blocks": layout.num_blocks,
         "chunks": n, "staging_blocks": staging, "replicas": replicas, "memory_kind": memory_kind,
-        "path": getattr(engine, "path", "program"),
+        "path": engine.path, "kernel": engine.programs.kernel, "in_flight_device_bytes": engine.in_flight_device_bytes,
         "bytes": moved, "raw_bytes": raw, "compile_s": round(compile_s, 3), "mismatches": mismatches,
         "store_s": store_s, "load_s": load_s, "raw_d2h_s": raw_d2h_s, "raw_h2d_s": raw_h2d_s,
         "store_gbps": gbps(moved, store_s), "load_gbps": gbps(moved, load_s),
