@@ -182,9 +182,20 @@ def test_bad_env_value(name, data):
 @given(key=st.one_of(st.text(min_size=1, max_size=20), st.integers(), st.tuples(st.integers())), value=st.integers() | st.text(max_size=5))
 def test_unknown_key(key, value):
     assume(key not in KNOWN)
+    assume(str(key).lower() not in C._SECRET_KEYS)  # refused with the value hidden: test_secret_keys_in_json
     with pytest.raises(ConfigError) as e:
         OffloadConfig.from_sources({key: value}, env={})
     assert_explains(e.value, repr(key), repr(value), "num_cpu_chunks")
+
+
+@pytest.mark.parametrize("key", sorted(C._SECRET_KEYS) + ["FS_SECRET_KEY"])
+def test_secret_keys_in_json(key):
+    """A secret put into the config JSON is refused, named by its key, and never echoed."""
+    value = "k3y-" + "q7Zp" * 8
+    with pytest.raises(ConfigError) as e:
+        OffloadConfig.from_sources({key: value}, env={})
+    assert_explains(e.value, repr(key), "value hidden", "fs_secret_file", "TPU_OFFLOAD_FS_SECRET")
+    assert value not in str(e.value)
 
 
 def _mutations(word: str):
