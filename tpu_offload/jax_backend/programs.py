@@ -169,7 +169,7 @@ class Programs:
 
                 def body(i, st, g=g, gi=gi, layers=layers):
                     for li, c in enumerate(layers):
-                        block = lax.dynamic_index_in_dim(c, ids[gi][i], 0, keepdims=True)  # (1, *local_block_shape)
+                        block = _read_block(c, g, ids[gi][i])  # (1, *local_block_shape)
                         if g.replicas > 1:  # keep only this device's slice of the bytes its replicas also hold
                             j = lax.axis_index(g.rep_axes) % g.replicas
                             t = g.piece_shape[g.split_dim]
@@ -202,8 +202,8 @@ class Programs:
                         row = lax.dynamic_index_in_dim(st, pos[gi][i], 0, keepdims=True)  # (1, layers, *piece_shape)
                         new = list(layers)
                         for piece, offset in _replica_slices(row, g, as_bits):
-                            at = (ids[gi][i],) + tuple(offset if d == g.split_dim else 0 for d in range(len(zeros)))
-                            new = [lax.dynamic_update_slice(c, piece[:, li], at) for li, c in enumerate(new)]
+                            at = tuple(offset if d == g.split_dim else 0 for d in range(len(zeros)))
+                            new = [_write_block(c, g, ids[gi][i], piece[:, li], at) for li, c in enumerate(new)]
                         return tuple(new)
                     # slice each layer's block straight out of staging: no copy of the row
                     return tuple(
@@ -338,6 +338,38 @@ def _arrays(layout: KVLayout) -> tuple:
     if sorted(by_array) != list(range(layout.num_layers)):
         raise ValueError(f"the layout's groups cover cache arrays {sorted(by_array)}, not 0..{layout.num_layers - 1}")
     return tuple(by_array[a] for a in range(layout.num_layers))
+
+
+def _local_id(c, g, block_id):
+    """This device's index of global block ``block_id`` and whether it holds it. With DP attention
+    (``g.block_axes``) rank r's devices hold blocks [r * n, (r + 1) * n) of the cache, n = its local rows."""
+    if not g.block_axes:
+        return block_id, None
+    n = c.shape[0]
+    local = block_id - lax.axis_index(g.block_axes) * n
+    return jnp.clip(local, 0, n - 1), (local >= 0) & (local < n)
+
+
+def _read_block(c, g, block_id):
+    """(1, *local block) of global block ``block_id``, on every device. Under DP attention the owning
+    rank's bytes reach the other ranks by an integer all-reduce with zeros: exact for any dtype."""
+    local, mine = _local_id(c, g, block_id)
+    block = lax.dynamic_index_in_dim(c, local, 0, keepdims=True)
+    if mine is None:
+        return block
+    bits = lax.bitcast_convert_type(block, _bits(block.dtype))
+    bits = lax.psum(jnp.where(mine, bits, jnp.zeros_like(bits)), g.block_axes)
+    return lax.bitcast_convert_type(bits, block.dtype)
+
+
+def _write_block(c, g, block_id, piece, at):
+    """``c`` with ``piece`` at global block ``block_id`` (offsets ``at`` inside it); under DP attention
+    only the owning rank's devices change."""
+    local, mine = _local_id(c, g, block_id)
+    at = (local, *at)
+    if mine is not None:
+        piece = jnp.where(mine, piece, lax.dynamic_slice(c, at, piece.shape))
+    return lax.dynamic_update_slice(c, piece, at)
 
 
 def _replica_slices(piece, g, as_bits: bool):
