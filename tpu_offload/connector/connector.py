@@ -9,10 +9,11 @@ the worker role ``OffloadWorker``; this class only routes calls.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
-from tpu_offload.connector import compat
+from tpu_offload.connector import compat, dp
 from tpu_offload.connector.compat import KVConnectorBase_V1, KVConnectorRole
 from tpu_offload.connector.metadata import OffloadMetadata
 from tpu_offload.connector.metrics import ConnectorMetrics
@@ -34,6 +35,7 @@ class TPUOffloadConnector(KVConnectorBase_V1, compat.SupportsHMA):
 
             fp = fingerprint(vllm_config, kv_cache_config, self.settings.blocks_per_chunk)
         self.scheduler = self.worker = None
+        self._dp = None  # DP attention, worker half: connector/dp.py's Unwrapper (made at registration)
         if role == KVConnectorRole.SCHEDULER:
             from tpu_offload.connector.scheduler import OffloadScheduler
 
@@ -42,7 +44,10 @@ class TPUOffloadConnector(KVConnectorBase_V1, compat.SupportsHMA):
                 from tpu_offload.connector.fs import FsLookup
 
                 fs = FsLookup(self.settings.config, fp)
-            self.scheduler = OffloadScheduler(self.settings, metrics, fs=fs, fingerprint=fp)
+            settings = self.settings
+            if settings.dp > 1:  # this rank's scheduler owns its share of the one host tier
+                settings = dataclasses.replace(settings, num_slots=settings.num_slots // settings.dp)
+            self.scheduler = OffloadScheduler(settings, metrics, fs=fs, fingerprint=fp)
             if cfg.shared_storage_path or cfg.snapshot_path:
                 compat.install_executor_flush()  # Ray workers are killed, never shut down: flush them first
         else:
@@ -82,9 +87,12 @@ class TPUOffloadConnector(KVConnectorBase_V1, compat.SupportsHMA):
         return {k: v for k, v in out.items() if v}
 
     def build_connector_meta(self, scheduler_output) -> OffloadMetadata:
-        return self.scheduler.build_connector_meta(scheduler_output)
+        meta = self.scheduler.build_connector_meta(scheduler_output)
+        return dp.wrap(meta) if self.settings.dp > 1 else meta
 
     def update_connector_output(self, connector_output) -> None:
+        if self.settings.dp > 1:  # every rank gets every rank's finished requests
+            dp.keep_own(connector_output, self.scheduler.kv_cache_manager)
         self.scheduler.update_connector_output(connector_output)
 
     def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
@@ -124,9 +132,15 @@ class TPUOffloadConnector(KVConnectorBase_V1, compat.SupportsHMA):
 
     def register_runner(self, runner) -> None:
         self.worker.register_runner(runner)
+        if self.settings.dp > 1:
+            self._dp = dp.Unwrapper(self.settings.dp, self.worker.engine.layout.num_blocks, self.settings.num_slots)
+
+    def _worker_meta(self):
+        meta = self._get_connector_metadata()
+        return self._dp(meta) if self._dp is not None else meta
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
-        self.worker.start_load_kv(self._get_connector_metadata())
+        self.worker.start_load_kv(self._worker_meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads are whole-model; nothing to wait for per layer."""
@@ -135,7 +149,7 @@ class TPUOffloadConnector(KVConnectorBase_V1, compat.SupportsHMA):
         """Stores run once per step in ``wait_for_save``."""
 
     def wait_for_save(self) -> None:
-        self.worker.wait_for_save(self._get_connector_metadata())
+        self.worker.wait_for_save(self._worker_meta())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self.worker.get_finished()
@@ -146,14 +160,18 @@ class TPUOffloadConnector(KVConnectorBase_V1, compat.SupportsHMA):
     def build_connector_worker_meta(self):
         if self.worker is None or not compat.HAS_WORKER_META:
             return None
-        return self.worker.take_report()
+        return self._take_report()
+
+    def _take_report(self):
+        report = self.worker.take_report()
+        return self._dp.localize(report) if self._dp is not None else report
 
     def get_kv_connector_stats(self) -> OffloadStats | None:
         if self.scheduler is not None:
             return self.scheduler.get_stats()
         stats = self.worker.get_stats()
         if not compat.HAS_WORKER_META:  # old vLLM: completions ride in the stats
-            report = self.worker.take_report()
+            report = self._take_report()
             if report is not None:
                 stats = stats or OffloadStats()
                 stats.data[compat.STATS_REPORT_KEY] = report.to_dict()

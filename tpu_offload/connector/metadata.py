@@ -75,6 +75,9 @@ class OffloadMetadata(KVConnectorMetadata):
     # Set by reset_cache (a weight update): workers switch the file tier to a namespace salted with it,
     # drop write-throughs of older stores, and save no snapshot. "" = never reset.
     reset_salt: str = ""
+    # DP attention: each rank's metadata travels as one item here (connector/dp.py), the only
+    # list tpu-inference's DPScheduler merges into the ``type(meta)()`` the worker gets.
+    requests_meta: list = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass

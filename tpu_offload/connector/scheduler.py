@@ -42,7 +42,7 @@ import logging
 import uuid
 from typing import Any
 
-from tpu_offload.connector import compat
+from tpu_offload.connector import compat, dp
 from tpu_offload.connector.events import EventTranslator
 from tpu_offload.connector.loads import InFlight, LoadPlan, LoadPlanner, Order, settle_store
 from tpu_offload.connector.metadata import OffloadMetadata, OffloadReport, StoreOp
@@ -93,7 +93,7 @@ class OffloadScheduler:
         self.totals: dict[str, float] = {}  # the same counters since start (tests, debugging)
         self.kv_cache_manager = None  # bound by vLLM (bind_kv_cache_manager)
         self._reqs: dict[str, _Req] = {}
-        self._ids = itertools.count()
+        self._ids = itertools.count(dp.first_op_id(s.dp))  # DP ranks: their own ranges (connector/dp.py)
         self.loads = LoadPlanner(self.manager, self.bpc, lambda: next(self._ids))
         self.loading = InFlight()  # async loads vLLM waits for: their chunks are not loaded twice
         self._waited: set[str] = set()  # requests held back for another's load
@@ -202,7 +202,7 @@ class OffloadScheduler:
         needs a promotion first), and only within this step's staging budget, so
         the step's stall stays as bounded as an asynchronous part's.
         """
-        if req_id not in self._waited or self.s.hybrid:  # several groups: failures need async loads
+        if req_id not in self._waited or self.s.failures_by_request:  # failures reported per request need async loads
             return False
         blocks = -(-n // self.s.block_size)
         if blocks > self._sync_blocks_left or any(on_fs):
