@@ -90,3 +90,50 @@ def test_finished_ids_are_kept_only_by_the_rank_holding_their_blocks():
     out = types.SimpleNamespace(finished_sending={"mine", "other"}, finished_recving={"other"})
     dp.keep_own(out, Manager())
     assert out.finished_sending == {"mine"} and out.finished_recving == set()
+
+
+def test_a_chunk_stored_by_one_rank_is_loaded_by_the_other_from_its_slot():
+    """The worker publishes (slot, generation, key) with the completion; the other rank's index names that
+    slot and generation in its load; once the owner overwrites the slot, the same reference fails."""
+    from tpu_offload.core.lru import LRUChunkManager
+
+    un = dp.Unwrapper(2, 2 * BLOCKS_PER_RANK, SLOTS)
+    key = b"k" * 16
+    out = un(_merge([dp.wrap(OffloadMetadata(stores=[StoreOp(7, "a", [2], [3], keys=[key])])),
+                     dp.wrap(OffloadMetadata())]))
+    assert out.stores[0].slots == [2] and out.stores[0].keys == []  # no file tier: nothing to write
+    report = un.localize(OffloadReport(stores=[(7, 0, [])]))
+    assert report.retired == [2] and report.published == [(2, 1, key)]
+    report = pickle.loads(pickle.dumps(report))  # as every rank receives it
+
+    rank1 = dp.SharedIndex(SLOTS)
+    rank1.apply(report)
+    own = LRUChunkManager(SLOTS // 2, 1)
+    assert rank1.extend([key, b"x" * 16], 0) == 1
+    slots, ready = [-5], [False]
+    assert rank1.place(own, [key], [0], slots, ready) == [] and ready == [True]  # nothing pinned on rank 1
+    ref = slots[0]
+    assert ref < -1 and dp.parse_ref(ref, SLOTS) == (2, 1)
+
+    load = un(_merge([dp.wrap(OffloadMetadata()),
+                      dp.wrap(OffloadMetadata(loads=[LoadOp(1 << 40, "b", [ref], [4], True, True)]))]))
+    assert load.loads[0].slots == [2] and load.loads[0].blocks == [14]  # rank 0's slot, rank 1's block
+
+    # rank 0 reuses its slot: the other rank's index forgets the key, and an old reference fails
+    un(_merge([dp.wrap(OffloadMetadata(stores=[StoreOp(8, "c", [2], [5], keys=[b"n" * 16])])),
+               dp.wrap(OffloadMetadata())]))
+    late = un(_merge([dp.wrap(OffloadMetadata()),
+                      dp.wrap(OffloadMetadata(loads=[LoadOp((1 << 40) + 1, "d", [ref], [4], True, True)]))]))
+    assert late.loads[0].slots == [-1] and un.stale == 1
+    report = un.localize(OffloadReport(stores=[(8, 0, [])], loads=[((1 << 40) + 1, 0, [-1])]))
+    assert report.loads == [((1 << 40) + 1, 0, [-1])]
+    rank1.apply(report)
+    assert rank1.extend([key], 0) == 0 and rank1.extend([b"n" * 16], 0) == 1
+
+
+def test_a_reset_drops_publications_of_earlier_stores():
+    un = dp.Unwrapper(2, 2 * BLOCKS_PER_RANK, SLOTS)
+    un(_merge([dp.wrap(OffloadMetadata(stores=[StoreOp(7, "a", [0], [3], keys=[b"k" * 16])])),
+               dp.wrap(OffloadMetadata())]))
+    un(_merge([dp.wrap(OffloadMetadata(reset_salt="r0")), dp.wrap(OffloadMetadata(reset_salt="r1"))]))
+    assert un.localize(OffloadReport(stores=[(7, 0, [])])).published == []

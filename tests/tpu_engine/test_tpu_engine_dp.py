@@ -12,10 +12,12 @@ tensor parallel 1 inside each rank):
 Requests are routed round-robin (``DP_SCHED_ROUTING``), so a round of two
 prompts puts one on each rank. Each: greedy tokens identical to the engine
 without a connector; after vLLM's prefix cache is reset, every full block
-comes back from the host tier on the rank that stored it; none of our
+comes back from the host tier; none of our
 transfer programs compiles while serving (they were precompiled at start).
-A prefix stored on one rank hitting on the other needs the ranks to share
-the tier's index; each rank owns its own partition today (xfail, strict).
+Then, with routing shifted by one request, each prompt lands on the other
+rank and hits the chunks the first rank stored: one host copy, loaded into
+the other rank's blocks (the ranks share the tier's index through the
+worker's reports, connector/dp.py).
 """
 
 from __future__ import annotations
@@ -85,7 +87,7 @@ def full_blocks(w: Workload, block_size: int) -> int:
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
-def test_dp2_round_trip_on_each_rank(name, engines):
+def test_dp2_round_trip_on_each_rank_and_across_ranks(name, engines):
     base = baseline(engines, name)
     eng = engine(engines, name, ours=True)
     sched = eng.core.scheduler
@@ -94,16 +96,25 @@ def test_dp2_round_trip_on_each_rank(name, engines):
     assert w.engine.layout.groups[0].block_axes, "the caches' block dimension is split over the ranks"
     compiled = w.engine.programs.compiles
     assert compiled > 0, "precompiled at start"
+    chunks = full_blocks(TWO, eng.shape.block_size)
     t0 = dict(w.totals)
     eng.reset_prefix_cache()
-    assert TWO.run(eng) == base
+    assert TWO.run(eng) == base  # prompt i on rank i
     t1 = dict(w.totals)
-    assert delta(t1, t0, "stored_chunks") >= full_blocks(TWO, eng.shape.block_size)
+    assert delta(t1, t0, "stored_chunks") >= chunks
     eng.reset_prefix_cache()
-    assert TWO.run(eng) == base
+    assert TWO.run(eng) == base  # again on the rank that stored it
     t2 = dict(w.totals)
-    assert delta(t2, t1, "loaded_chunks") == full_blocks(TWO, eng.shape.block_size)
-    assert delta(t2, t1, "load_errors") == 0
+    seam = eng.worker_connector._dp
+    assert delta(t2, t1, "loaded_chunks") == chunks and seam.foreign == 0
+    eng.reset_prefix_cache()
+    SHIFT.run(eng)
+    t3 = dict(w.totals)
+    assert TWO.run(eng) == base  # now each prompt on the other rank: one host copy, loaded into its blocks
+    t4 = dict(w.totals)
+    assert delta(t4, t3, "loaded_chunks") == chunks
+    assert seam.foreign == chunks, "every chunk came from the other rank's slots"
+    assert delta(t4, t0, "load_errors") == 0 and seam.stale == 0
     assert w.engine.programs.compiles == compiled, "none of our programs compiled while serving"
 
     # negative control: what attention reads on both ranks is what came back from the host tier
@@ -111,19 +122,3 @@ def test_dp2_round_trip_on_each_rank(name, engines):
     eng.reset_prefix_cache()
     got = TWO.run(eng)
     assert got[0] != base[0] and got[1] != base[1]
-
-
-@pytest.mark.xfail(strict=True, reason="each attention-DP rank owns its own partition of the host tier: "
-                   "a prefix stored on one rank is not found by the other's scheduler (no shared index yet)")
-@pytest.mark.parametrize("name", ["deepseek-v3"])
-def test_dp2_prefix_stored_on_one_rank_hits_on_the_other(name, engines):
-    base = baseline(engines, name)
-    eng = engine(engines, name, ours=True)
-    w = wrk(eng)
-    eng.reset_prefix_cache()
-    assert TWO.run(eng) == base  # stored (or already there) on ranks 0 and 1
-    eng.reset_prefix_cache()
-    SHIFT.run(eng)  # the next two prompts land on the other ranks
-    t1 = dict(w.totals)
-    assert TWO.run(eng) == base
-    assert delta(dict(w.totals), t1, "loaded_chunks") == full_blocks(TWO, eng.shape.block_size)

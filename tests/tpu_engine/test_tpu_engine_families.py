@@ -37,7 +37,6 @@ import dataclasses
 import functools
 import json
 import os
-import re
 import subprocess
 import sys
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from tpu_offload.connector import compat, dp
 from tpu_offload.connector.compat import KVConnectorBase_V1, KVConnectorRole
-from tpu_offload.connector.metadata import OffloadMetadata
+from tpu_offload.connector.metadata import OffloadMetadata, OffloadReport
 from tpu_offload.connector.metrics import ConnectorMetrics
 from tpu_offload.connector.settings import resolve
 from tpu_offload.connector.stats import OffloadStats
@@ -48,6 +48,8 @@ class TPUOffloadConnector(KVConnectorBase_V1, compat.SupportsHMA):
             if settings.dp > 1:  # this rank's scheduler owns its share of the one host tier
                 settings = dataclasses.replace(settings, num_slots=settings.num_slots // settings.dp)
             self.scheduler = OffloadScheduler(settings, metrics, fs=fs, fingerprint=fp)
+            if settings.dp > 1:
+                self.scheduler.shared = dp.SharedIndex(self.settings.num_slots)
             if cfg.shared_storage_path or cfg.snapshot_path:
                 compat.install_executor_flush()  # Ray workers are killed, never shut down: flush them first
         else:
@@ -91,8 +93,11 @@ class TPUOffloadConnector(KVConnectorBase_V1, compat.SupportsHMA):
         return dp.wrap(meta) if self.settings.dp > 1 else meta
 
     def update_connector_output(self, connector_output) -> None:
-        if self.settings.dp > 1:  # every rank gets every rank's finished requests
+        if self.settings.dp > 1:  # every rank gets every rank's finished requests and stored chunks
             dp.keep_own(connector_output, self.scheduler.kv_cache_manager)
+            raw = compat.extract_report(connector_output)
+            if raw is not None:
+                self.scheduler.shared.apply(OffloadReport.coerce(raw))
         self.scheduler.update_connector_output(connector_output)
 
     def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
@@ -124,7 +129,11 @@ class TPUOffloadConnector(KVConnectorBase_V1, compat.SupportsHMA):
         return n
 
     def reset_cache(self) -> bool | None:
-        return self.scheduler.reset_cache() if self.scheduler is not None else None
+        if self.scheduler is None:
+            return None
+        if self.scheduler.shared is not None:  # every rank resets: no rank's chunk may come back
+            self.scheduler.shared.clear()
+        return self.scheduler.reset_cache()
 
     # ---- worker side ---------------------------------------------------------
     def register_kv_caches(self, kv_caches) -> None:

@@ -110,6 +110,7 @@ class OffloadScheduler:
         self.expected_procs: int | None = None  # what get_finished_count told vLLM's aggregator
         self._quarantine: set[ChunkKey] = set()  # present in the index but proved bad: never served
         self._fp = fingerprint
+        self.shared = None  # DP attention: the other ranks' chunks (connector/dp.py SharedIndex)
         self._fs_lookup = fs  # also when loads are synchronous (it learns resets)
         self.reset_salt = ""  # see reset_cache
         self.restored_id = self.snapshot_id = ""  # warm restart: see connector/snapshot.py
@@ -150,6 +151,8 @@ class OffloadScheduler:
         ask again: a livelock).
         """
         n = self._ready_prefix(keys)
+        if self.shared is not None:  # then the chunks other DP ranks stored
+            n = self.shared.extend(keys, n)
         on_fs = [False] * n
         if self.fs is not None:
             st = self.manager.stats()
@@ -249,6 +252,8 @@ class OffloadScheduler:
         host_idx = [i for i in range(len(load_keys)) if not on_fs[first + i]]
         slots = [-1] * len(load_keys)
         ready = [False] * len(load_keys)
+        if self.shared is not None:  # chunks of other DP ranks: loaded straight from their slots
+            host_idx = self.shared.place(self.manager, load_keys, host_idx, slots, ready)
         for i, slot in zip(host_idx, self.manager.prepare_load([load_keys[i] for i in host_idx])):
             slots[i], ready[i] = int(slot), True  # pinned until the worker reports the load
         evict: list[tuple[int, bytes]] = []
@@ -413,8 +418,9 @@ class OffloadScheduler:
             if groups:
                 self.tails.prune(lambda k: self.manager.lookup(k) is not Lookup.MISS)
             if slots:
+                named = self._fs_lookup is not None or self.shared is not None  # files, or DP ranks' index
                 op = StoreOp(next(self._ids), st.request.request_id, slots, blocks,
-                             keys=[bytes(k) for k in okeys] if self._fs_lookup is not None else [], evict=evict,
+                             keys=[bytes(k) for k in okeys] if named else [], evict=evict,
                              salt=salt, groups=groups)
                 meta.stores.append(op)
                 self._store_orders[op.op_id] = Order(op.req_id, okeys, slots)
