@@ -6,8 +6,9 @@ The real tpu-inference 0.32 engine on JAX's CPU backend (tests/tpu_engine),
 the tiny DeepSeek-V3 (MLA, fp8 latent cache, 32-token pages) at TP 2 with DP
 attention, so 2 attention-DP ranks under tpu-inference's DPScheduler, each
 kind in its own process: no connector (recompute), ours, tpu-inference's own
-connector. vLLM's prefix caching is off, so a restored prompt comes from the
-connector's host tier or is recomputed. Requests are routed round-robin
+connector. vLLM's prefix caching stays on (under DPScheduler, vLLM's
+EngineCore hashes request blocks only then) and is reset before the restores,
+so a restored prompt comes from the connector's host tier or is recomputed. Requests are routed round-robin
 (``DP_SCHED_ROUTING``): a repetition sends ``--batch`` fresh prompts
 (stored), then each prompt plus a few new tokens alone, so consecutive
 restores alternate ranks and half of them land on the rank that did not
@@ -69,7 +70,7 @@ def measure(kind: str, reps: int, batch: int, prompt_len: int) -> dict:
     dtype = "bfloat16"
     model_dir = fam.write(os.path.join(tempfile.gettempdir(), f"tpu_offload_bench_deepseek_{dtype}"), dtype)
     shape = engine_run.Shape("deepseek-v3", dtype, tp=2, block_size=32, num_blocks=256, max_model_len=1024)
-    eng = engine_run.EngineRun(model_dir, shape, kv, enable_prefix_caching=False, **dict(fam.engine_kwargs))
+    eng = engine_run.EngineRun(model_dir, shape, kv, **dict(fam.engine_kwargs))
     assert type(eng.core.scheduler).__name__ == "DPScheduler" and eng.core.scheduler.dp_size == 2
     ttft, per_rep = [], []
     try:
@@ -86,6 +87,7 @@ def measure(kind: str, reps: int, batch: int, prompt_len: int) -> dict:
             eng.generate(prompts, max_tokens=1)  # stored
             for _ in range(3):
                 eng.generate([[5, 6, 7, 8]], 1)  # steps the engine: the stores complete
+            eng.reset_prefix_cache()
             before = load_bytes()
             lat = []
             for i, p in enumerate(prompts):  # one at a time: each TTFT is one restore
@@ -131,7 +133,7 @@ def main() -> None:
                      "restored TTFT ms (median)": statistics.median(m["ttft_ms"]), "min": min(m["ttft_ms"]),
                      "chunks from the other rank": m["cross_rank_chunks"]})
     print_table(rows, title=f"tiny DeepSeek-V3 in tpu-inference on CPU, TP 2 = 2 attention-DP ranks, fp8 latent "
-                            f"cache, 32-token pages, prefix caching off, {args.batch} x {args.prompt_len}-token "
+                            f"cache, 32-token pages, {args.batch} x {args.prompt_len}-token "
                             f"prompts per repetition, {args.reps} reps")
     path = write_json("dp_mla", {"args": vars(args), "measured_rows": rows, "measured": measured})
     print(f"wrote {path}")

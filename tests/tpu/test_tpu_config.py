@@ -161,6 +161,10 @@ def test_data_parallelism_as_tpu_inference_configures_it(tiny_model_dir, monkeyp
         vc.kv_transfer_config.kv_connector_extra_config = {"num_cpu_chunks": 8, key: value}
         with pytest.raises(ConfigError, match=f"{key}=.*attention-DP ranks"):
             resolve(vc, page(), env={})
+    vc.kv_transfer_config.kv_connector_extra_config = {"num_cpu_chunks": 8}
+    vc.cache_config.enable_prefix_caching = False  # vLLM's EngineCore would give requests no block hashes
+    with pytest.raises(ConfigError, match="enable_prefix_caching=False with .* attention-DP ranks.*DPScheduler"):
+        resolve(vc, page(), env={})
 
 
 def test_data_parallelism_seen_before_tpu_inference_configures_it():

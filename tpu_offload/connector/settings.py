@@ -95,6 +95,11 @@ def resolve(vllm_config, kv_cache_config, env: Mapping[str, str] | None = None) 
                 f"data parallelism ({source}) outside tpu-inference's sharding: the offload connector supports "
                 "DP only as tpu-inference's DPScheduler runs it (sharding_config.total_dp_size, one engine). "
                 "Let tpu-inference's platform configure it, or run one engine per DP rank")
+        if not getattr(vllm_config.cache_config, "enable_prefix_caching", True):
+            raise ConfigError(
+                f"enable_prefix_caching=False with {dp} attention-DP ranks ({source}): tpu-inference's DPScheduler "
+                "hides the connector from vLLM's EngineCore, which then hashes request blocks only with prefix "
+                "caching on, so no chunk could be named. Turn prefix caching on to offload KV under DP attention")
         for key, value in (("shared_storage_path", cfg.shared_storage_path), ("snapshot_path", cfg.snapshot_path),
                            ("sync_load", cfg.sync_load)):
             if value:
