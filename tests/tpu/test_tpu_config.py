@@ -148,23 +148,35 @@ def _tpu_inference_sharding():
     ({"enable_dp_attention": True}, 1),  # attention DP: 8 chips, 2 KV heads -> attn_dp 4
     ({}, 2),  # plain DP: tpu-inference resets data_parallel_size to 1 behind our back
 ])
-def test_data_parallelism_refused_as_tpu_inference_configures_it(tiny_model_dir, monkeypatch, strategy, dp):
+def test_data_parallelism_as_tpu_inference_configures_it(tiny_model_dir, monkeypatch, strategy, dp):
+    """DP inside tpu-inference's mesh runs its DPScheduler: one scheduler per rank, each owning an equal
+    share of the one host tier (connector/dp.py); what DP attention cannot do yet is refused at start."""
     from tpu_offload.connector.compat import data_parallel
     from tpu_standin import make_vllm_config
 
     monkeypatch.setenv("NEW_MODEL_DESIGN", "1" if strategy else "0")  # tpu-inference: attention DP needs it
     manager = _tpu_inference_sharding()
-    vc = make_vllm_config(tiny_model_dir, block_size=16, num_blocks=16, extra={"num_cpu_chunks": 4})
+    vc = make_vllm_config(tiny_model_dir, block_size=16, num_blocks=16, extra={"num_cpu_chunks": 7})
     vc.parallel_config.tensor_parallel_size = 8
     vc.parallel_config.data_parallel_size = dp
     vc.additional_config = {"sharding": {"sharding_strategy": strategy}}
     vc.sharding_config = manager.from_vllm_config(vc)  # what TpuPlatform.check_and_update_config does
     assert vc.parallel_config.data_parallel_size == 1  # so a data_parallel_size guard alone never fires
-    assert vc.sharding_config.total_dp_size > 1
-    assert data_parallel(vc)[0] == vc.sharding_config.total_dp_size
-    with pytest.raises(ConfigError, match="supports DP=1 only") as e:
+    ranks = vc.sharding_config.total_dp_size
+    assert ranks > 1 and data_parallel(vc)[0] == ranks
+    s = resolve(vc, page(), env={})
+    assert s.dp == ranks and s.failures_by_request and s.num_slots == 7 - 7 % ranks
+    for key, value in (("sync_load", True), ("shared_storage_path", "/nonexistent"), ("snapshot_path", "/x"),
+                       ("store_policy", "exclusive")):
+        # (no secret: this refusal, not the unauthenticated tier's, is under test)
+        vc.kv_transfer_config.kv_connector_extra_config = {"num_cpu_chunks": 8, key: value,
+                                                           "fs_allow_unauthenticated": True}
+        with pytest.raises(ConfigError, match=f"{key}=.*attention-DP ranks"):
+            resolve(vc, page(), env={})
+    vc.kv_transfer_config.kv_connector_extra_config = {"num_cpu_chunks": 8}
+    vc.cache_config.enable_prefix_caching = False  # vLLM's EngineCore would give requests no block hashes
+    with pytest.raises(ConfigError, match="enable_prefix_caching=False with .* attention-DP ranks.*DPScheduler"):
         resolve(vc, page(), env={})
-    assert "attention_data_parallelism" in str(e.value) and "enable_dp_attention" in str(e.value)
 
 
 def test_data_parallelism_seen_before_tpu_inference_configures_it():
@@ -176,7 +188,7 @@ def test_data_parallelism_seen_before_tpu_inference_configures_it():
     vc.additional_config = {"sharding": {"sharding_strategy": {"enable_dp_attention": False}}}
     assert data_parallel(vc)[0] == 1
     vc.scheduler_config = SimpleNamespace(scheduler_cls="tpu_inference.core.sched.dp_scheduler.DPScheduler")
-    with pytest.raises(ConfigError, match="DPScheduler"):
+    with pytest.raises(ConfigError, match="outside tpu-inference's sharding.*DPScheduler"):
         resolve(vc, page(), env={})
 
 
@@ -184,8 +196,6 @@ def test_data_parallelism_seen_before_tpu_inference_configures_it():
     ({"additional_config": {"enable_continue_decode": True}}, "enable_continue_decode=True"),
     ({"speculative_config": SimpleNamespace(method="eagle3")}, "speculative_config.method='eagle3'"),
     ({"speculative_config": SimpleNamespace(method="dflash")}, "draft model"),
-    ({"model_config": SimpleNamespace(model="deepseek-ai/DeepSeek-V3", use_mla=True)},
-     "model 'deepseek-ai/DeepSeek-V3' uses MLA: tpu-inference 0.32 serves MLA models only with DP attention.*DP=1 only"),
 ])
 def test_runner_modes_that_break_ordering_are_refused(attrs, needle):
     vc = vllm_config({"num_cpu_chunks": 4})

@@ -7,8 +7,8 @@ Per family (``tiny_families``: gpt-oss, Gemma 4, DeepSeek-V3, Llama 4):
   and two more runs on a cold prefix cache give identical tokens;
 * TP 1 with our connector: identical tokens, and after vLLM's prefix cache
   is reset the second pass takes every full block from our tier (a negative
-  control then zeroes those chunks: the tokens change). DeepSeek-V3 (MLA):
-  the engine refuses to start, naming the model and the reason. gpt-oss
+  control then zeroes those chunks: the tokens change). DeepSeek-V3 (MLA)
+  at TP 1 has one attention-DP rank (DP 2 is in test_tpu_engine_dp.py). gpt-oss
   keeps vLLM's hybrid KV cache manager (a sliding-window group beside the
   full one) only if our connector supports it (xfail, strict, while not);
 * TP 2, no connector: tokens agree with HF as at TP 1, and equal TP 1's
@@ -37,7 +37,6 @@ import dataclasses
 import functools
 import json
 import os
-import re
 import subprocess
 import sys
 
@@ -51,7 +50,6 @@ from workloads import DETERMINISM, ROUNDTRIP
 pytestmark = pytest.mark.engine
 
 NAMES = sorted(FAMILIES)
-NOT_MLA = [n for n in NAMES if not FAMILIES[n].mla]
 TP1 = {n: Shape(n, "bfloat16" if f.bf16_only else "float32", tp=1, block_size=f.block_size)
        for n, f in FAMILIES.items()}
 TP2 = {n: dataclasses.replace(s, tp=2) for n, s in TP1.items()}
@@ -203,7 +201,7 @@ def test_tp1_greedy_tokens_agree_with_hf_and_repeat(name, engines, model_dir):
         assert DETERMINISM.run(eng) == first
 
 
-@pytest.mark.parametrize("name", NOT_MLA)
+@pytest.mark.parametrize("name", NAMES)
 def test_tp1_our_connector_round_trip(name, engines):
     shape = TP1[name]
     w = ROUNDTRIP[shape.block_size]
@@ -251,22 +249,6 @@ def test_tp1_our_connector_keeps_the_hybrid_kv_cache_manager(engines):
     groups = eng.core.scheduler.kv_cache_config.kv_cache_groups
     assert not eng.core.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
     assert sorted(type(g.kv_cache_spec).__name__ for g in groups) == ["FullAttentionSpec", "SlidingWindowSpec"]
-
-
-@pytest.mark.parametrize("name", [n for n in NAMES if FAMILIES[n].mla])
-def test_tp1_our_connector_refuses_mla_at_start(name, engines, model_dir):
-    """One clear error at engine start, naming the model and why (offloading MLA is not supported)."""
-    from vllm.distributed.kv_transfer import kv_transfer_state
-
-    shape = TP1[name]
-    path = model_dir(shape.model, shape.dtype)
-    try:
-        with pytest.raises(Exception, match=rf"model '{re.escape(path)}' uses MLA") as refused:
-            engine(engines, ("ours", shape), shape, kv_transfer_config("offload.json", **OURS))
-    finally:
-        kv_transfer_state.ensure_kv_transfer_shutdown()  # the worker half had started
-    assert type(refused.value).__name__ == "ConfigError"
-    assert "without --kv-transfer-config" in str(refused.value)
 
 
 # ---- TP 2 --------------------------------------------------------------------------------------

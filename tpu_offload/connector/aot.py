@@ -58,15 +58,17 @@ MODELS = {m.name: m for m in (
 )}
 
 
-def compile_only_mesh(topology: str, tp: int) -> Mesh:
-    """tpu-inference's 7-axis Auto mesh (``NEW_MODEL_DESIGN``) over the first ``tp`` compile-only devices."""
+def compile_only_mesh(topology: str, tp: int, attn_dp: int = 1) -> Mesh:
+    """tpu-inference's 7-axis Auto mesh (``NEW_MODEL_DESIGN``) over the first ``tp`` compile-only devices;
+    ``attn_dp``: DP attention turns that many ways of TP into attention-DP ranks (the "attn_dp" axis)."""
     from jax.experimental import topologies
     from tpu_inference.layers.common.sharding import MESH_AXIS_NAMES
 
     devices = topologies.get_topology_desc(topology_name=topology, platform="tpu").devices
-    if tp > len(devices):
-        raise ValueError(f"TP {tp} needs {tp} devices; {topology} has {len(devices)}")
-    shape = tuple(tp if name == "model" else 1 for name in MESH_AXIS_NAMES)
+    if tp > len(devices) or tp % attn_dp:
+        raise ValueError(f"TP {tp} (attention DP {attn_dp}) needs {tp} devices; {topology} has {len(devices)}")
+    sizes = {"model": tp // attn_dp, "attn_dp": attn_dp}
+    shape = tuple(sizes.get(name, 1) for name in MESH_AXIS_NAMES)
     return Mesh(np.array(devices[:tp]).reshape(shape), MESH_AXIS_NAMES,
                 axis_types=(AxisType.Auto,) * len(MESH_AXIS_NAMES))
 
@@ -84,7 +86,7 @@ def kv_cache_avals(mesh: Mesh, model: ModelShape, num_blocks: int, block_size: i
     """One abstract array per layer, with tpu-inference's own shape and sharding."""
     from tpu_inference.runner import kv_cache
 
-    heads, _ = padded_kv_heads(model, mesh.shape["model"])
+    heads, _ = padded_kv_heads(model, mesh.shape["model"])  # attention-DP ranks hold whole heads
     abstract = lambda shape, dtype, sharding: (lambda: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding))
     with mock.patch.object(kv_cache, "_get_kv_cache_allocator", abstract):
         return kv_cache.create_kv_caches(num_blocks, block_size, heads, model.head_dim, mesh,

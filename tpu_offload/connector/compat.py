@@ -194,6 +194,14 @@ def data_parallel(vllm_config) -> tuple[int, str]:
     return n, f"data_parallel_size={n}"
 
 
+def dp_scheduler_ranks(vllm_config) -> int | None:
+    """The ranks tpu-inference's DPScheduler runs (``sharding_config.total_dp_size``; None: not configured
+    by tpu-inference's platform, so no DPScheduler merges our metadata)."""
+    sharding = getattr(vllm_config, "sharding_config", None)
+    n = getattr(sharding, "total_dp_size", None)
+    return int(n) if n is not None and int(n) > 1 else None
+
+
 # Speculative methods with no draft model: no draft KV layers in runner.kv_caches.
 MODEL_FREE_SPEC_METHODS = ("ngram", "ngram_gpu", "suffix")
 
@@ -205,20 +213,11 @@ def unsupported_runner_mode(vllm_config) -> str | None:
       ``runner.kv_caches`` as a donated argument inside the connector context
       and rebinds the result only after it, so ``wait_for_save`` (and an
       async ``start_load_kv``) would read deleted arrays.
-    * MLA: tpu-inference 0.32 serves it only with DP attention (see the message).
     * speculative decoding with a draft model (eagle3, dflash, mtp, ...): the
       drafter writes its own KV layers after the connector context has closed,
       so a stored chunk would hold the draft layers' previous bytes for the
       step's positions, and a restored one would feed them to the drafter.
     """
-    model = getattr(vllm_config, "model_config", None)
-    if model is not None and getattr(model, "use_mla", False):
-        return (f"model {getattr(model, 'model', '?')!r} uses MLA: tpu-inference 0.32 serves MLA models only with "
-                "DP attention (additional_config sharding_strategy.enable_dp_attention, required by its "
-                "TpuPlatform.check_and_update_config), which splits the latent cache's blocks over attention-DP "
-                "ranks and schedules them with its DPScheduler; the offload connector supports DP=1 only "
-                "(that scheduler forwards only tpu-inference's built-in connector's metadata). Serve this model "
-                "without --kv-transfer-config")
     extra = getattr(vllm_config, "additional_config", None) or {}
     if extra.get("enable_continue_decode"):
         return (f"additional_config.enable_continue_decode={extra.get('enable_continue_decode')!r}: tpu-inference's "

@@ -9,13 +9,14 @@ the worker role ``OffloadWorker``; this class only routes calls.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
-from tpu_offload.connector import compat
+from tpu_offload.connector import compat, dp
 from tpu_offload.connector.compat import KVConnectorBase_V1, KVConnectorRole
 from tpu_offload.connector.guard import Guard
-from tpu_offload.connector.metadata import OffloadMetadata
+from tpu_offload.connector.metadata import OffloadMetadata, OffloadReport
 from tpu_offload.connector.metrics import ConnectorMetrics
 from tpu_offload.connector.settings import resolve
 from tpu_offload.connector.stats import OffloadStats
@@ -35,6 +36,7 @@ class TPUOffloadConnector(KVConnectorBase_V1, compat.SupportsHMA):
 
             fp = fingerprint(vllm_config, kv_cache_config, self.settings.blocks_per_chunk)
         self.scheduler = self.worker = None
+        self._dp = None  # DP attention, worker half: connector/dp.py's Unwrapper (made at registration)
         if role == KVConnectorRole.SCHEDULER:
             from tpu_offload.connector.scheduler import OffloadScheduler
 
@@ -43,7 +45,12 @@ class TPUOffloadConnector(KVConnectorBase_V1, compat.SupportsHMA):
                 from tpu_offload.connector.fs import FsLookup
 
                 fs = FsLookup(self.settings.config, fp)
-            self.scheduler = OffloadScheduler(self.settings, metrics, fs=fs, fingerprint=fp)
+            settings = self.settings
+            if settings.dp > 1:  # this rank's scheduler owns its share of the one host tier
+                settings = dataclasses.replace(settings, num_slots=settings.num_slots // settings.dp)
+            self.scheduler = OffloadScheduler(settings, metrics, fs=fs, fingerprint=fp)
+            if settings.dp > 1:
+                self.scheduler.shared = dp.SharedIndex(self.settings.num_slots)
             if cfg.shared_storage_path or cfg.snapshot_path:
                 compat.install_executor_flush()  # Ray workers are killed, never shut down: flush them first
         else:
@@ -86,10 +93,19 @@ class TPUOffloadConnector(KVConnectorBase_V1, compat.SupportsHMA):
         return {k: v for k, v in out.items() if v}
 
     def build_connector_meta(self, scheduler_output) -> OffloadMetadata:
-        return self.guard.build_meta(self.scheduler, scheduler_output)
+        meta = self.guard.build_meta(self.scheduler, scheduler_output)
+        return dp.wrap(meta) if self.settings.dp > 1 else meta
 
     def update_connector_output(self, connector_output) -> None:
-        self.guard.call("update_connector_output", self.scheduler.update_connector_output, connector_output)
+        self.guard.call("update_connector_output", self._update_connector_output, connector_output)
+
+    def _update_connector_output(self, connector_output) -> None:
+        if self.settings.dp > 1:  # every rank gets every rank's finished requests and stored chunks
+            dp.keep_own(connector_output, self.scheduler.kv_cache_manager)
+            raw = compat.extract_report(connector_output)
+            if raw is not None:
+                self.scheduler.shared.apply(OffloadReport.coerce(raw))
+        self.scheduler.update_connector_output(connector_output)
 
     def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
         return self.guard.request_finished(self.scheduler, request, block_ids)
@@ -126,7 +142,12 @@ class TPUOffloadConnector(KVConnectorBase_V1, compat.SupportsHMA):
     def reset_cache(self) -> bool | None:
         if self.scheduler is None:
             return None
-        return self.guard.call("reset_cache", self.scheduler.reset_cache, default=False)
+        return self.guard.call("reset_cache", self._reset_cache, default=False)
+
+    def _reset_cache(self) -> bool:
+        if self.scheduler.shared is not None:  # every rank resets: no rank's chunk may come back
+            self.scheduler.shared.clear()
+        return self.scheduler.reset_cache()
 
     # ---- worker side ---------------------------------------------------------
     def register_kv_caches(self, kv_caches) -> None:
@@ -134,14 +155,20 @@ class TPUOffloadConnector(KVConnectorBase_V1, compat.SupportsHMA):
 
     def register_runner(self, runner) -> None:
         self.worker.register_runner(runner)
+        if self.settings.dp > 1:
+            self._dp = dp.Unwrapper(self.settings.dp, self.worker.engine.layout.num_blocks, self.settings.num_slots)
+
+    def _worker_meta(self):
+        meta = self._get_connector_metadata()
+        return self._dp(meta) if self._dp is not None else meta
 
     def bind_connector_metadata(self, connector_metadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         if self.worker is not None:  # before the forward (start_load_kv may come after it)
-            self.guard.early_save(self.worker, connector_metadata)
+            self.guard.early_save(self.worker, self._worker_meta())
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
-        self.guard.start_load(self.worker, self._get_connector_metadata())
+        self.guard.start_load(self.worker, self._worker_meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads are whole-model; nothing to wait for per layer."""
@@ -150,7 +177,7 @@ class TPUOffloadConnector(KVConnectorBase_V1, compat.SupportsHMA):
         """Stores run once per step in ``wait_for_save``."""
 
     def wait_for_save(self) -> None:
-        self.guard.save(self.worker, self._get_connector_metadata())
+        self.guard.save(self.worker, self._worker_meta())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self.guard.finished(self.worker)
@@ -163,7 +190,11 @@ class TPUOffloadConnector(KVConnectorBase_V1, compat.SupportsHMA):
     def build_connector_worker_meta(self):
         if self.worker is None or not compat.HAS_WORKER_META:
             return None
-        return self.guard.report(self.worker)
+        return self._take_report()
+
+    def _take_report(self):
+        report = self.guard.report(self.worker)
+        return self._dp.localize(report) if self._dp is not None else report
 
     def get_kv_connector_stats(self) -> OffloadStats | None:
         return self.guard.call("get_kv_connector_stats", self._stats)
@@ -173,7 +204,7 @@ class TPUOffloadConnector(KVConnectorBase_V1, compat.SupportsHMA):
             return self.scheduler.get_stats()
         stats = self.worker.get_stats()
         if not compat.HAS_WORKER_META:  # old vLLM: completions ride in the stats
-            report = self.guard.report(self.worker)
+            report = self._take_report()
             if report is not None:
                 stats = stats or OffloadStats()
                 stats.data[compat.STATS_REPORT_KEY] = report.to_dict()

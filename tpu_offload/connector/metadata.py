@@ -78,6 +78,9 @@ class OffloadMetadata(KVConnectorMetadata):
     # Set by reset_cache (a weight update): workers switch the file tier to a namespace salted with it,
     # drop write-throughs of older stores, and save no snapshot. "" = never reset.
     reset_salt: str = ""
+    # DP attention: each rank's metadata travels as one item here (connector/dp.py), the only
+    # list tpu-inference's DPScheduler merges into the ``type(meta)()`` the worker gets.
+    requests_meta: list = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -94,6 +97,10 @@ class OffloadReport(KVConnectorWorkerMetadata):
     # Chunk files published / removed (``FileJournal``), for the file tier's KV events
     fs_published: list[bytes] = dataclasses.field(default_factory=list)
     fs_removed: list[bytes] = dataclasses.field(default_factory=list)
+    # DP attention (connector/dp.py): host slots another store is overwriting, then (slot, generation,
+    # key) of chunks now stored, so every rank's scheduler can load any rank's chunks
+    retired: list[int] = dataclasses.field(default_factory=list)
+    published: list[tuple[int, int, bytes]] = dataclasses.field(default_factory=list)
 
     def aggregate(self, other: "OffloadReport") -> "OffloadReport":
         other = OffloadReport.coerce(other)
@@ -104,10 +111,13 @@ class OffloadReport(KVConnectorWorkerMetadata):
             promotes=self.promotes + other.promotes,
             fs_published=self.fs_published + other.fs_published,
             fs_removed=self.fs_removed + other.fs_removed,
+            retired=self.retired + other.retired,
+            published=self.published + other.published,
         )
 
     def is_empty(self) -> bool:
-        return not (self.stores or self.loads or self.promotes or self.fs_published or self.fs_removed)
+        return not (self.stores or self.loads or self.promotes or self.fs_published or self.fs_removed
+                    or self.retired or self.published)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -124,5 +134,7 @@ class OffloadReport(KVConnectorWorkerMetadata):
                 promotes=[(int(a), int(b), list(c)) for a, b, c in value.get("promotes", [])],
                 fs_published=[bytes(k) for k in value.get("fs_published", [])],
                 fs_removed=[bytes(k) for k in value.get("fs_removed", [])],
+                retired=[int(s) for s in value.get("retired", [])],
+                published=[(int(a), int(b), bytes(k)) for a, b, k in value.get("published", [])],
             )
         raise TypeError(f"not an offload report: {type(value).__name__}")

@@ -42,7 +42,7 @@ import logging
 import uuid
 from typing import Any
 
-from tpu_offload.connector import compat
+from tpu_offload.connector import compat, dp
 from tpu_offload.connector.events import EventTranslator
 from tpu_offload.connector.exclusive import ExclusiveStores
 from tpu_offload.connector.loads import InFlight, LoadPlan, LoadPlanner, Order, settle_store
@@ -94,7 +94,7 @@ class OffloadScheduler:
         self.totals: dict[str, float] = {}  # the same counters since start (tests, debugging)
         self.kv_cache_manager = None  # bound by vLLM (bind_kv_cache_manager)
         self._reqs: dict[str, _Req] = {}
-        self._ids = itertools.count()
+        self._ids = itertools.count(dp.first_op_id(s.dp))  # DP ranks: their own ranges (connector/dp.py)
         self.loads = LoadPlanner(self.manager, self.bpc, lambda: next(self._ids))
         self.loading = InFlight()  # async loads vLLM waits for: their chunks are not loaded twice
         self._waited: set[str] = set()  # requests held back for another's load
@@ -114,6 +114,7 @@ class OffloadScheduler:
         # store_policy=exclusive: chunks HBM caches are watched, stored when vLLM reuses their blocks
         self.exclusive = ExclusiveStores(self) if cfg.store_policy == "exclusive" else None
         self._start: dict[str, int] = {}  # exclusive: the chunk a request's host lookup started at
+        self.shared = None  # DP attention: the other ranks' chunks (connector/dp.py SharedIndex)
         self._fs_lookup = fs  # also when loads are synchronous (it learns resets)
         self.reset_salt = ""  # see reset_cache
         self.restored_id = self.snapshot_id = ""  # warm restart: see connector/snapshot.py
@@ -154,6 +155,8 @@ class OffloadScheduler:
         ask again: a livelock). ``start``: chunks before it are in HBM (exclusive: not on the host).
         """
         n = self._ready_prefix(keys, start)
+        if self.shared is not None:  # then the chunks other DP ranks stored
+            n = self.shared.extend(keys, n)
         on_fs = [False] * n
         if self.fs is not None:
             st = self.manager.stats()
@@ -209,7 +212,7 @@ class OffloadScheduler:
         needs a promotion first), and only within this step's staging budget, so
         the step's stall stays as bounded as an asynchronous part's.
         """
-        if req_id not in self._waited or self.s.hybrid:  # several groups: failures need async loads
+        if req_id not in self._waited or self.s.failures_by_request:  # failures reported per request need async loads
             return False
         blocks = -(-n // self.s.block_size)
         if blocks > self._sync_blocks_left or any(on_fs):
@@ -259,6 +262,8 @@ class OffloadScheduler:
         host_idx = [i for i in range(len(load_keys)) if not on_fs[first + i]]
         slots = [-1] * len(load_keys)
         ready = [False] * len(load_keys)
+        if self.shared is not None:  # chunks of other DP ranks: loaded straight from their slots
+            host_idx = self.shared.place(self.manager, load_keys, host_idx, slots, ready)
         for i, slot in zip(host_idx, self.manager.prepare_load([load_keys[i] for i in host_idx])):
             slots[i], ready[i] = int(slot), True  # pinned until the worker reports the load
         evict: list[tuple[int, bytes]] = []
@@ -434,8 +439,9 @@ class OffloadScheduler:
             if groups:
                 self.tails.prune(lambda k: self.manager.lookup(k) is not Lookup.MISS)
             if slots:
+                named = self._fs_lookup is not None or self.shared is not None  # files, or DP ranks' index
                 op = StoreOp(next(self._ids), st.request.request_id, slots, blocks,
-                             keys=[bytes(k) for k in okeys] if self._fs_lookup is not None else [], evict=evict,
+                             keys=[bytes(k) for k in okeys] if named else [], evict=evict,
                              salt=salt, groups=groups)
                 meta.stores.append(op)
                 self._store_orders[op.op_id] = Order(op.req_id, okeys, slots)

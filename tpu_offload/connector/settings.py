@@ -36,6 +36,13 @@ class Settings:
     # one group: vLLM's hybrid KV-cache manager is on, each group has its own block table.
     group_windows: tuple[int | None, ...] = (None,)
     group_layers: tuple[tuple[str, ...], ...] = ()
+    dp: int = 1  # attention-DP ranks (tpu-inference's DPScheduler): one scheduler each, one host tier
+
+    @property
+    def failures_by_request(self) -> bool:
+        """Failed loads reported per request (``failed_recving``), not by block ids: several KV-cache
+        groups (ids vLLM cannot map back), or DP ranks (each numbers its blocks from 0)."""
+        return self.hybrid or self.dp > 1
 
     @property
     def hybrid(self) -> bool:
@@ -78,10 +85,26 @@ def resolve(vllm_config, kv_cache_config, env: Mapping[str, str] | None = None) 
         raise ConfigError(why)
     dp, source = compat.data_parallel(vllm_config)
     if dp > 1:
-        raise ConfigError(
-            f"data parallelism {dp} ({source}): the offload connector supports DP=1 only (tpu-inference's "
-            "DPScheduler forwards only its built-in connector's metadata, so ours would get no orders). "
-            "Run one engine per DP rank (DP=1 each), or disable enable_dp_attention / data_parallel_size")
+        dp = compat.dp_scheduler_ranks(vllm_config)
+        if dp is None:
+            raise ConfigError(
+                f"data parallelism ({source}) outside tpu-inference's sharding: the offload connector supports "
+                "DP only as tpu-inference's DPScheduler runs it (sharding_config.total_dp_size, one engine). "
+                "Let tpu-inference's platform configure it, or run one engine per DP rank")
+        if not getattr(vllm_config.cache_config, "enable_prefix_caching", True):
+            raise ConfigError(
+                f"enable_prefix_caching=False with {dp} attention-DP ranks ({source}): tpu-inference's DPScheduler "
+                "hides the connector from vLLM's EngineCore, which then hashes request blocks only with prefix "
+                "caching on, so no chunk could be named. Turn prefix caching on to offload KV under DP attention")
+        for key, value in (("shared_storage_path", cfg.shared_storage_path), ("snapshot_path", cfg.snapshot_path),
+                           ("sync_load", cfg.sync_load),
+                           ("store_policy", cfg.store_policy if cfg.store_policy == "exclusive" else None)):
+            if value:  # exclusive: its eviction copies are not carried through DPScheduler's merge
+                raise ConfigError(f"{key}={value!r} with {dp} attention-DP ranks ({source}): not supported yet "
+                                  "under DP attention; allowed: the host tier alone (write_through), "
+                                  "asynchronous loads")
+    else:
+        dp = 1
     if getattr(ktc, "kv_load_failure_policy", "recompute") != "recompute":
         log.warning(
             "kv_load_failure_policy=%r: a chunk that fails to load fails its request; set "
@@ -98,6 +121,11 @@ def resolve(vllm_config, kv_cache_config, env: Mapping[str, str] | None = None) 
         raise ConfigError("cannot size the host tier in bytes without the KV-cache spec; set num_cpu_chunks "
                           "(TPU_OFFLOAD_NUM_CPU_CHUNKS)")
     num_slots = cfg.resolve_num_chunks(chunk_bytes or 1)
+    if dp > 1:  # the one host tier is partitioned: each rank's scheduler owns num_slots / dp slots
+        if num_slots < dp:
+            raise ConfigError(f"the host tier holds {num_slots} chunks, fewer than the {dp} attention-DP ranks "
+                              "that each need their own; raise cpu_bytes / num_cpu_chunks")
+        num_slots -= num_slots % dp
     if cfg.staging_blocks < bpc:
         raise ConfigError(
             f"staging_blocks={cfg.staging_blocks} cannot hold one chunk of {bpc} blocks; raise "
@@ -109,4 +137,5 @@ def resolve(vllm_config, kv_cache_config, env: Mapping[str, str] | None = None) 
         hbm_utilization=getattr(vllm_config.cache_config, "gpu_memory_utilization", None),
         windows=windows, group_windows=group_windows,
         group_layers=tuple(tuple(g.layer_names) for g in getattr(kv_cache_config, "kv_cache_groups", ()) or ()),
+        dp=dp,
     )

@@ -338,7 +338,7 @@ class OffloadWorker:
         """Tell vLLM what to recompute: the blocks (and, with windowed layers, the request's first
         loaded one), or with several KV-cache groups, whose block ids vLLM cannot map back to
         requests, the request (it then recomputes the request from its start)."""
-        if self.s.hybrid:
+        if self.s.failures_by_request:
             self._failed_recving.add(op.req_id)
             return
         self._load_errors.update(b for b in blocks if b >= 0)

@@ -63,6 +63,7 @@ class LayerGroup:
     split_dim: int = TOKEN_DIM  # the block dimension replicas split among themselves
     replica_axes: tuple[str, ...] = ()  # MLA: the mesh axes its copies lie along (empty: the head axes)
     kv_group: int = 0  # which of a chunk's id lists addresses these layers (LoadChunk.ids): 0 all, 1 windowed
+    block_axes: tuple[str, ...] = ()  # DP attention: mesh axes the block dimension is split over (ranks)
 
     @property
     def local_elems(self) -> int:
@@ -234,13 +235,15 @@ def auto_mesh(mesh: Mesh) -> Mesh:
 def _group(mesh: Mesh, key: tuple, layers: tuple, sharding: NamedSharding, num_blocks: int,
            head_replicas: int) -> LayerGroup:
     kv_group, block_shape, dtype, spec = key
-    block_axes = _axes(spec[0])
+    block_axes = tuple(a for a in _axes(spec[0]) if mesh.shape[a] > 1)
     split = math.prod(mesh.shape[a] for a in block_axes)
-    if split > 1:
+    if split > 1 and head_replicas > 1:
         raise ValueError(
-            f"the KV cache's block dimension is split over mesh axes {block_axes} ({split} ways): that is "
-            "data-parallel attention, which the offload connector does not support (DP=1 only)")
-    copies = tuple(replicated_axes(mesh, spec))
+            f"the KV cache's block dimension is split over mesh axes {block_axes} (data-parallel attention) "
+            f"and its KV heads are repeated {head_replicas} times: not supported together")
+    # DP attention splits the block dimension over ranks: a block lives on its rank's devices only. The
+    # gather broadcasts it over those axes, which then hold identical bytes like MLA's copies.
+    copies = tuple(a for a in mesh.axis_names if a in replicated_axes(mesh, spec) or a in block_axes)  # mesh order
     local = list(block_shape)
     shard_axes: list[str] = []
     for dim, entry in enumerate(spec[1:]):
@@ -257,7 +260,8 @@ def _group(mesh: Mesh, key: tuple, layers: tuple, sharding: NamedSharding, num_b
         if head_replicas > 1:
             raise ValueError(f"a KV cache both replicated over mesh axes {list(copies)} and with repeated heads")
         replicas = math.prod(mesh.shape[a] for a in copies)
-        split_dim = next((d for d, n in enumerate(local) if n % replicas == 0), None)
+        free = [d for d in range(len(local)) if not _axes(spec[1 + d])]  # the replicas' axes go there
+        split_dim = next((d for d in free if local[d] % replicas == 0), None)
         if split_dim is None:
             raise ValueError(
                 f"the KV cache (block shape {block_shape}) is replicated over mesh axes {list(copies)} "
@@ -272,7 +276,7 @@ def _group(mesh: Mesh, key: tuple, layers: tuple, sharding: NamedSharding, num_b
         layers=layers, block_shape=block_shape, dtype=dtype, cache_spec=spec, cache_sharding=sharding,
         local_block_shape=tuple(local), shard_axes=tuple(shard_axes),
         shards=math.prod(mesh.shape[a] for a in shard_axes), head_axes=head_axes, head_shards=head_shards,
-        replicas=replicas, kv_group=kv_group, split_dim=split_dim, replica_axes=copies,
+        replicas=replicas, kv_group=kv_group, split_dim=split_dim, replica_axes=copies, block_axes=block_axes,
     )
 
 

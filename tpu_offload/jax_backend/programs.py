@@ -54,6 +54,10 @@ class Programs:
         kernel = kernel or default_kernel(self.platform, layout)
         if kernel not in KERNELS:
             raise ValueError(f"transfer kernel {kernel!r}: expected one of {', '.join(KERNELS)}")
+        if kernel == "dma" and any(g.block_axes for g in layout.groups):
+            raise ValueError("transfer kernel 'dma': the KV cache's block dimension is split over attention-DP "
+                             "ranks, which the DMA kernel does not address (each rank's block ids are local); "
+                             "use the 'loop' kernel (TPU_OFFLOAD_TRANSFER_KERNEL=loop or auto)")
         if kernel == "dma" and self.platform == "tpu" and not dma_sliceable(layout):
             raise ValueError("transfer kernel 'dma': a replica's slice of a block lies along a tiled dimension "
                              f"(block shapes {[g.block_shape for g in layout.groups]}), which a TPU DMA cannot "
@@ -215,7 +219,7 @@ class Programs:
 
                 def body(i, st, g=g, gi=gi, layers=layers):
                     for li, c in enumerate(layers):
-                        block = lax.dynamic_index_in_dim(c, ids[gi][i], 0, keepdims=True)  # (1, *local_block_shape)
+                        block = _read_block(c, g, ids[gi][i])  # (1, *local_block_shape)
                         if g.replicas > 1:  # keep only this device's slice of the bytes its replicas also hold
                             j = lax.axis_index(g.rep_axes) % g.replicas
                             t = g.piece_shape[g.split_dim]
@@ -246,13 +250,14 @@ class Programs:
                 def write(offset, source, layers, g=g, gi=gi, zeros=zeros):
                     """Each block's piece of ``source`` into its cache block, at ``offset`` along the split
                     dim (a replica's slice), sliced straight out of ``source``: no copy of the row."""
-                    at = lambda i: (ids[gi][i],) + tuple(offset[0] if d == g.split_dim else 0 for d in range(len(zeros)))
+                    inner = tuple(offset[0] if d == g.split_dim else 0 for d in range(len(zeros)))
 
-                    def body(i, layers):
+                    def body(i, layers):  # under DP attention only the owning rank's devices write
                         return tuple(
-                            lax.dynamic_update_slice(
-                                c, lax.dynamic_slice(source, (pos[gi][i], li, *zeros), (1, 1, *g.piece_shape))[:, 0],
-                                at(i))
+                            _write_block(
+                                c, g, ids[gi][i],
+                                lax.dynamic_slice(source, (pos[gi][i], li, *zeros), (1, 1, *g.piece_shape))[:, 0],
+                                inner)
                             for li, c in enumerate(layers))
 
                     return lax.fori_loop(0, count[gi], body, tuple(layers))
@@ -445,6 +450,38 @@ def _arrays(layout: KVLayout) -> tuple:
     return tuple(by_array[a] for a in range(layout.num_layers))
 
 
+def _local_id(c, g, block_id):
+    """This device's index of global block ``block_id`` and whether it holds it. With DP attention
+    (``g.block_axes``) rank r's devices hold blocks [r * n, (r + 1) * n) of the cache, n = its local rows."""
+    if not g.block_axes:
+        return block_id, None
+    n = c.shape[0]
+    local = block_id - lax.axis_index(g.block_axes) * n
+    return jnp.clip(local, 0, n - 1), (local >= 0) & (local < n)
+
+
+def _read_block(c, g, block_id):
+    """(1, *local block) of global block ``block_id``, on every device. Under DP attention the owning
+    rank's bytes reach the other ranks by an integer all-reduce with zeros: exact for any dtype."""
+    local, mine = _local_id(c, g, block_id)
+    block = lax.dynamic_index_in_dim(c, local, 0, keepdims=True)
+    if mine is None:
+        return block
+    bits = lax.bitcast_convert_type(block, _bits(block.dtype))
+    bits = lax.psum(jnp.where(mine, bits, jnp.zeros_like(bits)), g.block_axes)
+    return lax.bitcast_convert_type(bits, block.dtype)
+
+
+def _write_block(c, g, block_id, piece, at):
+    """``c`` with ``piece`` at global block ``block_id`` (offsets ``at`` inside it); under DP attention
+    only the owning rank's devices change."""
+    local, mine = _local_id(c, g, block_id)
+    at = (local, *at)
+    if mine is not None:
+        piece = jnp.where(mine, piece, lax.dynamic_slice(c, at, piece.shape))
+    return lax.dynamic_update_slice(c, piece, at)
+
+
 def _replica_split(g):
     """(split, offset) for the DMA kernels: this device's slice of a block, ``(dim, size)``, and its
     offset along that dim as a (1,) operand; (None, 0) without replicas."""
@@ -483,8 +520,9 @@ def _scatter_replicas(write, staging, layers, g, as_bits: bool):
 
 def default_kernel(platform: str, layout: KVLayout | None = None) -> str:
     """``dma`` where a TPU runs it; ``loop`` elsewhere (the DMA kernel is interpreted on CPU, slowly),
-    and where a TPU DMA cannot address a replica's slice (``dma_sliceable``)."""
-    return "dma" if platform == "tpu" and (layout is None or dma_sliceable(layout)) else "loop"
+    where a TPU DMA cannot address a replica's slice (``dma_sliceable``), and under DP attention."""
+    return "dma" if platform == "tpu" and (layout is None or (dma_sliceable(layout) and not any(
+        g.block_axes for g in layout.groups))) else "loop"
 
 
 def dma_sliceable(layout: KVLayout) -> bool:
