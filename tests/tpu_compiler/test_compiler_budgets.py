@@ -241,14 +241,17 @@ def test_mla_under_dp_attention_stores_one_copy_in_place(deepseek_dp8):
     assert programs.layout.block_bytes / 128 == 61 * 640 * 2
     failures = aot.budget_failures(programs, figs)
     assert not [f for f in failures if not f.startswith(("gather:", "scatter:"))], failures
-    for f in figs.values():
-        assert f.hbm_scratch < 64 << 20, (f.program, f.hbm_scratch)
-    assert figs["gather"].hbm_scratch <= 1.1 * figs["gather"].moved
+    for f in figs.values():  # the scatter's ring (once per pass) holds one received staging buffer
+        limit = 1.1 * f.moved if f.program in ("gather", "scatter") else 64 << 20
+        assert f.hbm_scratch <= limit, (f.program, f.hbm_scratch, f.moved)
 
 
-@pytest.mark.xfail(strict=True, reason="under DP attention a block is on one rank's device only: the gather "
-                   "broadcasts it with an all-reduce of the whole block per layer (34x the slice it keeps, "
-                   "budget 3x) and the scatter rebuilds it on every rank before the owner writes (6.8x, budget 6x)")
-def test_mla_under_dp_attention_moves_within_the_access_budget(deepseek_dp8):
-    programs, figs = deepseek_dp8
-    assert aot.budget_failures(programs, figs) == []
+@pytest.mark.xfail(strict=True, reason="under DP attention each rank's block ids are local to its devices, "
+                   "which the DMA kernel does not address: the loop kernel runs, a TensorCore loop over blocks "
+                   "with one all-reduce of the whole block per layer and trip in the gather (the compiler's "
+                   "bytes-accessed counts one trip, so the access budget cannot show it)")
+def test_mla_under_dp_attention_is_no_block_loop(deepseek_dp8):
+    programs, _ = deepseek_dp8
+    assert programs.kernel == "dma"
+    for name in ("gather", "scatter"):
+        assert not re.search(r"\bwhile\(", getattr(programs, name)().as_text()), name
