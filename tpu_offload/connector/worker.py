@@ -49,6 +49,7 @@ class _Flight:
     bad: dict[int, list[int]]  # op_id -> slots refused or failed
     nbytes: int
     started: float
+    dispatched: float = 0.0  # loads: before the dispatch (started: after it)
 
 
 def transfer_path(cfg, devices) -> str:
@@ -222,6 +223,7 @@ class OffloadWorker:
                     self._load_failed(op, blocks)
         nbytes = self.engine.moved_bytes(chunks)
         done = None
+        t0 = time.perf_counter()  # dispatch: the ready histogram counts from here
         if chunks:
             try:
                 # Each pass donates the caches it is given: the runner holds every pass's output
@@ -232,7 +234,7 @@ class OffloadWorker:
                 log.exception("tpu_offload: load dispatch failed; %d chunks will be recomputed", len(chunks))
                 self._fail_loads(meta.loads, bad)
                 done = None
-        self._flights.append(_Flight(done, "load", list(meta.loads), bad, nbytes, time.perf_counter()))
+        self._flights.append(_Flight(done, "load", list(meta.loads), bad, nbytes, time.perf_counter(), t0))
 
     def _layer_classes(self, runner) -> list[tuple[int, ...]] | None:
         """Per cache array, the layer classes (``LoadOp.groups`` indices) whose blocks it holds.
@@ -456,6 +458,7 @@ class OffloadWorker:
             self._add("load_seconds", seconds)
             self._add("loaded_chunks", n)
             self.metrics.transfer("load", f.nbytes, seconds, n)
+            self.metrics.load_ready.observe(time.perf_counter() - f.dispatched)
 
     def _maybe_release(self) -> None:
         for req_id in list(self._releasing):
