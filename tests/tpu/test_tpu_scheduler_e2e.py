@@ -100,6 +100,35 @@ def test_staging_smaller_than_request_defers_and_never_truncates(make):
     assert REGISTRY.get_sample_value("tpu_offload_deferred_blocks_total", {"direction": "store"}) > 0
 
 
+def test_load_budget_spreads_a_large_hit_over_steps(make):
+    """A hit of 10 blocks under a load budget of 3 blocks' bytes per device: sent over 4+ steps, no step's
+    loads above the budget, every restored block checked by the stand-in's forward (wrong KV raises)."""
+    h = make(blocks_per_chunk=1, load_bandwidth_gbps=0.001, load_stall_ms=200)  # 200,000 B per device
+    s = h.sch.s
+    assert s.device_block_bytes == 2 * 16 * 8 * 64 * 4  # 2 layers of 16 tokens x 8 K/V heads x 64 x f32
+    assert s.load_budget_blocks == 3 and s.staging_blocks == 16
+    p = prompt(10 * BS, 11)
+    h.add(p, max_tokens=1)
+    h.run()
+    assert h.check_tier() == 10
+    assert h.sched.reset_prefix_cache()
+    metas = spy(h, "build_connector_meta")
+    before = REGISTRY.get_sample_value("tpu_offload_load_ready_seconds_count") or 0
+    h.add(p, max_tokens=2)
+    h.run()
+    per_step = [sum(len(op.blocks) for op in m.loads) for _, m in metas]
+    sent = [b for b in per_step if b]
+    assert sum(sent) == 10 and len(sent) >= 4, per_step
+    assert max(b * s.device_block_bytes for b in sent) <= s.config.load_budget_bytes, per_step
+    assert h.wrk.totals["loaded_chunks"] == 10 and h.wrk.totals.get("load_errors", 0) == 0
+    assert h.sch.totals["deferred_load_blocks"] > 0
+    assert h.runner.checked_positions > 0 and not h.runner.failures
+    assert "r1" in h.finished
+    # one dispatch-to-ready observation per load flight (a step's parts are one flight)
+    assert REGISTRY.get_sample_value("tpu_offload_load_ready_seconds_count") - before == len(sent)
+    assert_idle(h)
+
+
 def _final_save_scenario(h):
     a = prompt(16 * BS, 7)
     h.add(a, max_tokens=1)

@@ -71,6 +71,27 @@ def test_device_put_path_gives_identical_tokens_and_hits(setup, engines):
     assert delta(t2, t1, "load_errors") == 0
 
 
+def test_small_load_budget_gives_identical_tokens_and_hits(setup, engines):
+    """A load budget of one chunk per step (``load_bandwidth_gbps`` x ``load_stall_ms`` below one chunk's
+    bytes): every hit is spread over steps, chunk by chunk, and the tokens and hits stay the same."""
+    w = ROUNDTRIP[setup.block_size]
+    base = engines.baseline(setup, w)
+    run = engines.get(("ours-small-load-budget", setup), setup,
+                      kv_transfer_config("offload.json", **OURS, load_bandwidth_gbps=0.001, load_stall_ms=0.001))
+    s = sch(run).s
+    assert s.config.load_budget_bytes == 1 and s.load_budget_blocks == s.blocks_per_chunk
+    assert w.run(run) == base
+    settle(run)
+    t1 = totals(run)
+    run.reset_prefix_cache()
+    assert w.run(run) == base
+    t2 = totals(run)
+    assert delta(t2, t1, "hit_tokens") == sum(hit_tokens(len(p), setup.block_size) for p in w.prompts)
+    assert delta(t2, t1, "loaded_chunks") == sum(len(p) // setup.block_size for p in w.prompts)
+    assert delta(t2, t1, "load_errors") == 0
+    assert delta(t2, t1, "deferred_load_blocks") > 0  # the budget held parts back to later steps
+
+
 def test_dma_kernel_gives_identical_tokens_and_hits(setup, engines):
     """The gather/scatter TPU runs (``transfer_kernel: dma``, a Pallas kernel of DMAs), here in TPU
     interpret mode, inside the real engine: same tokens, every chunk hit, DMAs issued."""

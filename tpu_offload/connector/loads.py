@@ -5,8 +5,8 @@ are pinned at once; chunks only on the shared filesystem get a host slot and
 a promotion order first, and join the load when the worker has read them. A
 chunk whose promotion failed is sent with slot -1 so the worker reports its
 blocks as load errors (vLLM recomputes them). Asynchronous plans are sent in
-staging-sized parts, in order; the request's last part tells the worker to
-report it in ``finished_recving``.
+parts within the step's load budget (connector/budget.py), in order; the
+request's last part tells the worker to report it in ``finished_recving``.
 """
 
 from __future__ import annotations
@@ -112,7 +112,12 @@ class LoadPlanner:
         self.plans[plan.req_id] = plan
 
     def emit(self, meta: OffloadMetadata, budget_blocks: int, on_defer: Callable[[int], None]) -> int:
-        """Add this step's promotions and loads to ``meta``; returns the load budget left."""
+        """Add this step's promotions and loads to ``meta``; returns the load budget left.
+
+        Loads inside the step (not asynchronous) go whole, and first: asynchronous parts get what they leave.
+        """
+        budget_blocks -= sum(self._ready_end(p) - p.emitted for p in self.plans.values()
+                             if not p.async_load and not p.cancelled) * self.bpc
         for req_id in list(self.plans):
             plan = self.plans[req_id]
             if plan.to_promote and not plan.cancelled:
@@ -126,11 +131,8 @@ class LoadPlanner:
                 meta.loads.append(self._load_op(plan, 0))  # empty and last
                 del self.plans[req_id]
                 continue
-            ready_end = plan.emitted
-            while ready_end < len(plan.keys) and plan.ready[ready_end]:
-                ready_end += 1
-            avail = ready_end - plan.emitted
-            take = min(avail, budget_blocks // self.bpc) if plan.async_load else avail
+            avail = self._ready_end(plan) - plan.emitted
+            take = min(avail, max(0, budget_blocks) // self.bpc) if plan.async_load else avail
             if avail > take:
                 on_defer((avail - take) * self.bpc)
             if take:
@@ -140,6 +142,13 @@ class LoadPlanner:
             if plan.emitted == len(plan.keys):
                 del self.plans[req_id]
         return budget_blocks
+
+    @staticmethod
+    def _ready_end(plan: LoadPlan) -> int:
+        end = plan.emitted
+        while end < len(plan.keys) and plan.ready[end]:
+            end += 1
+        return end
 
     def _load_op(self, plan: LoadPlan, take: int) -> LoadOp:
         a, b = plan.emitted, plan.emitted + take

@@ -52,6 +52,13 @@ class ConnectorMetrics:
             for d in ("d2h", "h2d")
         }
 
+        # From a load's dispatch to its done array found ready (polled once per step): the stall a
+        # load budget (connector/budget.py) bounds
+        self.load_ready = Histogram("tpu_offload_load_ready_seconds", "Seconds from a load's dispatch to its ready",
+                                    buckets=_DURATION, registry=r)
+        self.hbm_deferred = Counter("tpu_offload_hbm_bound_deferrals",
+                                    "device_put path: dispatches that waited for earlier transfers to land, "
+                                    "HBM in flight being at its bound (connector/hbm.py)", ["direction"], registry=r)
         # Exceptions caught in the connector's paths (never let into the engine step): see connector/guard.py
         self.errors = Counter("tpu_offload_connector_errors", "Exceptions the connector caught, by path", ["path"],
                               registry=r)

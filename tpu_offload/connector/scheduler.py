@@ -10,8 +10,9 @@ Invariants this file keeps (each one a defect of the upstream connector):
 * Every newly full chunk is stored the step it completes (prompt chunks
   always, decode chunks with ``decode_save``), including chunks the request
   got from the HBM prefix cache that the host tier no longer holds.
-* The staging budget (``staging_blocks`` per step and direction) defers work
-  to later steps; it never drops a chunk.
+* The staging budget (``staging_blocks`` per step and direction) and the load
+  budget (bytes per device per step, ``connector/budget.py``) defer work to
+  later steps; they never drop a chunk.
 * No store reads a freed block: ``request_finished`` keeps the blocks (returns
   True) while the request still has chunks to store, and the worker reports
   the request in ``finished_sending`` after the last one lands.
@@ -99,7 +100,7 @@ class OffloadScheduler:
         self.loading = InFlight()  # async loads vLLM waits for: their chunks are not loaded twice
         self._waited: set[str] = set()  # requests held back for another's load
         self._load_async: dict[str, bool] = {}  # what the last lookup told vLLM, per request
-        self._sync_blocks_left = s.staging_blocks  # this step's budget for loads inside the step
+        self._sync_blocks_left = s.load_budget_blocks  # this step's budget for loads inside the step
         self._store_orders: dict[int, Order] = {}
         self.fs = fs if self.async_load else None  # file hits are always loaded asynchronously
         self.write_through = fs is not None and cfg.fs_write_mode == "write_through"
@@ -209,7 +210,7 @@ class OffloadScheduler:
 
         It already paid the wait; an asynchronous load of its (short) rest would
         add two more steps before its first token. Only host chunks (a file
-        needs a promotion first), and only within this step's staging budget, so
+        needs a promotion first), and only within this step's load budget, so
         the step's stall stays as bounded as an asynchronous part's.
         """
         if req_id not in self._waited or self.s.failures_by_request:  # failures reported per request need async loads
@@ -313,9 +314,11 @@ class OffloadScheduler:
         if meta is None:
             meta = OffloadMetadata(restored_id=self.restored_id, snapshot_id=self.snapshot_id,
                                    reset_salt=self.reset_salt)
-        load_budget = store_budget = self.s.staging_blocks
-        # Loads: sync ones whole (the forward needs them now), async ones within the budget.
-        load_budget = self.loads.emit(meta, load_budget, lambda n: self._defer("load", n))
+        store_budget = self.s.staging_blocks
+        # Loads: sync ones whole (the forward needs them now), async ones within the load budget (bytes per
+        # device per step, connector/budget.py): a larger hit spreads over steps.
+        load_total = self.s.load_budget_blocks
+        load_budget = self.loads.emit(meta, load_total, lambda n: self._defer("load", n))
         if self.exclusive is not None:  # chunks whose HBM blocks this step reuses: copied first or lost
             store_budget = self.exclusive.emit(meta, so, store_budget)
         # Stores: requests whose blocks we hold first, then this step's scheduled ones.
@@ -336,8 +339,8 @@ class OffloadScheduler:
                 continue
             computed = min(st.request.num_computed_tokens + n_new, st.request.num_tokens)
             _, store_budget = self._plan_stores(meta, st, computed, None, store_budget, final=False)
-        self._staging_used = max(self.s.staging_blocks - load_budget, self.s.staging_blocks - max(store_budget, 0))
-        self._sync_blocks_left = self.s.staging_blocks  # lookups after this belong to the next step
+        self._staging_used = max(load_total - load_budget, self.s.staging_blocks - max(store_budget, 0))
+        self._sync_blocks_left = self.s.load_budget_blocks  # lookups after this belong to the next step
         if self.fs is not None:
             self.fs.new_step()
         return meta

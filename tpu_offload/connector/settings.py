@@ -15,7 +15,7 @@ import logging
 import os
 from typing import Mapping
 
-from tpu_offload.connector import compat, models, sizing, windows as sliding
+from tpu_offload.connector import budget, compat, models, sizing, windows as sliding
 from tpu_offload.core.config import ConfigError, OffloadConfig
 
 log = logging.getLogger(__name__)
@@ -37,12 +37,18 @@ class Settings:
     group_windows: tuple[int | None, ...] = (None,)
     group_layers: tuple[tuple[str, ...], ...] = ()
     dp: int = 1  # attention-DP ranks (tpu-inference's DPScheduler): one scheduler each, one host tier
+    load_blocks: int = 0  # loads sent per step (connector/budget.py); 0: staging_blocks
+    device_block_bytes: int = 0  # bytes one device receives per loaded block (0: unknown)
 
     @property
     def failures_by_request(self) -> bool:
         """Failed loads reported per request (``failed_recving``), not by block ids: several KV-cache
         groups (ids vLLM cannot map back), or DP ranks (each numbers its blocks from 0)."""
         return self.hybrid or self.dp > 1
+
+    @property
+    def load_budget_blocks(self) -> int:
+        return self.load_blocks or self.staging_blocks
 
     @property
     def hybrid(self) -> bool:
@@ -131,9 +137,13 @@ def resolve(vllm_config, kv_cache_config, env: Mapping[str, str] | None = None) 
             f"staging_blocks={cfg.staging_blocks} cannot hold one chunk of {bpc} blocks; raise "
             f"staging_blocks (TPU_OFFLOAD_NUM_STAGING_BLOCKS) to at least {bpc} or lower blocks_per_chunk"
         )
+    staging_blocks = cfg.staging_blocks // bpc * bpc
+    dev_block = budget.device_block_bytes(chunk_bytes, bpc, budget.chunk_devices(vllm_config, kv_replicas))
+    load_blocks = budget.load_budget_blocks(cfg.load_budget_bytes, dev_block, bpc, staging_blocks)
     return Settings(
         config=cfg, block_size=block_size, blocks_per_chunk=bpc, num_slots=num_slots,
-        chunk_bytes=chunk_bytes, staging_blocks=cfg.staging_blocks // bpc * bpc, kv_replicas=kv_replicas,
+        chunk_bytes=chunk_bytes, staging_blocks=staging_blocks, kv_replicas=kv_replicas,
+        load_blocks=load_blocks, device_block_bytes=dev_block,
         hbm_utilization=getattr(vllm_config.cache_config, "gpu_memory_utilization", None),
         windows=windows, group_windows=group_windows,
         group_layers=tuple(tuple(g.layer_names) for g in getattr(kv_cache_config, "kv_cache_groups", ()) or ()),

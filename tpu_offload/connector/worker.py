@@ -27,6 +27,7 @@ from typing import Any, Sequence
 import jax
 
 from tpu_offload.connector.guard import Guard
+from tpu_offload.connector.hbm import HbmInFlight
 from tpu_offload.connector.metadata import LoadOp, OffloadMetadata, OffloadReport
 from tpu_offload.core.fs.journal import PUBLISHED, REMOVED
 from tpu_offload.connector.metrics import ConnectorMetrics
@@ -49,6 +50,8 @@ class _Flight:
     bad: dict[int, list[int]]  # op_id -> slots refused or failed
     nbytes: int
     started: float
+    dispatched: float = 0.0  # loads: before the dispatch (started: after it)
+    hbm: int = 0  # HBM per device it holds until it lands (connector/hbm.py)
 
 
 def transfer_path(cfg, devices) -> str:
@@ -78,6 +81,7 @@ class OffloadWorker:
         self._free_host = free_host_bytes
         self._max_slab_bytes = max_slab_bytes
         self._flights: list[_Flight] = []
+        self.hbm = HbmInFlight(0)  # bounded at registration by what the HBM check counted
         self._store_ops_left: dict[str, int] = {}  # req -> store ops not yet completed
         self._releasing: set[str] = set()  # finished reqs to report once their stores are done
         self._finished_sending: set[str] = set()
@@ -137,6 +141,7 @@ class OffloadWorker:
             kernel=None if cfg.transfer_kernel == "auto" else cfg.transfer_kernel, **kw,
         )
         staging_per_device = self.engine.staging_device_bytes
+        self.hbm = HbmInFlight(self.engine.in_flight_device_bytes)
         self.chunk_bytes = self.engine.chunk_bytes  # what one chunk costs on the host and on the wire
         if cfg.shared_storage_path:
             if jax.process_count() > 1:
@@ -222,6 +227,8 @@ class OffloadWorker:
                     self._load_failed(op, blocks)
         nbytes = self.engine.moved_bytes(chunks)
         done = None
+        t0 = time.perf_counter()  # dispatch: the ready histogram counts from here
+        hbm = self._wait_for_hbm(self.engine.device_moved_bytes(chunks), "load") if self.hbm.enabled and chunks else 0
         if chunks:
             try:
                 # Each pass donates the caches it is given: the runner holds every pass's output
@@ -232,7 +239,8 @@ class OffloadWorker:
                 log.exception("tpu_offload: load dispatch failed; %d chunks will be recomputed", len(chunks))
                 self._fail_loads(meta.loads, bad)
                 done = None
-        self._flights.append(_Flight(done, "load", list(meta.loads), bad, nbytes, time.perf_counter()))
+        self._flights.append(_Flight(done, "load", list(meta.loads), bad, nbytes, time.perf_counter(), t0,
+                                     hbm if done is not None else self._untake(hbm)))
 
     def _layer_classes(self, runner) -> list[tuple[int, ...]] | None:
         """Per cache array, the layer classes (``LoadOp.groups`` indices) whose blocks it holds.
@@ -295,6 +303,7 @@ class OffloadWorker:
             if self.fs is not None:
                 self.fs.overwrite([c.slot for c in chunks])  # never write a slot's next bytes under this key
             bad: dict[int, list[int]] = {}
+            hbm = self._wait_for_hbm(self.engine.device_moved_bytes(chunks), "store") if self.hbm.enabled else 0
             try:
                 done = self.engine.store(self.runner.kv_caches, chunks)
             except Exception:
@@ -302,7 +311,43 @@ class OffloadWorker:
                 done = None
                 bad = {op.op_id: list(op.slots) for op in stores}
             self._flights.append(_Flight(done, "store", list(stores), bad,
-                                         self.engine.moved_bytes(chunks), time.perf_counter()))
+                                         self.engine.moved_bytes(chunks), time.perf_counter(),
+                                         hbm=hbm if done is not None else self._untake(hbm)))
+
+    def _wait_for_hbm(self, nbytes: int, direction: str) -> int:
+        """Before a dispatch: wait for the oldest transfers to land until its HBM fits the bound (a transfer
+        alone always goes). Returns the bytes it takes."""
+        self._poll()
+        waited = False
+        while not self.hbm.fits(nbytes):
+            f = next((f for f in self._flights if f.hbm), None)
+            if f is None:
+                break
+            waited = True
+            self._land(f)
+        if waited:
+            self._add(f"hbm_waited_{direction}s", 1)
+            self.metrics.hbm_deferred.labels(direction=direction).inc()
+        return self.hbm.take(nbytes)
+
+    def _untake(self, nbytes: int) -> int:
+        self.hbm.release(nbytes)
+        return 0
+
+    def _land(self, f: _Flight) -> None:
+        """Wait for one transfer and complete it."""
+        self._flights.remove(f)
+        ok = True
+        if f.done is not None:
+            try:
+                jax.block_until_ready(f.done)
+            except Exception:
+                log.exception("tpu_offload: a %s transfer failed", f.kind)
+                ok = False
+        try:
+            self._complete(f, ok)
+        except Exception as e:  # reported failed, never left in flight: connector/guard.py
+            self.guard.flight_failed(self, f, e)
 
     def _check_snapshot(self, meta: OffloadMetadata) -> None:
         """Follow the scheduler's snapshot ids (slabs of another index are dropped) and its resets."""
@@ -420,6 +465,8 @@ class OffloadWorker:
 
     def _complete(self, f: _Flight, ok: bool) -> None:
         seconds = time.perf_counter() - f.started
+        self.hbm.release(f.hbm)
+        f.hbm = 0
         if f.kind == "store":
             for op in f.ops:
                 failed = list(op.slots) if not ok else f.bad.get(op.op_id, [])
@@ -456,6 +503,7 @@ class OffloadWorker:
             self._add("load_seconds", seconds)
             self._add("loaded_chunks", n)
             self.metrics.transfer("load", f.nbytes, seconds, n)
+            self.metrics.load_ready.observe(time.perf_counter() - f.dispatched)
 
     def _maybe_release(self) -> None:
         for req_id in list(self._releasing):
@@ -509,6 +557,7 @@ class OffloadWorker:
         if self._flights:
             log.warning("tpu_offload: %d transfers still in flight at shutdown", len(self._flights))
         self._flights.clear()
+        self.hbm.held = 0
         self._save_snapshot()
         if self.fs is not None:
             self.fs.close(timeout=max(1.0, deadline - time.monotonic()))

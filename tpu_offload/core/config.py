@@ -244,6 +244,9 @@ _SETTINGS: tuple[_Setting, ...] = (
     _Setting("blocks_per_chunk", _int(1, 4096), "TPU_OFFLOAD_BLOCKS_PER_CHUNK", ("blocks_per_chunk",)),
     _Setting("chunk_tokens", _int(1), None, ("block_size",)),  # vLLM's key: tokens per chunk
     _Setting("staging_blocks", _int(1), "TPU_OFFLOAD_NUM_STAGING_BLOCKS", ("staging_blocks",)),
+    # load budget per step (issue 18): host-to-device bandwidth per chip x the stall a step may take
+    _Setting("load_bandwidth_gbps", _float(0.001), "TPU_OFFLOAD_LOAD_BANDWIDTH_GBPS", ("load_bandwidth_gbps",)),
+    _Setting("load_stall_ms", _float(0.001), "TPU_OFFLOAD_LOAD_STALL_MS", ("load_stall_ms",)),
     _Setting("decode_save", _bool, "TPU_OFFLOAD_DECODE_SAVE", ("decode_save",)),
     _Setting("store_policy", _choice("write_through", "exclusive"), "TPU_OFFLOAD_STORE_POLICY", ("store_policy",)),
     _Setting("sync_load", _bool, "TPU_OFFLOAD_SYNC_LOAD", ("sync_load",)),
@@ -313,6 +316,10 @@ class OffloadConfig:
     blocks_per_chunk: int = 1
     chunk_tokens: int | None = None
     staging_blocks: int = 128
+    # Loads sent per step are bounded per device by load_bandwidth_gbps (GB/s host to device, per chip;
+    # TPU7x measured ~47) x load_stall_ms (the stall one step may take): a larger hit spreads over steps.
+    load_bandwidth_gbps: float = 47.0
+    load_stall_ms: float = 20.0
     decode_save: bool = False
     # write_through: every computed chunk goes to the host tier at once. exclusive: a chunk the device's
     # prefix cache still holds is not copied; it is copied when vLLM reuses its block (core/policy.py).
@@ -371,6 +378,11 @@ class OffloadConfig:
     # Deadline of every file-tier read and write: past it a load fails (the request recomputes) and a
     # write is dropped; no engine thread ever waits longer on the mount.
     fs_io_timeout_s: float = 5.0
+
+    @property
+    def load_budget_bytes(self) -> int:
+        """Bytes per device the loads of one step may move: bandwidth x acceptable stall."""
+        return max(1, int(self.load_bandwidth_gbps * 1e9 * self.load_stall_ms / 1e3))
 
     # -------------------------------------------------------------------
     @classmethod

@@ -183,6 +183,11 @@ class TransferEngine:
         return sum(g.block_bytes * sum(1 for c in chunks for b in c.ids(g.kv_group) if b >= 0)
                    for g in self.layout.groups)
 
+    def device_moved_bytes(self, chunks: Sequence[LoadChunk | StoreChunk]) -> int:
+        """Bytes one device holds of what ``chunks`` move (as ``moved_bytes``, per device)."""
+        return sum(g.device_block_bytes * sum(1 for c in chunks for b in c.ids(g.kv_group) if b >= 0)
+                   for g in self.layout.groups)
+
     def precompile(self) -> None:
         self.programs.precompile(self.path)
 
