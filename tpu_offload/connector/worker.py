@@ -337,6 +337,10 @@ class OffloadWorker:
     def _land(self, f: _Flight) -> None:
         """Wait for one transfer and complete it."""
         self._flights.remove(f)
+        self._finish(f)
+
+    def _finish(self, f: _Flight) -> None:
+        """Wait for ``f`` (already out of ``_flights``) and complete it, failed if its transfer raised."""
         ok = True
         if f.done is not None:
             try:
@@ -441,17 +445,7 @@ class OffloadWorker:
             if f.done is not None and not wait and not f.done.is_ready():
                 still.append(f)
                 continue
-            ok = True
-            if f.done is not None:
-                try:
-                    jax.block_until_ready(f.done)
-                except Exception:
-                    log.exception("tpu_offload: a %s transfer failed", f.kind)
-                    ok = False
-            try:
-                self._complete(f, ok)
-            except Exception as e:  # reported failed, never left in flight: connector/guard.py
-                self.guard.flight_failed(self, f, e)
+            self._finish(f)
         self._flights = still
         if self.fs is not None:
             self.fs.pump()  # write-throughs waiting for a buffer
