@@ -8,6 +8,8 @@ buffer per device): it grows, so registration refuses a tier whose full
 count would pass 90% of the limits, naming the sysctl and the settings.
 """
 
+import gc
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -22,7 +24,9 @@ HOST_KINDS = ("pinned_host", "unpinned_host")
 
 
 def host_buffers() -> int:
-    """Host-memory buffers alive in this process: one per addressable shard of each host array."""
+    """Host-memory buffers alive in this process: one per addressable shard of each host array.
+    Collects first: host arrays earlier tests dropped must not leave the count mid-test."""
+    gc.collect()
     return sum(len(a.addressable_shards) for a in jax.live_arrays() if a.sharding.memory_kind in HOST_KINDS)
 
 
@@ -38,6 +42,7 @@ def store_up_to(eng, caches, stored: int, target: int) -> int:
 @pytest.mark.parametrize("path", ["program", "device_put"])
 def test_host_buffers_after_8_72_1000_chunks(mesh, path):
     caches = make_caches(mesh, jnp.bfloat16, layers=2)
+    held = jax.live_arrays()  # earlier tests' arrays stay alive until the end: their release is not our count
     before = host_buffers()
     eng = TransferEngine(KVLayout.from_caches(caches), num_slots=1000, blocks_per_chunk=1, staging_blocks=8, path=path)
     devices = mesh.devices.size
@@ -45,6 +50,7 @@ def test_host_buffers_after_8_72_1000_chunks(mesh, path):
     for target in (8, 72, 1000):
         stored = store_up_to(eng, caches, stored, target)
         counts[target] = host_buffers() - before
+    del held
     if path == "program":  # one slab per device, allocated at start, whatever is stored
         assert counts == {8: devices, 72: devices, 1000: devices}
     else:  # one host array per stored chunk, one buffer per device: grows with the chunks
