@@ -258,37 +258,32 @@ def _keep_authenticated(s: NamespaceScan, keyring: Keyring) -> int:
     temp of a crashed writer is the tier's to reap: it may be anyone's).
     """
     tag = keyed_tag(s.namespace)
-    dropped = 0
-    for group in ("chunks", "quarantined", "temps"):
-        keep = []
-        for f in getattr(s, group):
-            name = f.name if group == "chunks" else f.name.split(".")[0] if group == "quarantined" else None
-            try:
-                with safedir.dir_at(s.path, f.dirs) as d:
-                    n = keyring.owned_bytes(d, f.name, tag, name)
-            except OSError:
-                n = None
-            if n is None:
-                s.foreign.append(f.path)
-                dropped += 1
-                continue
-            f.size = n
-            keep.append(f)
-        setattr(s, group, keep)
-    return dropped
+
+    def owned(group: str, f: Found) -> int | None:
+        name = f.name if group == "chunks" else f.name.split(".")[0] if group == "quarantined" else None
+        try:
+            with safedir.dir_at(s.path, f.dirs) as d:
+                return keyring.owned_bytes(d, f.name, tag, name)
+        except OSError:
+            return None
+
+    return _keep(s, owned)
 
 
 def _keep_ours(s: NamespaceScan) -> int:
-    """Drop files that are not ours (no magic) from a scan; ours count at ``actions.ours`` bytes.
+    """Drop files that are not ours (no magic) from a scan; ours count at ``actions.ours`` bytes."""
+    return _keep(s, lambda group, f: actions.ours(s.path, f))
 
-    ``Found.size`` becomes those bytes (what the budget counts and an
-    eviction frees); foreign files are listed in ``s.foreign`` and never touched.
-    """
+
+def _keep(s: NamespaceScan, owned) -> int:
+    """Keep the files ``owned(group, f)`` gives a byte count (``Found.size`` becomes it: what the
+    budget counts and an eviction frees); the rest are listed in ``s.foreign`` and never touched.
+    Returns the files dropped."""
     dropped = 0
     for group in ("chunks", "quarantined", "temps"):
         keep = []
         for f in getattr(s, group):
-            n = actions.ours(s.path, f)
+            n = owned(group, f)
             if n is None:
                 s.foreign.append(f.path)
                 dropped += 1
