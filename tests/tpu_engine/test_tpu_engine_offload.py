@@ -52,14 +52,9 @@ def test_store_reset_load_hits_our_tier_with_identical_tokens(setup, engines, ou
     assert all(is_async for n, is_async in spy.answers if n), "the default config loads asynchronously"
 
 
-def test_device_put_path_gives_identical_tokens_and_hits(setup, engines):
-    """The other host path (``transfer_path: device_put``, the default on TPU): each stored chunk is
-    sent to its own host array by the runtime instead of a compiled program writing the slabs."""
-    w = ROUNDTRIP[setup.block_size]
-    base = engines.baseline(setup, w)
-    run = engines.get(("ours-device_put", setup), setup,
-                      kv_transfer_config("offload.json", **OURS, transfer_path="device_put"))
-    assert wrk(run).engine.path == "device_put" and wrk(run).engine.slabs is None
+def round_trip_every_chunk(run, w, base, setup):
+    """Store, reset vLLM's prefix cache, load: identical tokens both passes, every full block hit
+    and loaded from our tier, no load errors. Returns the totals around the second pass."""
     assert w.run(run) == base
     settle(run)
     t1 = totals(run)
@@ -69,6 +64,18 @@ def test_device_put_path_gives_identical_tokens_and_hits(setup, engines):
     assert delta(t2, t1, "hit_tokens") == sum(hit_tokens(len(p), setup.block_size) for p in w.prompts)
     assert delta(t2, t1, "loaded_chunks") == sum(len(p) // setup.block_size for p in w.prompts)
     assert delta(t2, t1, "load_errors") == 0
+    return t1, t2
+
+
+def test_device_put_path_gives_identical_tokens_and_hits(setup, engines):
+    """The other host path (``transfer_path: device_put``, the default on TPU): each stored chunk is
+    sent to its own host array by the runtime instead of a compiled program writing the slabs."""
+    w = ROUNDTRIP[setup.block_size]
+    base = engines.baseline(setup, w)
+    run = engines.get(("ours-device_put", setup), setup,
+                      kv_transfer_config("offload.json", **OURS, transfer_path="device_put"))
+    assert wrk(run).engine.path == "device_put" and wrk(run).engine.slabs is None
+    round_trip_every_chunk(run, w, base, setup)
 
 
 def test_small_load_budget_gives_identical_tokens_and_hits(setup, engines):
@@ -80,15 +87,7 @@ def test_small_load_budget_gives_identical_tokens_and_hits(setup, engines):
                       kv_transfer_config("offload.json", **OURS, load_bandwidth_gbps=0.001, load_stall_ms=0.001))
     s = sch(run).s
     assert s.config.load_budget_bytes == 1 and s.load_budget_blocks == s.blocks_per_chunk
-    assert w.run(run) == base
-    settle(run)
-    t1 = totals(run)
-    run.reset_prefix_cache()
-    assert w.run(run) == base
-    t2 = totals(run)
-    assert delta(t2, t1, "hit_tokens") == sum(hit_tokens(len(p), setup.block_size) for p in w.prompts)
-    assert delta(t2, t1, "loaded_chunks") == sum(len(p) // setup.block_size for p in w.prompts)
-    assert delta(t2, t1, "load_errors") == 0
+    t1, t2 = round_trip_every_chunk(run, w, base, setup)
     assert delta(t2, t1, "deferred_load_blocks") > 0  # the budget held parts back to later steps
 
 
@@ -100,15 +99,7 @@ def test_dma_kernel_gives_identical_tokens_and_hits(setup, engines):
     run = engines.get(("ours-dma", setup), setup, kv_transfer_config("offload.json", **OURS, transfer_kernel="dma"))
     eng = wrk(run).engine
     assert eng.programs.kernel == "dma"
-    assert w.run(run) == base
-    settle(run)
-    t1 = totals(run)
-    run.reset_prefix_cache()
-    assert w.run(run) == base
-    t2 = totals(run)
-    assert delta(t2, t1, "hit_tokens") == sum(hit_tokens(len(p), setup.block_size) for p in w.prompts)
-    assert delta(t2, t1, "loaded_chunks") == sum(len(p) // setup.block_size for p in w.prompts)
-    assert delta(t2, t1, "load_errors") == 0
+    round_trip_every_chunk(run, w, base, setup)
     assert eng.dmas["gather"] > 0 and eng.dmas["scatter"] > 0
 
 
