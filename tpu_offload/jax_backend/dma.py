@@ -95,18 +95,11 @@ def gather_call(num_layers: int, staging_shape, dtype, platform: str, split: tup
 
     out_shape = jax.ShapeDtypeStruct(staging_shape, dtype)
 
+    run = _dma_call(kernel, out_shape, pl.BlockSpec(memory_space=pl.ANY),
+                    {N_SCALARS + L: 0}, L, platform)  # staging, written in place
+
     def call(n, src, dst, length, offset, caches, staging):
-        return pl.pallas_call(
-            kernel, out_shape=out_shape,
-            grid_spec=pltpu.PrefetchScalarGridSpec(
-                num_scalar_prefetch=N_SCALARS, grid=(1,),
-                in_specs=[pl.BlockSpec(memory_space=pl.ANY)] * (L + 1),
-                out_specs=pl.BlockSpec(memory_space=pl.ANY),
-                scratch_shapes=[pltpu.SemaphoreType.DMA((L,))]),
-            input_output_aliases={N_SCALARS + L: 0},  # staging, written in place
-            compiler_params=pltpu.CompilerParams(has_side_effects=True),
-            interpret=_interpret(platform),
-        )(n, src, dst, length, offset, *caches, staging)
+        return run(n, src, dst, length, offset, *caches, staging)
 
     return call
 
@@ -131,20 +124,29 @@ def scatter_call(num_layers: int, cache_shape, dtype, platform: str, split: tupl
 
     out_shape = tuple(jax.ShapeDtypeStruct(cache_shape, dtype) for _ in range(L))
 
+    run = _dma_call(kernel, out_shape, tuple(pl.BlockSpec(memory_space=pl.ANY) for _ in range(L)),
+                    {N_SCALARS + 1 + li: li for li in range(L)}, L, platform)  # every cache, in place
+
     def call(n, src, dst, length, offset, source, caches):
-        return pl.pallas_call(
-            kernel, out_shape=out_shape,
-            grid_spec=pltpu.PrefetchScalarGridSpec(
-                num_scalar_prefetch=N_SCALARS, grid=(1,),
-                in_specs=[pl.BlockSpec(memory_space=pl.ANY)] * (L + 1),
-                out_specs=tuple(pl.BlockSpec(memory_space=pl.ANY) for _ in range(L)),
-                scratch_shapes=[pltpu.SemaphoreType.DMA((L,))]),
-            input_output_aliases={N_SCALARS + 1 + li: li for li in range(L)},  # every cache, in place
-            compiler_params=pltpu.CompilerParams(has_side_effects=True),
-            interpret=_interpret(platform),
-        )(n, src, dst, length, offset, source, *caches)
+        return run(n, src, dst, length, offset, source, *caches)
 
     return call
+
+
+def _dma_call(kernel, out_shape, out_specs, aliases: dict[int, int], num_layers: int, platform: str):
+    """The ``pallas_call`` both directions share: the scalars prefetched, every array left in HBM
+    (``pl.ANY``: the kernel only starts DMAs), one DMA semaphore per layer, outputs aliased."""
+    return pl.pallas_call(
+        kernel, out_shape=out_shape,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=N_SCALARS, grid=(1,),
+            in_specs=[pl.BlockSpec(memory_space=pl.ANY)] * (num_layers + 1),
+            out_specs=out_specs,
+            scratch_shapes=[pltpu.SemaphoreType.DMA((num_layers,))]),
+        input_output_aliases=aliases,
+        compiler_params=pltpu.CompilerParams(has_side_effects=True),
+        interpret=_interpret(platform),
+    )
 
 
 def _start_then_wait(n_ref, num_layers: int, copy):
