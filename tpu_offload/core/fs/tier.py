@@ -33,27 +33,25 @@ from __future__ import annotations
 
 import collections
 import errno
-import functools
 import logging
 import os
 import threading
 import time
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Callable
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from tpu_offload.core.fs import layout, safedir
 from tpu_offload.core.fs.auth import FsAuth, Names
-from tpu_offload.core.fs.chunkfile import CORRUPT, ERROR, HIT, MISS, UNSAFE, ChunkFiles
-from tpu_offload.core.fs.deadline import WATCHDOG, BoundedCalls, WriteGuard
-from tpu_offload.core.fs.fileio import aligned_empty, byte_view
+from tpu_offload.core.fs.chunkfile import ChunkFiles
+from tpu_offload.core.fs.deadline import BoundedCalls
 from tpu_offload.core.fs.format import HEADER_SIZE
 from tpu_offload.core.fs.index import FileIndex
 from tpu_offload.core.fs.journal import FileJournal
 from tpu_offload.core.fs.metrics import FsMetrics
 from tpu_offload.core.fs.rescan import Rescanner
-from tpu_offload.core.fs.ticket import TierState, WriteTicket, done_future
+from tpu_offload.core.fs.ticket import TierState
+from tpu_offload.core.fs.tier_reads import ReadPath
+from tpu_offload.core.fs.tier_writes import SPACE_ERRNOS, WritePath
 from tpu_offload.core.fs.workers import IOWorkers
 from tpu_offload.core.keys import ChunkKey, LayoutFingerprint
 from tpu_offload.core.manager import TierStats
@@ -64,8 +62,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tpu_offload.fs")
 
-_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
-_DENIED_ERRNOS = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
 _UNAUTH_WARNED = False  # once per process
 
 
@@ -78,7 +74,7 @@ class CapacityError(ValueError):
         self.capacity_bytes, self.need = capacity_bytes, need
 
 
-class FileTier:
+class FileTier(WritePath, ReadPath):
     def __init__(
         self,
         root: str,
@@ -273,319 +269,6 @@ class FileTier:
             st = self.files.stat(fid.hex())
         return st is not None and st.st_size == self.file_bytes
 
-    # ---- writes --------------------------------------------------------
-    def submit_write(self, key: ChunkKey, data: np.ndarray, salt: bytes = b"") -> WriteTicket | None:
-        """Queue a write of ``data`` (a slot view, not copied); None if dropped.
-
-        ``salt``: the request's ``cache_salt`` (with a secret, the file is
-        named and signed with that tenant's keys).
-        """
-        mv = byte_view(data)
-        if len(mv) != self.chunk_bytes:
-            raise ValueError(f"chunk of {len(mv)} bytes; this tier stores {self.chunk_bytes}")
-        self._fid(key)  # validates the key before anything is queued
-        with self._lock:
-            if self._state is TierState.READ_ONLY and self._retry_at is not None \
-                    and time.monotonic() >= self._retry_at:
-                self._state, self._retry_at = TierState.RW, None
-                log.info("fs tier %s: retrying writes at %s", self.name, self.ns_dir)
-            if self._state is not TierState.RW:
-                self._drop(self._state.value, key)
-                return None
-            if key in self._inflight:
-                self._count("writes_dedup")
-                return WriteTicket(key, done_future(True))
-            if self._writes >= self.queue_depth:
-                self._drop("queue_full", key)
-                return None
-            guard = WriteGuard(self.io_timeout_s) if self.io_timeout_s else None
-            try:
-                fut = self._workers.submit(self._write_task, key, mv, salt, guard)
-            except RuntimeError:  # closed under us
-                self._drop("closed", key)
-                return None
-            self._writes += 1
-            self._inflight[key] = fut
-            fut.add_done_callback(functools.partial(self._write_done, key))
-        return WriteTicket(key, fut, guard)
-
-    def _write_done(self, key: bytes, fut: Future) -> None:
-        with self._lock:
-            self._writes -= 1
-            if self._inflight.get(key) is fut:
-                del self._inflight[key]
-            if fut.cancelled():
-                self._drop("cancelled")
-        if self.journal is not None:
-            ok = not fut.cancelled() and fut.exception() is None and fut.result() is True
-            (self.journal.published if ok else self.journal.failed)(key)
-
-    def _write_task(self, key: bytes, mv: memoryview, salt: bytes = b"", guard: WriteGuard | None = None) -> bool:
-        if guard is not None:
-            guard.start()
-            if guard.abandoned:  # the engine took the slot back while this waited in the queue
-                self._drop("timeout")
-                return False
-        if self._state is not TierState.RW:
-            self._drop(self._state.value)
-            return False
-        fid = self._fid(key, remember=True, salt=salt)
-        khex = fid.hex()
-        replace = fid in self._suspect  # a forged file sits there: write over it, never keep it
-        t0 = time.perf_counter()
-        try:
-            st = self.files.write(fid, khex, mv, unless_size=None if replace else self.file_bytes,
-                                  tk=self._keys(salt), publish=None if guard is None else guard.publish)
-        except OSError as e:
-            self._write_error(e)
-            return False
-        if st is not None:  # someone (maybe another instance) already published it
-            # Not restamped: we have not verified it (a read hit does, and restamps then).
-            self._index.add(fid, st.st_size, disk_time=st.st_mtime)
-            self._count("writes_exist")
-            self._m.op("write", "exists")
-            return True
-        self._ours_ino[fid] = self.files.last_inode()
-        if replace and self._suspect.pop(fid, None) is not None:
-            self._count("auth_replaced")
-            self._m.op("write", "replaced_forged")
-        dt = time.perf_counter() - t0
-        self._index.add(fid, self.file_bytes)
-        self._written_since_scan += self.file_bytes
-        self._count("writes_ok", 1, "bytes_written", len(mv))
-        self._m.write_bytes.inc(len(mv))
-        self._m.write_latency.observe(dt)
-        self._m.op("write", "ok")
-        if self._offload_metrics is not None:
-            self._offload_metrics.stored_chunks.labels(tier=self.name, **self._offload_metrics.labels).inc()
-        self._after_write()
-        return True
-
-    def _write_error(self, e: OSError) -> None:
-        self._count("writes_failed")
-        self._m.op("write", "error")
-        if e.errno == errno.ETIMEDOUT:  # past fs_io_timeout_s: never published
-            self._count("write_timeouts")
-            self._drop("timeout")
-            if "write_timeout" not in self._warned_errnos:
-                self._warned_errnos.add("write_timeout")
-                log.warning("fs tier %s: a write passed its deadline (fs_io_timeout_s=%gs); dropped, not "
-                            "published, counted in tpu_offload_fs_dropped_writes_total{reason=\"timeout\"}",
-                            self.name, self.io_timeout_s)
-            return
-        if safedir.is_unsafe(e):  # a symlink or file where a fan-out directory belongs
-            self._drop("unsafe_path")
-            if "unsafe" not in self._warned_errnos:
-                self._warned_errnos.add("unsafe")
-                log.warning("fs tier %s: write refused (%s): something other than a directory is on the "
-                            "path below %s; symlinks are never followed", self.name, e, self.ns_dir)
-        elif e.errno in _SPACE_ERRNOS or e.errno in _DENIED_ERRNOS:
-            self._to_read_only(e)
-            self._drop(errno.errorcode.get(e.errno, "oserror").lower())
-        else:
-            self._drop(errno.errorcode.get(e.errno, "oserror").lower())  # EIO and the like: one metric each
-            if e.errno not in self._warned_errnos:
-                self._warned_errnos.add(e.errno)
-                log.warning("fs tier %s: write failed (%s); the chunk is not cached", self.name, e)
-
-    def _after_write(self) -> None:
-        if self.capacity_bytes is None:
-            return
-        if time.monotonic() - self._scanner.last >= self.rescan_interval_s or \
-                (self.rescan_bytes is not None and self._written_since_scan >= self.rescan_bytes):
-            try:
-                self._rescan(block=False)  # picks up what other instances wrote
-            except OSError as e:
-                log.debug("fs tier %s: rescan failed: %s", self.name, e)
-        self._enforce_budget()
-
-    def _enforce_budget(self) -> None:
-        """Chunk files plus the temps (writes in progress) the last scan saw, within the budget."""
-        budget = self.capacity_bytes - self._scanner.temp_bytes
-        if self._index.used_bytes > budget:
-            self._evict_to(max(0, budget))
-
-    # ---- reads ---------------------------------------------------------
-    def read_into(self, key: ChunkKey, out: np.ndarray, salt: bytes = b"") -> bool:
-        """Fill ``out`` with the chunk; False on a miss or a rejected file.
-
-        On False ``out`` may hold garbage: the caller must treat it as empty.
-        """
-        if self._state in (TierState.OFF, TierState.CLOSED):
-            return False
-        mv = byte_view(out, writable=True)
-        if len(mv) != self.chunk_bytes:
-            raise ValueError(f"buffer of {len(mv)} bytes; this tier stores {self.chunk_bytes}")
-        t0 = time.perf_counter()
-        fid = self._fid(key, salt=salt)
-        khex = fid.hex()
-        outcome, detail = self.files.read(khex, fid, mv, self._keys(salt))
-        if outcome is MISS:
-            return self._miss(fid)
-        if outcome is UNSAFE:
-            self._count("read_not_regular")
-            self._m.op("read", "not_regular")
-            return self._miss(fid)
-        if outcome is ERROR:
-            return self._read_error(detail)
-        if outcome is CORRUPT:
-            reason, ino = detail
-            return self._reject(fid, khex, ino, reason)
-        assert outcome is HIT
-        self._m.read_latency.observe(time.perf_counter() - t0)
-        self._m.read_bytes.inc(len(mv))
-        self._m.op("read", "hit")
-        self._count("reads_ok", 1, "bytes_read", len(mv))
-        if self._offload_metrics is not None:
-            self._offload_metrics.loaded_chunks.labels(tier=self.name, **self._offload_metrics.labels).inc()
-        self._ours_ino[fid] = self.files.last_inode()  # verified: this inode may be restamped
-        self._suspect.pop(fid, None)  # another replica's good copy replaced a forged one
-        if fid not in self._index:  # another instance wrote it: restamp its mtime too
-            self._index.add(fid, self.file_bytes, disk_time=0.0)
-        if self._tk is not None:
-            self._key_of[fid] = bytes(key)
-        self.touch(key, salt)
-        return True
-
-    def submit_read(self, key: ChunkKey, out: np.ndarray, on_done: Callable[[bool], None],
-                    salt: bytes = b"") -> bool:
-        """Queue ``read_into`` ahead of writes; ``on_done(ok)`` runs on an I/O thread.
-
-        False (and no callback) if the tier cannot read at all.
-        """
-        if self._state in (TierState.OFF, TierState.CLOSED) or self._workers is None:
-            return False
-        out_mv = byte_view(out, writable=True)
-        if len(out_mv) != self.chunk_bytes:
-            raise ValueError(f"buffer is not {self.chunk_bytes} bytes")
-        if not self.io_timeout_s:
-            return self._submit_plain_read(key, out, on_done, salt)
-        # With a deadline the read lands in a per-thread bounce buffer and is copied into ``out`` only if
-        # the deadline has not fired: a read that un-hangs later never writes into a slot reused since.
-        lock, state = threading.Lock(), [False]  # reported?
-
-        def report(ok: bool) -> None:
-            try:
-                on_done(ok)
-            except Exception:
-                log.exception("fs tier %s: read callback failed", self.name)
-
-        def expire() -> None:
-            with lock:
-                if state[0]:
-                    return
-                state[0] = True
-            self._count("read_timeouts")
-            self._m.op("read", "timeout")
-            if "read_timeout" not in self._warned_errnos:
-                self._warned_errnos.add("read_timeout")
-                log.warning("fs tier %s: a read passed its deadline (fs_io_timeout_s=%gs); reported failed, the "
-                            "request recomputes", self.name, self.io_timeout_s)
-            report(False)
-
-        def task() -> bool:
-            ok = False
-            try:
-                buf = self._bounce()
-                ok = self.read_into(key, buf, salt)
-            finally:
-                with lock:
-                    late = state[0]
-                    if not late:
-                        if ok:
-                            out_mv[:] = byte_view(buf)
-                        state[0] = True
-                WATCHDOG.disarm(entry)
-                if late:
-                    self._count("late_reads_dropped")
-                else:
-                    report(ok)
-            return ok and not late
-
-        entry = WATCHDOG.arm(self.io_timeout_s, expire)
-        try:
-            self._workers.submit(task, high=True)
-        except RuntimeError:
-            WATCHDOG.disarm(entry)
-            return False
-        return True
-
-    def _bounce(self) -> np.ndarray:
-        buf = getattr(self._tls, "bounce", None)
-        if buf is None:
-            buf = self._tls.bounce = aligned_empty(self.chunk_bytes)
-        return buf
-
-    def _submit_plain_read(self, key: ChunkKey, out: np.ndarray, on_done: Callable[[bool], None],
-                           salt: bytes = b"") -> bool:
-        def task() -> bool:
-            ok = False
-            try:
-                ok = self.read_into(key, out, salt)
-            finally:
-                try:
-                    on_done(ok)
-                except Exception:
-                    log.exception("fs tier %s: read callback failed", self.name)
-            return ok
-
-        try:
-            self._workers.submit(task, high=True)
-        except RuntimeError:
-            return False
-        return True
-
-    def _miss(self, fid: bytes) -> bool:
-        if fid in self._index:
-            self._journal_removed(fid)  # deleted under us (another instance's eviction, an admin)
-        self._index.remove(fid)
-        self._count("read_misses")
-        self._m.op("read", "miss")
-        return False
-
-    def _read_error(self, e: OSError) -> bool:
-        self._count("read_errors")
-        self._m.op("read", errno.errorcode.get(e.errno, "error").lower())  # eio, ...: a metric each
-        if e.errno not in self._warned_errnos:
-            self._warned_errnos.add(e.errno)
-            log.warning("fs tier %s: read failed (%s); treated as a miss", self.name, e)
-        return False
-
-    def _reject(self, fid: bytes, khex: str, ino: int, reason: str) -> bool:
-        """A file that must not be served: count it and take it out of sight."""
-        self._index.remove(fid)
-        self._journal_removed(fid)
-        path = layout.chunk_dir_and_path(self.ns_dir, khex)[1]
-        if reason == "mac":  # valid checksums, wrong MAC: made by someone without our key. Not ours to delete.
-            self._ours_ino.pop(fid, None)
-            self._suspect[fid] = ino  # hidden from contains; our next write of it replaces it
-            self._suspect.move_to_end(fid)
-            while len(self._suspect) > 1 << 16:
-                self._suspect.popitem(last=False)
-            self._count("auth_failures")
-            self._m.auth_failure()
-            self._m.op("read", "auth_failure")
-            if "mac" not in self._warned_errnos:
-                self._warned_errnos.add("mac")
-                log.warning("fs tier %s: %s fails its MAC (written without this tier's key); not served, "
-                            "replaced by our next write of that chunk, counted in "
-                            "tpu_offload_fs_auth_failures_total", self.name, path)
-            return False
-        self._count("corrupt", 1, f"corrupt_{reason}", 1)
-        self._m.corrupt(reason)
-        self._m.op("read", "corrupt")
-        if self._offload_metrics is not None:
-            self._offload_metrics.record_load_errors(1, tier=self.name)
-        log.warning("fs tier %s: rejected %s (%s)", self.name, path, reason)
-        try:  # only that inode (not a fresh write since), never through a symlink
-            if self.quarantine:
-                self.files.quarantine(khex, ino, reason)
-            else:
-                self.files.unlink(khex, ino, ours=True)  # without our magic it is someone else's: left alone
-        except OSError:
-            pass  # gone already, or not ours to delete: still a miss
-        return False
-
     # ---- recency -------------------------------------------------------
     def touch(self, key: ChunkKey, salt: bytes = b"") -> None:
         """Mark as used: index now, file mtime (throttled) on an I/O thread."""
@@ -700,7 +383,7 @@ class FileTier:
             if self._state is not TierState.RW:
                 return
             self._state = TierState.READ_ONLY
-            space = e.errno in _SPACE_ERRNOS
+            space = e.errno in SPACE_ERRNOS
             self._retry_at = time.monotonic() + self.readonly_retry_s if space else None
             self._announce(
                 f"fs tier {self.name} at {self.ns_dir} is read-only ({e.strerror or e}); "
