@@ -18,6 +18,23 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 CHUNK = 64 << 10  # small but page-aligned, so O_DIRECT paths are exercised too
 FILE = HEADER_SIZE + CHUNK
 
+# The start of a child script that drops root to ``nobody`` (root is never denied anything, so a real
+# permission failure needs another uid): collects the fs tier's warnings, imports before dropping root.
+# argv: [1] the tier root, [2] tests/fs (for fs_helpers); scripts go on with their own lines.
+NOBODY_PRELUDE = r"""
+import json, logging, os, pwd, sys
+sys.path.insert(0, sys.argv[2])
+from prometheus_client import CollectorRegistry
+warnings = []
+class H(logging.Handler):
+    def emit(self, r):
+        if r.levelno >= logging.WARNING: warnings.append(r.getMessage())
+logging.getLogger("tpu_offload.fs").addHandler(H())
+from fs_helpers import aligned, key, layout   # import first: the interpreter's own files
+from tpu_offload.core.fs import FileTier, FsMetrics  # may not be readable by nobody
+nobody = pwd.getpwnam("nobody")
+"""
+
 
 def layout(**kw) -> LayoutFingerprint:
     base = dict(model="org/tiny-llama", dtype="bfloat16", block_size=16, blocks_per_chunk=4,

@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from fs_helpers import aligned, filled, key, layout, mounted, payload, readonly_bind, run_child
+from fs_helpers import NOBODY_PRELUDE, aligned, filled, key, layout, mounted, payload, readonly_bind, run_child
 from tpu_offload.core.fs import TierState
 from tpu_offload.core.fs import layout as fslayout
 
@@ -129,18 +129,7 @@ def test_tmpfs_remounted_read_only_while_running(make_tier, caplog):
         t.close()
 
 
-_NOBODY_CHILD = r"""
-import json, logging, os, pwd, sys
-sys.path.insert(0, sys.argv[2])
-from prometheus_client import CollectorRegistry
-warnings = []
-class H(logging.Handler):
-    def emit(self, r):
-        if r.levelno >= logging.WARNING: warnings.append(r.getMessage())
-logging.getLogger("tpu_offload.fs").addHandler(H())
-from fs_helpers import aligned, key, layout   # import first: the interpreter's own files
-from tpu_offload.core.fs import FileTier, FsMetrics  # may not be readable by nobody
-nobody = pwd.getpwnam("nobody")
+_NOBODY_CHILD = NOBODY_PRELUDE + r"""
 os.setgid(nobody.pw_gid); os.setuid(nobody.pw_uid)   # root cannot be denied anything: stop being root
 t = FileTier(sys.argv[1], layout(), 64 << 10, capacity_bytes=None, fs_metrics=FsMetrics(CollectorRegistry()))
 buf = aligned(); buf[:] = 1

@@ -20,7 +20,7 @@ import time
 import numpy as np
 import pytest
 
-from fs_helpers import CHUNK, FILE, REPO, aligned, key, layout, payload, run_child, filled, write_all
+from fs_helpers import CHUNK, FILE, NOBODY_PRELUDE, REPO, aligned, key, layout, payload, run_child, filled, write_all
 from tpu_offload.core.config import ConfigError, OffloadConfig
 from tpu_offload.core.fs import FileTier, TierState, admin, snapshot_host_tier
 from tpu_offload.core.fs import layout as fslayout
@@ -166,20 +166,9 @@ def test_rescan_never_blocks_touch_or_reads(root, make_tier, monkeypatch):
 
 # ---- 3. an unreadable subdirectory -------------------------------------------
 
-_NOBODY = r"""
-import json, logging, os, pwd, sys
-sys.path.insert(0, sys.argv[2])
-from prometheus_client import CollectorRegistry
-warnings = []
-class H(logging.Handler):
-    def emit(self, r):
-        if r.levelno >= logging.WARNING: warnings.append(r.getMessage())
-logging.getLogger("tpu_offload.fs").addHandler(H())
-from fs_helpers import aligned, key, layout
-from tpu_offload.core.fs import FileTier, FsMetrics
+_NOBODY = NOBODY_PRELUDE + r"""
 from tpu_offload.core.fs.cli import main
 import contextlib, io
-nobody = pwd.getpwnam("nobody")
 os.setgid(nobody.pw_gid); os.setuid(nobody.pw_uid)   # root is never denied: stop being root
 t = FileTier(sys.argv[1], layout(), 64 << 10, capacity_bytes=None, fs_metrics=FsMetrics(CollectorRegistry()))
 hits = [t.read_into(key(i), aligned()) for i in range(int(sys.argv[3]))]
