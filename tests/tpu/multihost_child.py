@@ -111,6 +111,13 @@ def roundtrip(sc: dict) -> dict:
         return load(caches, chunks, **kw)
 
     worker.engine.load = recording_load
+    programs, get = [], worker.engine.programs._get  # every program launch, by name, in order
+
+    def recording_get(key, build, *args):
+        fn = get(key, build, *args)
+        return lambda *a, **k: (programs.append(str(key[0])), fn(*a, **k))[1]
+
+    worker.engine.programs._get = recording_get
     mark = len(compiles)
     src, dst, slots = [3, 5, 7], [10, 11, 12], [0, 1, 2]
     worker.wait_for_save(OffloadMetadata(stores=[StoreOp(op_id=1, req_id="a", slots=slots, blocks=src)]))
@@ -133,7 +140,7 @@ def roundtrip(sc: dict) -> dict:
                                                        async_load=False, last=True)]))
     again, _ = drain(worker)
     keep = [(s, d) for s, d, slot in zip(src, [13, 14, 15], slots) if not (pid == lost["on"] and slot == lost["slot"])]
-    out = {"ok": ok, "ok_after_loss": exact(keep), "path": worker.engine.path, "launched": launched,
+    out = {"ok": ok, "ok_after_loss": exact(keep), "path": worker.engine.path, "launched": launched, "programs": programs,
            "compiles_while_serving": compiles[mark:], "finished_recving": sorted(recving),
            "stores": [list(x) for x in stored.stores], "loads": [list(x) for x in loaded.loads],
            "loads_after_loss": [list(x) for x in again.loads],

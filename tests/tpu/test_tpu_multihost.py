@@ -116,6 +116,8 @@ def test_round_trip_and_a_chunk_lost_on_one_host(results, path):
     # host 1 lost slot 1: both launched the same loads (same programs), only host 1 reports the chunk,
     # and the scheduler fails the op on the union of the reports (test_tpu_multiprocess.py)
     assert a["launched"] == b["launched"] == [[0, 1, 2], [0, 1, 2]]
+    host = ["store", "load", "load"] if path == "program" else ["take_chunks", "put_chunks", "put_chunks"]
+    assert a["programs"] == b["programs"] == ["gather", host[0], host[1], "scatter", host[2], "scatter"]
     assert a["loads_after_loss"] == [[3, 0, []]] and b["loads_after_loss"] == [[3, 1, [1]]]
     assert a["load_errors"] == [] and b["load_errors"] == [14]
     assert a["ok_after_loss"] and b["ok_after_loss"]
