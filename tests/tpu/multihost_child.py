@@ -149,6 +149,36 @@ def roundtrip(sc: dict) -> dict:
     return out
 
 
+def snapshot(sc: dict) -> dict:
+    """Only process 0 finds a slab snapshot that fits: both must start cold, launching nothing extra."""
+    from tpu_offload.jax_backend import snapshot as snap
+    from tpu_offload.jax_backend.engine import TransferEngine
+    from tpu_offload.jax_backend.layout import KVLayout
+
+    runner, _ = make_runner()
+    engine = TransferEngine(KVLayout.from_caches(runner.kv_caches, runner.mesh), num_slots=8, blocks_per_chunk=1,
+                            staging_blocks=4)
+    host_dir = os.path.join(sc["dir"], "host")
+    if pid == 0:
+        os.makedirs(host_dir, exist_ok=True)
+        meta = {"format": snap.FORMAT, "version": snap.VERSION, "fingerprint_digest": "fp", "process_count": 2,
+                "num_slots": 8, "rows_per_slab": engine.rows_per_slab, "slabs": snap._shapes(engine),
+                "valid": [], "checksums": []}
+        with open(os.path.join(host_dir, snap._meta_name(0)), "w") as f:
+            json.dump(meta, f)
+    fits = snap._read_meta(engine, host_dir, "fp") is not None
+    programs, get = [], engine.programs._get
+
+    def recording_get(key, build, *args):
+        fn = get(key, build, *args)
+        return lambda *a, **k: (programs.append(str(key[0])), fn(*a, **k))[1]
+
+    engine.programs._get = recording_get
+    restored = snap.restore_slabs(engine, host_dir, "fp", timeout_s=30)
+    return {"fits": fits, "restored": restored, "programs": programs,
+            "slabs_alive": all(not a.is_deleted() for per in engine.slabs for a in per)}
+
+
 def reshard_control() -> dict:
     """What the engine avoids: jax.device_put of a non-fully-addressable array to pinned_host compiles a program."""
     runner, _ = make_runner()
@@ -165,7 +195,7 @@ def main():
             reply({"stalled": True})
             time.sleep(sc["seconds"])  # never registers: its peer must give up with an error, not hang
             os._exit(0)
-        fn = {"register": register, "stall": register, "roundtrip": roundtrip}.get(sc["kind"])
+        fn = {"register": register, "stall": register, "roundtrip": roundtrip, "snapshot": snapshot}.get(sc["kind"])
         reply({"scenario": sc.get("name", sc["kind"]), "pid": pid,
                **(fn(sc) if fn else reshard_control())})
     if not any(sc["kind"] == "stall" for sc in scenarios):  # a stalled peer never comes to the barrier

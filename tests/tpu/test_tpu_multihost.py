@@ -41,6 +41,7 @@ SCENARIOS = [
     {"name": "device_put", "kind": "roundtrip", "config": {"transfer_path": "device_put"},
      "lose": {"on": 1, "slot": 1}},
     {"name": "control", "kind": "control"},
+    {"name": "snapshot", "kind": "snapshot"},  # "dir": the test's tmp dir
     # Host 1 never registers (stuck or dead before it): host 0 gives up after the timeout, naming it.
     {"name": "stall", "kind": "stall", "on": 1, "seconds": 15, "config": {"multihost_timeout_s": 3.0}},
 ]
@@ -53,12 +54,14 @@ def free_port():
 
 
 @pytest.fixture(scope="module")
-def results():
+def results(tmp_path_factory):
     port = free_port()
+    scenarios = [dict(sc, dir=str(tmp_path_factory.mktemp("snap"))) if sc["kind"] == "snapshot" else sc
+                 for sc in SCENARIOS]
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     env.pop("XLA_FLAGS", None)
     procs = [subprocess.Popen([sys.executable, str(HERE / "multihost_child.py"), str(pid), str(port),
-                               json.dumps(SCENARIOS)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               json.dumps(scenarios)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, env=env) for pid in (0, 1)]
     out = {}
     try:
@@ -130,6 +133,16 @@ def test_control_device_put_of_a_global_array_is_a_program(results):
     a, b = both(results, "control")
     assert not a["fully_addressable"]
     assert a["compiles"] and a["compiles"] == b["compiles"], (a, b)
+
+
+def test_warm_start_only_if_every_host_has_a_snapshot(results):
+    """Host 0 alone has slabs that fit: a host restoring (or re-allocating) alone would launch a program its
+    peer does not. Both start cold, with their slabs as allocated, and launch nothing."""
+    a, b = both(results, "snapshot")
+    assert a["fits"] and not b["fits"]
+    assert a["restored"] is None and b["restored"] is None
+    assert a["programs"] == b["programs"] == []
+    assert a["slabs_alive"] and b["slabs_alive"]
 
 
 def test_a_peer_that_never_registers_is_an_error_not_a_hang(results):

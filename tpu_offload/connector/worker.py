@@ -132,7 +132,8 @@ class OffloadWorker:
 
             restored: dict = {}
             self._restored_id = restore_slabs(self.engine, os.path.join(cfg.snapshot_path, HOST_DIR),
-                                              self._fs_fp.digest().hex(), cfg.fs_secret, restored)
+                                              self._fs_fp.digest().hex(), cfg.fs_secret, restored,
+                                              timeout_s=cfg.multihost_timeout_s)
             self.totals["snapshot_dropped"] = restored.get("dropped", 0)  # slots failing their MAC/checksum
         if (self.fs is not None or cfg.snapshot_path) and self._at_exit is None:
             # tpu-inference never shuts a worker down (TPUWorker has no shutdown; a multi-host replica's

@@ -107,3 +107,11 @@ def settle(name: str, figures: Mapping[str, Any], error: str | None = None, *, e
     for key in minimum:
         out[key] = min(p.figures[key] for p in peers)
     return out
+
+
+def unanimous(name: str, ok: bool, detail: str = "", *, timeout_s: float = 300.0) -> tuple[bool, str]:
+    """(True, "") if every process says ``ok``; else (False, the hosts that did not, with their ``detail``):
+    the same answer on every host, for a choice all must make alike (warm or cold start)."""
+    peers = exchange(name, {"ok": bool(ok), "detail": detail}, timeout_s=timeout_s)
+    no = [p for p in peers if not p.figures["ok"]]
+    return not no, "; ".join(f"{p.name}: {p.figures['detail']}" for p in no)
