@@ -36,11 +36,11 @@ BS, TIMEOUT = 4, 240
 
 
 class Child:
-    def __init__(self, pid, port):
+    def __init__(self, pid, port, path="auto"):
         env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
         env.pop("XLA_FLAGS", None)
         self.log = tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen([sys.executable, str(HERE / "mp_child.py"), str(pid), str(port)],
+        self.proc = subprocess.Popen([sys.executable, str(HERE / "mp_child.py"), str(pid), str(port), path],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
                                      text=True, env=env)
         self.lines: queue.Queue = queue.Queue()
@@ -80,8 +80,8 @@ def free_port():
         return s.getsockname()[1]
 
 
-def fake_request(req_id, n_blocks, computed=0):
-    hashes = [bytes([i + 1]) * 32 for i in range(n_blocks)]
+def fake_request(req_id, n_blocks, computed=0, first=1):
+    hashes = [bytes([i + first]) * 32 for i in range(n_blocks)]
     return SimpleNamespace(request_id=req_id, block_hashes=hashes, num_tokens=n_blocks * BS,
                            num_prompt_tokens=n_blocks * BS, num_computed_tokens=computed,
                            all_token_ids=list(range(n_blocks * BS)), lora_request=None)
@@ -129,16 +129,18 @@ def runner_output(reply):
     return out
 
 
-def test_chunk_loadable_only_after_every_process_reported(tiny_model_dir):
+@pytest.mark.parametrize("path", ["program", "device_put"])
+def test_chunk_loadable_only_after_every_process_reported(tiny_model_dir, path):
     cfg = OffloadConfig(num_cpu_chunks=8, staging_blocks=4, blocks_per_chunk=1)
     sched = OffloadScheduler(Settings(config=cfg, block_size=BS, blocks_per_chunk=1, num_slots=8, chunk_bytes=0,
                                       staging_blocks=4), ConnectorMetrics(CollectorRegistry()))
     sched.kv_cache_manager = SimpleNamespace(get_block_ids=lambda req_id: ([3, 5, 7],))
     port = free_port()
-    children = [Child(0, port), Child(1, port)]
+    children = [Child(0, port, path), Child(1, port, path)]
     try:
         hello = [c.recv() for c in children]
         for h in hello:  # each process holds 4 of the 8 head shards, one head each
+            assert h["path"] == path
             assert h["process_count"] == 2 and h["local_shards"] == 4 and h["global_devices"] == 8
             assert h["local_block_elems"] == [BS * 1 * 16]  # block_size x its one head x head_dim
 
@@ -196,6 +198,23 @@ def test_chunk_loadable_only_after_every_process_reported(tiny_model_dir):
         assert all(r["ok"] for r in replies)
         failed = [{(op, pidx): list(bad) for op, pidx, bad in OffloadReport.coerce(r["report"]).loads} for r in replies]
         assert failed[0] == {(99, 0): []} and failed[1] == {(99, 1): [slots[1]]}, failed
+        # One host's device-to-host transfer fails: both launched the same store, only that host reports
+        # its slots failed, and the scheduler drops the chunks for every host (the union of the reports).
+        d = fake_request("d", 2, first=50)
+        sched.update_state_after_alloc(d, None, 0)
+        meta = sched.build_connector_meta(step_output("d", 2 * BS))
+        assert len(meta.stores) == 1 and len(meta.stores[0].slots) == 2
+        cmd = {"op": "store", "stores": [wire(op) for op in meta.stores], "fail_store_on": [1]}
+        for c in children:
+            c.send(cmd)
+        replies = sorted((c.recv() for c in children), key=lambda r: r["pid"])
+        stores = [OffloadReport.coerce(r["report"]).stores for r in replies]
+        assert stores[0] == [(meta.stores[0].op_id, 0, [])], stores
+        assert stores[1] == [(meta.stores[0].op_id, 1, meta.stores[0].slots)], stores
+        for r in replies:
+            sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=OffloadReport.coerce(r["report"])))
+        assert [sched.manager.lookup(make_chunk_key(h)) for h in d.block_hashes] == [Lookup.MISS] * 2
+        assert sched.get_num_new_matched_tokens(fake_request("e", 2, first=50), 0) == (0, False)
         for c in children:
             c.send({"op": "exit"})
     finally:

@@ -259,6 +259,7 @@ _SETTINGS: tuple[_Setting, ...] = (
     _Setting("sliding_window", _choice("auto", "window", "all"), "TPU_OFFLOAD_SLIDING_WINDOW", ("sliding_window",)),
     _Setting("window_every_chunks", _int(0), "TPU_OFFLOAD_WINDOW_EVERY_CHUNKS", ("window_every_chunks",)),
     _Setting("skip_precompile", _bool, "TPU_OFFLOAD_SKIP_JAX_PRECOMPILE", ("skip_precompile",)),
+    _Setting("multihost_timeout_s", _float(1.0), "TPU_OFFLOAD_MULTIHOST_TIMEOUT_S", ("multihost_timeout_s",)),
     _Setting("block_buckets", _int_list, "TPU_OFFLOAD_BLOCK_SIZE_BUCKETS", ("block_buckets",)),  # accepted; no effect
     _Setting("save_threads", _int(1, 256), "TPU_OFFLOAD_SAVE_THREADS", ("save_threads",)),
     _Setting("batched_save", _bool, "TPU_OFFLOAD_BATCHED_SAVE", ()),  # always batched; accepted
@@ -343,6 +344,9 @@ class OffloadConfig:
     # sharing only part of it (a system prompt) can still hit there. 0: only at the end of each step's stores.
     window_every_chunks: int = 0
     skip_precompile: bool = False
+    # Several JAX processes: how long registration waits for every host's start-up figures
+    # (jax_backend/agree.py) before it fails naming the hosts that sent none.
+    multihost_timeout_s: float = 300.0
     block_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     save_threads: int = 1
     metrics_interval_s: float = 10.0

@@ -95,7 +95,9 @@ class TransferPlan:
 
 def plan_transfers(layout: KVLayout, *, num_slots: int, blocks_per_chunk: int, staging_blocks: int,
                    memory_kind: str = "pinned_host", max_slab_bytes: int = DEFAULT_MAX_SLAB_BYTES,
-                   kernel: str | None = None) -> TransferPlan:
+                   kernel: str | None = None, rows_per_slab: int | None = None) -> TransferPlan:
+    """``rows_per_slab``: the slab size the hosts agreed on (jax_backend/agree.py); default: from
+    ``max_slab_bytes`` and this process's share of a chunk."""
     if staging_blocks < blocks_per_chunk:
         raise ValueError(
             f"staging_blocks={staging_blocks} cannot hold one chunk of {blocks_per_chunk} blocks; "
@@ -104,12 +106,27 @@ def plan_transfers(layout: KVLayout, *, num_slots: int, blocks_per_chunk: int, s
     # Whole chunks only: a staging buffer of 10 blocks with 4-block chunks uses 8.
     staging_blocks = staging_blocks // blocks_per_chunk * blocks_per_chunk
     local_chunk_bytes = max(1, layout.block_bytes * blocks_per_chunk * _local_fraction(layout))
-    rows_per_slab = max(1, min(num_slots, int(max_slab_bytes // local_chunk_bytes)))
+    if rows_per_slab is None:
+        rows_per_slab = int(max_slab_bytes // local_chunk_bytes)
+    rows_per_slab = max(1, min(num_slots, rows_per_slab))
     n_full, rest = divmod(num_slots, rows_per_slab)
     rows = (rows_per_slab,) * n_full + ((rest,) if rest else ())
     programs = Programs(layout, staging_blocks=staging_blocks, blocks_per_chunk=blocks_per_chunk,
                         slab_rows=rows, memory_kind=memory_kind, kernel=kernel)
     return TransferPlan(staging_blocks=staging_blocks, rows_per_slab=rows_per_slab, programs=programs)
+
+
+def preflight(layout: KVLayout, plan: TransferPlan, path: str, num_slots: int,
+              hbm_check: Callable[[int, int], None] | None = None) -> None:
+    """The checks to pass before ``plan`` is allocated: the ``device_put`` path's host buffers (one per chunk
+    and device) within the kernel's limits, and ``hbm_check(staging and in-flight bytes, programs' scratch)``
+    per device. Raises ``ConfigError``."""
+    if path == "device_put":
+        local = round(_local_fraction(layout) * layout.mesh.devices.size)
+        memory.check_host_buffers(num_slots, local, len(layout.groups))
+    if hbm_check is not None:
+        staging = plan.staging_blocks * layout.device_block_bytes()
+        hbm_check(staging * (2 if path == "device_put" else 1), plan.programs.scratch_bytes(path))
 
 
 class TransferEngine:
@@ -126,12 +143,16 @@ class TransferEngine:
         hbm_check: Callable[[int, int], None] | None = None,
         path: str = "program",
         kernel: str | None = None,
+        plan: TransferPlan | None = None,
     ):
         """``hbm_check(staging_bytes, scratch_bytes)``, per device, runs before anything is allocated.
-        ``kernel``: how gather/scatter move blocks (programs.KERNELS; default by platform)."""
-        plan = plan_transfers(layout, num_slots=num_slots, blocks_per_chunk=blocks_per_chunk,
-                              staging_blocks=staging_blocks, memory_kind=memory_kind, max_slab_bytes=max_slab_bytes,
-                              kernel=kernel)
+        ``kernel``: how gather/scatter move blocks (programs.KERNELS; default by platform).
+        ``plan``: sizes the caller planned and already checked with ``preflight`` (the hosts' agreed
+        plan, connector/worker.py); nothing is checked again."""
+        checked = plan is not None
+        plan = plan or plan_transfers(layout, num_slots=num_slots, blocks_per_chunk=blocks_per_chunk,
+                                      staging_blocks=staging_blocks, memory_kind=memory_kind,
+                                      max_slab_bytes=max_slab_bytes, kernel=kernel)
         self.layout = layout
         self.bpc = blocks_per_chunk
         self.num_slots = num_slots
@@ -144,16 +165,14 @@ class TransferEngine:
         if path not in PATHS:
             raise ValueError(f"transfer path {path!r}: expected one of {', '.join(PATHS)}")
         self.path = path
-        if path == "device_put":  # one host buffer per chunk and device: refused past the kernel's limits
-            local = round(_local_fraction(layout) * layout.mesh.devices.size)
-            memory.check_host_buffers(num_slots, local, len(layout.groups))
-        if hbm_check is not None:
-            hbm_check(self.staging_device_bytes + self.in_flight_device_bytes, self.programs.scratch_bytes(path))
+        if not checked:
+            preflight(layout, plan, path, num_slots, hbm_check)
         self.staging = self.programs.alloc_staging()
         # program path: preallocated slabs; device_put path: one host array tuple per slot, made by its store
         self.slabs = self.programs.alloc_slabs() if path == "program" else None
         self.host: list[tuple | None] = [None] * num_slots if path == "device_put" else []
         self.valid = np.zeros(num_slots, dtype=bool)
+        self._blanks: dict[int, jax.Array] = {}  # device_put path, several hosts: zeros for a lost chunk
         self.checksums = np.zeros(num_slots, dtype=np.uint64) if checksums else None
         # DMAs the gather/scatter kernels issued: the last call's and the total, per program
         self.dmas = {"gather": 0, "scatter": 0}
@@ -239,7 +258,7 @@ class TransferEngine:
         if self.path == "device_put":
             held = self.host[slot] or (None,) * len(self.layout.groups)
             if any(a is None for a in held):  # a file read into a slot no store has (fully) made yet
-                self.host[slot] = tuple(jax.device_put(np.zeros(av.shape, av.dtype), av.sharding) if a is None else a
+                self.host[slot] = tuple(_zeros(av) if a is None else a
                                         for a, av in zip(held, self.programs.host_chunk_avals()))
             return [v for g in groups for v in hostview.array_views(self.host[slot][g])]
         k, row = divmod(slot, self.rows_per_slab)
@@ -306,12 +325,18 @@ class TransferEngine:
         """device_put path: every chunk the pass needs, checked first (nothing donated before a refusal),
         then one batched host-to-device transfer and one program per group that moves any."""
         want = [(int(i), gi) for gi, chunks in enumerate(moved) for i in chunks]
+        sources = []
         for i, gi in want:
             host = self.host[slots[i]]
             if host is None or host[gi] is None:
-                raise RuntimeError(f"host slot {slots[i]} holds nothing for layer group {gi}")
-        got = jax.device_put([self.host[slots[i]][gi] for i, gi in want],  # H2D, queued by the runtime
-                             [self.programs.chunk_sh[gi] for _, gi in want])
+                if not (jax.process_count() > 1 and not self.valid[slots[i]]):
+                    raise RuntimeError(f"host slot {slots[i]} holds nothing for layer group {gi}")
+                # Several hosts: one that lost a chunk its peers hold still launches what they launch
+                # (its caller reports the chunk's blocks as errors); zeros stand in for its bytes.
+                sources.append(self._blank(gi))
+            else:
+                sources.append(host[gi])
+        got = transfer(sources, [self.programs.chunk_sh[gi] for _, gi in want])  # H2D, queued by the runtime
         staging, k = list(self.staging), self.staging_chunks
         for gi in range(len(moved)):
             mine = [(i, a) for (i, g), a in zip(want, got) if g == gi]
@@ -329,8 +354,8 @@ class TransferEngine:
         if self.path == "device_put":  # one program and one batched transfer per pass
             chunks = self.programs.take_chunks()(self.staging)
             want = [(i, gi) for i in range(len(slots)) for gi, m in enumerate(moved) if i in m]
-            sent = jax.device_put([chunks[gi][i] for i, gi in want],  # D2H, outside any program
-                                  [self.programs.host_chunk_sh[gi] for _, gi in want])
+            sent = transfer([chunks[gi][i] for i, gi in want],  # D2H, outside any program
+                            [self.programs.host_chunk_sh[gi] for _, gi in want])
             host = [[None] * len(moved) for _ in slots]
             for (i, gi), a in zip(want, sent):
                 host[i][gi] = a
@@ -348,11 +373,44 @@ class TransferEngine:
             dones.append(done)
         return Done(dones)
 
+    def _blank(self, group: int):
+        """A host chunk of zeros for ``group``, made once (stands in for a chunk this host lost)."""
+        if group not in self._blanks:
+            self._blanks[group] = _zeros(self.programs.host_chunk_avals()[group])
+        return self._blanks[group]
+
     def _checksum(self, slot: int) -> int:
         if self.path == "device_put":
             return hostview.views_checksum(self.row_views(slot))
         k, row = divmod(slot, self.rows_per_slab)
         return hostview.row_checksum([per_group[k] for per_group in self.slabs], row)
+
+
+def transfer(arrays: Sequence[jax.Array], shardings: Sequence) -> list[jax.Array]:
+    """One batched runtime transfer of each array to its sharding (the same devices and layout, another
+    memory kind): no program is compiled or launched.
+
+    With several JAX processes, ``jax.device_put`` of an array that is not fully addressable is a jitted
+    reshard, a program: it compiles on first use, serializes with the forward, and every host must launch it
+    alike. So each process sends only its own shards (single-device transfers) and assembles the global
+    arrays from them, as one process does for all of them."""
+    if all(a.is_fully_addressable for a in arrays):
+        return jax.device_put(list(arrays), list(shardings))
+    shards = [list(a.addressable_shards) for a in arrays]
+    moved = jax.device_put([s.data for per in shards for s in per],
+                           [jax.sharding.SingleDeviceSharding(s.device, memory_kind=sh.memory_kind)
+                            for per, sh in zip(shards, shardings) for s in per])
+    out, k = [], 0
+    for a, sh, per in zip(arrays, shardings, shards):
+        out.append(jax.make_array_from_single_device_arrays(a.shape, sh, moved[k:k + len(per)]))
+        k += len(per)
+    return out
+
+
+def _zeros(aval) -> jax.Array:
+    """Zeros of ``aval`` (its sharding), made shard by shard on this process's devices: no program."""
+    return jax.make_array_from_callback(aval.shape, aval.sharding,
+                                        lambda idx: np.broadcast_to(np.zeros((), aval.dtype), aval.shape)[idx])
 
 
 def _split(items: Sequence, n: int):

@@ -34,7 +34,7 @@ import numpy as np
 
 from tpu_offload.core.fs.auth import FsAuth
 from tpu_offload.core.fs.snapshot import check_replaceable, is_snapshot_json, read_json
-from tpu_offload.jax_backend import hostview
+from tpu_offload.jax_backend import agree, hostview
 
 log = logging.getLogger(__name__)
 
@@ -117,13 +117,19 @@ def save_slabs(engine, host_dir: str, snapshot_id: str, fp_digest: str, secret: 
 
 
 def restore_slabs(engine, host_dir: str, fp_digest: str, secret: bytes | None = None,
-                  stats: dict | None = None) -> str | None:
+                  stats: dict | None = None, timeout_s: float = 300.0) -> str | None:
     """Refill ``engine``'s slabs and valid slots; returns the snapshot id, or None (cold).
 
     ``stats`` (a dict) gets ``restored`` and ``dropped`` (slots whose checksum or MAC failed).
+    Several JAX processes start warm only if every one has a snapshot that fits (``agree.unanimous``):
+    a host that restored (or re-allocated its slabs) alone would launch what its peers do not.
     """
     meta = _read_meta(engine, host_dir, fp_digest, secret)
-    if meta is None:
+    warm, why = agree.unanimous("snapshot", meta is not None, f"no slab snapshot in {host_dir} fits this engine",
+                                timeout_s=timeout_s)
+    if not warm:
+        if meta is not None:
+            log.warning("tpu_offload: starting cold on every host: %s", why)
         return None
     import orbax.checkpoint as ocp
 
@@ -131,13 +137,19 @@ def restore_slabs(engine, host_dir: str, fp_digest: str, secret: bytes | None = 
     old, engine.slabs = engine.slabs, None
     jax.tree.map(lambda a: a.delete(), old)  # the restore is the only full allocation
     del old
+    error = ""
     try:
         with ocp.StandardCheckpointer() as ck:
             restored = ck.restore(os.path.join(host_dir, SLABS), abstract)
         engine.slabs = jax.tree.unflatten(jax.tree.structure(abstract), jax.tree.leaves(restored))
         jax.block_until_ready(engine.slabs)
     except Exception as e:  # damaged or missing data: start cold
-        log.warning("tpu_offload: host slabs in %s unreadable (%s); starting cold", host_dir, e)
+        error = f"host slabs in {host_dir} unreadable ({e})"
+    ok, why = agree.unanimous("snapshot_restored", not error, error, timeout_s=timeout_s)
+    if not ok:  # every host re-allocates, so all launch the same program
+        log.warning("tpu_offload: starting cold: %s", why)
+        if engine.slabs is not None:
+            jax.tree.map(lambda a: a.delete(), engine.slabs)
         engine.slabs = engine.programs.alloc_slabs()
         return None
     auth = FsAuth(secret) if secret else None
