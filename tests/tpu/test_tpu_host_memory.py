@@ -144,7 +144,7 @@ def test_registration_runs_both_checks(harnesses, monkeypatch):
     """The worker refuses at registration: a host that leaves too little, a device without the kind."""
     extra = {"cpu_bytes": "64MiB", "staging_blocks": 8}
     monkeypatch.setattr(memory, "read_host_memory", lambda: HostMemory(mem_total=8 * GIB, mem_available=GIB // 8))
-    with pytest.raises(ConfigError, match=r"host tier needs 0.06 GiB .* only 0.00 GiB may be used"):
+    with pytest.raises(ConfigError, match=r"host tier needs 64.0 MiB .* only 0.0 MiB may be used"):
         harnesses(extra)  # 128 MiB available, 819 MiB margin
     harnesses({**extra, "host_memory_margin": 0})  # the margin is the config's
     monkeypatch.undo()

@@ -94,7 +94,7 @@ def test_sizes_are_min_reduced_across_hosts(results):
     assert a["slab_shapes"] == b["slab_shapes"]
 
 
-@pytest.mark.parametrize("name, figure", [("host", "to at most 4"), ("hbm", "only 0.000 GiB is free"),
+@pytest.mark.parametrize("name, figure", [("host", "to at most 4"), ("hbm", "only 0.00 MiB is free"),
                                           ("settings", "process 1 (")])
 def test_one_host_refusing_makes_every_host_refuse_alike(results, name, figure):
     a, b = both(results, name)

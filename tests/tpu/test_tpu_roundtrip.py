@@ -182,7 +182,7 @@ def test_staging_must_fit_in_hbm(caplog):
         check_staging_fits(gib, gib, 100, dev, utilization=0.9, free_bytes=3 * gib // 2, limit_bytes=16 * gib)
     msg = str(e.value)
     assert "needs 2.000 GiB" in msg and "100 blocks (1.000 GiB)" in msg and "1.000 GiB of transfer-program" in msg
-    assert "only 1.500 GiB is free" in msg and "missing 0.500 GiB" in msg
+    assert "only 1.500 GiB is free" in msg and "missing 512.00 MiB" in msg
     assert "TPU_OFFLOAD_NUM_STAGING_BLOCKS) from 100 to at most 75" in msg  # 1.5 GiB / 20.48 MiB per block
     assert "--gpu-memory-utilization from 0.9 to at most 0.868" in msg  # 0.9 - 0.5/16, rounded down
     assert "0.775 also keeps the model's own headroom whole" in msg  # 0.9 - 2/16

@@ -269,7 +269,7 @@ def test_registration_fails_when_staging_does_not_fit(mesh, tiny_model_dir):
     per_block = 2 * BS * 8 * 64 * 4 // 8  # one block, both layers, one device's head shard
     assert seen["need"] >= 64 * per_block
     worker = OffloadWorker(settings, free_hbm_bytes=seen["need"] - 1)
-    with pytest.raises(ConfigError, match=r"missing .* GiB.*staging_blocks \(TPU_OFFLOAD_NUM_STAGING_BLOCKS\) from 64"):
+    with pytest.raises(ConfigError, match=r"missing .* [GM]iB.*staging_blocks \(TPU_OFFLOAD_NUM_STAGING_BLOCKS\) from 64"):
         worker.register_runner(runner)
     ok = OffloadWorker(settings, free_hbm_bytes=seen["need"])
     ok.register_runner(runner)  # exactly fits

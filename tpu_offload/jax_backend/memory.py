@@ -26,6 +26,11 @@ import jax
 from tpu_offload.core.config import ConfigError
 
 GIB = 1 << 30
+
+
+def size_str(n: float, digits: int = 2) -> str:
+    """Bytes for a message: GiB, or MiB below one GiB (a small tier must not read as "0.00 GiB")."""
+    return f"{n / GIB:.{digits}f} GiB" if abs(n) >= GIB else f"{n / (1 << 20):.{digits - 1}f} MiB"
 log = logging.getLogger(__name__)
 
 
@@ -67,10 +72,10 @@ def check_staging_fits(staging_bytes: int, scratch_bytes: int, staging_blocks: i
                 lower = (f", or lower --gpu-memory-utilization from {utilization} to at most {short} so the KV "
                          f"cache leaves room for it ({keep} also keeps the model's own headroom whole)")
             raise ConfigError(
-                f"the offload connector needs {need / GIB:.3f} GiB of HBM on {d}: a staging buffer of "
-                f"{staging_blocks} blocks ({staging_bytes / GIB:.3f} GiB) and {scratch_bytes / GIB:.3f} GiB of "
-                f"transfer-program scratch, but only {free / GIB:.3f} GiB is free after the KV cache (missing "
-                f"{(need - free) / GIB:.3f} GiB). Lower staging_blocks (TPU_OFFLOAD_NUM_STAGING_BLOCKS) from "
+                f"the offload connector needs {size_str(need, 3)} of HBM on {d}: a staging buffer of "
+                f"{staging_blocks} blocks ({size_str(staging_bytes, 3)}) and {size_str(scratch_bytes, 3)} of "
+                f"transfer-program scratch, but only {size_str(free, 3)} is free after the KV cache (missing "
+                f"{size_str(need - free, 3)}). Lower staging_blocks (TPU_OFFLOAD_NUM_STAGING_BLOCKS) from "
                 f"{staging_blocks} to at most {free // per_block}{lower}."
             )
         if keep is not None and need > 0:
@@ -130,11 +135,11 @@ class HostMemory:
     def describe(self) -> str:
         parts = []
         if self.mem_available is not None:
-            parts.append(f"MemAvailable {self.mem_available / GIB:.2f} GiB"
-                         + (f" of {self.mem_total / GIB:.2f} GiB" if self.mem_total is not None else ""))
+            parts.append(f"MemAvailable {size_str(self.mem_available)}"
+                         + (f" of {size_str(self.mem_total)}" if self.mem_total is not None else ""))
         if self.cgroup_limit is not None:
-            parts.append(f"cgroup {self.cgroup}: limit {self.cgroup_limit / GIB:.2f} GiB, "
-                         f"{(self.cgroup_usage or 0) / GIB:.2f} GiB in use")
+            parts.append(f"cgroup {self.cgroup}: limit {size_str(self.cgroup_limit)}, "
+                         f"{size_str(self.cgroup_usage or 0)} in use")
         return "; ".join(parts) or "no host memory figures"
 
 
@@ -250,9 +255,9 @@ def check_host_fits(tier_bytes: int, num_slots: int, available: int | None = Non
     keep = free - budget
     per_slot = max(1, tier_bytes // max(1, num_slots))
     raise ConfigError(
-        f"the host tier needs {tier_bytes / GIB:.2f} GiB of host memory in this process, but only "
-        f"{budget / GIB:.2f} GiB may be used (missing {(tier_bytes - budget) / GIB:.2f} GiB): {free / GIB:.2f} GiB "
-        f"is available ({host.describe()}) and host_memory_margin={margin!r} keeps {keep / GIB:.2f} GiB of it for "
+        f"the host tier needs {size_str(tier_bytes)} of host memory in this process, but only "
+        f"{size_str(budget)} may be used (missing {size_str(tier_bytes - budget)}): {size_str(free)} "
+        f"is available ({host.describe()}) and host_memory_margin={margin!r} keeps {size_str(keep)} of it for "
         f"the engine and the rest of the host. Lower num_cpu_chunks (TPU_OFFLOAD_NUM_CPU_CHUNKS) from {num_slots} "
         f"to at most {budget // per_slot}, or cpu_bytes accordingly, or lower host_memory_margin "
         f"(TPU_OFFLOAD_HOST_MEMORY_MARGIN)."
