@@ -75,12 +75,13 @@ def family_env(engines):
     os.environ.update({k: v for k, v in saved.items() if v is not None})
 
 
-def engine(engines, key, shape: Shape, kv=None):
+def engine(engines, key, shape: Shape, kv=None, **kw):
+    """The family's engine (its environment and arguments; ``kw`` overrides them)."""
     family = FAMILIES[shape.model]
     if engines.key != key or engines.run is None:  # a new engine: this family's environment only
         engines.close()
         use_engine_env(family)
-    return engines.get(key, shape, kv, **dict(family.engine_kwargs))
+    return engines.get(key, shape, kv, **{**dict(family.engine_kwargs), **kw})
 
 
 def baseline(engines, shape: Shape, w) -> list[list[int]]:

@@ -329,6 +329,10 @@ class TinyLlamaGuard4(TinyFamily):
         Llama4ImageProcessor().save_pretrained(path)
 
 
+QWEN_VL_TOKENS = {"<|image_pad|>": VOCAB, "<|video_pad|>": VOCAB + 1, "<|vision_start|>": VOCAB + 2,
+                  "<|vision_end|>": VOCAB + 3}
+
+
 @dataclasses.dataclass(frozen=True)
 class TinyQwen25VL(TinyFamily):
     """Qwen2.5-VL (``Qwen2_5_VLForConditionalGeneration``, tpu-inference's JAX model): Qwen2's text
@@ -350,13 +354,15 @@ class TinyQwen25VL(TinyFamily):
                     rope_parameters=rope, tie_word_embeddings=False, dtype=dtype)
         vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=self.hidden_size,
                       fullatt_block_indexes=[0], initializer_range=self.init_range)
-        return Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=VOCAB,
-                                video_token_id=VOCAB + 1, vision_start_token_id=VOCAB + 2,
-                                vision_end_token_id=VOCAB + 3, tie_word_embeddings=False, dtype=dtype)
+        t = QWEN_VL_TOKENS
+        return Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=t["<|image_pad|>"],
+                                video_token_id=t["<|video_pad|>"], vision_start_token_id=t["<|vision_start|>"],
+                                vision_end_token_id=t["<|vision_end|>"], tie_word_embeddings=False, dtype=dtype)
 
     def write_processor(self, path: str) -> None:
         from transformers import Qwen2VLImageProcessor, Qwen2VLVideoProcessor
 
+        write_tokenizer(path, self.vocab_size, QWEN_VL_TOKENS)
         Qwen2VLImageProcessor().save_pretrained(path)
         Qwen2VLVideoProcessor().save_pretrained(path)
 
