@@ -13,7 +13,9 @@ model: M-RoPE, the vision tower run on CPU with the flash-attention reference
 * with ours, after image A's prompt is stored and vLLM's prefix cache reset,
   the same text with image B hits only the blocks before the image and
   matches no-connector tokens; image A again hits every full block, its image
-  KV restored from our tier (the encoder does not run for it), identical tokens.
+  KV restored from our tier (the encoder does not run for it), identical tokens;
+* a control drops the image keys from vLLM's block hashes: image B then takes
+  image A's chunks and its tokens change.
 """
 
 from __future__ import annotations
@@ -98,3 +100,20 @@ def test_a_different_image_never_hits_the_other_images_chunks(engines, baseline)
     t1 = totals(eng)
     assert delta(t1, t0, "load_errors") == 0
     assert delta(t1, t0, "hit_tokens") == BEFORE_IMAGE + 2 * hit_tokens(EXPANDED, BLOCK)
+
+
+def test_control_without_the_image_in_the_block_hashes_image_b_is_served_image_a(engines, baseline, monkeypatch):
+    """What the test above guards against: with vLLM's image keys dropped from the block
+    hashes, image B's prompt takes image A's chunks from our tier and its tokens change."""
+    import vllm.v1.core.kv_cache_utils as kv_cache_utils
+
+    eng = engine(engines, ("mm-ours", SHAPE), SHAPE, kv_transfer_config("offload.json", **OURS), **MM)
+    monkeypatch.setattr(kv_cache_utils, "_gen_mm_extra_hash_keys", lambda request, start, end, mm_idx: ([], mm_idx))
+    eng.reset_prefix_cache()
+    assert _generate(eng, "A") == baseline["A"]
+    settle(eng)
+    eng.reset_prefix_cache()
+    with ExternalHits(eng) as took:
+        wrong = _generate(eng, "B")
+    assert took.tokens == hit_tokens(EXPANDED, BLOCK)
+    assert wrong != baseline["B"]
