@@ -13,7 +13,7 @@ model: M-RoPE, the vision tower run on CPU with the flash-attention reference
 * with ours, after image A's prompt is stored and vLLM's prefix cache reset,
   the same text with image B hits only the blocks before the image and
   matches no-connector tokens; image A again hits every full block, its image
-  KV restored from our tier (the encoder does not run for it), identical tokens;
+  KV restored from our tier, identical tokens;
 * a control drops the image keys from vLLM's block hashes: image B then takes
   image A's chunks and its tokens change.
 """
