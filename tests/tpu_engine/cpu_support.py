@@ -46,6 +46,7 @@ def apply() -> None:
     _copy_host_inputs()
     _mesh()
     _attention()
+    _vision_flash_attention()
     _moe_gmm()
     _their_connector_scatter()
     _flax_model_at_exit()
@@ -238,6 +239,20 @@ def _attention() -> None:
     iface.ragged_paged_attention_hd64 = attention.ragged_paged_attention_hd64
     hd64.ragged_paged_attention_hd64 = attention.ragged_paged_attention_hd64
     _mla_attention(iface)
+
+
+def _vision_flash_attention() -> None:
+    """Vision encoders (Qwen2.5-VL's window and full blocks) call ``sharded_flash_attention``,
+    whose ``flash_attention`` is a Pallas TPU kernel ("Unsupported TPU device kind: cpu" while
+    sizing its VMEM). The kernel module's own pure-JAX reference does the same job here."""
+    iface = importlib.import_module("tpu_inference.layers.common.attention_interface")
+    kernel = importlib.import_module("tpu_inference.kernels.flash_attention.kernel")
+
+    def flash_attention(q, k, v, ab=None, segment_ids=None, *, causal=False, sm_scale=1.0, block_sizes=None,
+                        vmem_limit_bytes=None, debug=False):
+        return kernel.mha_reference_no_custom_vjp(q, k, v, ab, segment_ids, causal=causal, sm_scale=sm_scale)
+
+    iface.flash_attention = flash_attention
 
 
 def _mla_attention(iface) -> None:

@@ -2,8 +2,9 @@
 
 ``python engine_child.py JOB.json`` where the job is a list of runs
 ``{"shape": {...}, "model_dir": ..., "kv": {...}, "workload": name,
-"env": {...}, "round_trip": bool, "passes": int, "count_compiles": bool,
-"control": bool}``; prints one JSON line per run. A plain
+"env": {...}, "engine_kw": {...}, "round_trip": bool, "passes": int,
+"count_compiles": bool, "control": bool}`` (``engine_kw``: more ``vllm.LLM``
+arguments); prints one JSON line per run. A plain
 run reports the tokens and our connector's counters (none without one); a
 round trip (any connector) runs the workload, lets finished saves be reported, resets vLLM's
 prefix cache, runs it again and reports both passes' tokens and the prefix
@@ -132,7 +133,8 @@ def counted_run(job: dict) -> dict:
     ours_precompile = _timed_precompile()
     m0 = compiles.mark()
     t0 = time.perf_counter()
-    eng = engine_run.EngineRun(job["model_dir"], engine_run.Shape(**job["shape"]), job["kv"])
+    eng = engine_run.EngineRun(job["model_dir"], engine_run.Shape(**job["shape"]), job["kv"],
+                               **job.get("engine_kw", {}))
     try:
         out = {"start_s": time.perf_counter() - t0, "start_compiles": len(compiles.since(m0)),
                "ours_precompile_s": sum(ours_precompile)}
@@ -184,7 +186,8 @@ def main(path: str) -> None:
             if job.get("count_compiles"):
                 result = counted_run(job)
             else:
-                eng = engine_run.EngineRun(job["model_dir"], engine_run.Shape(**job["shape"]), job["kv"])
+                eng = engine_run.EngineRun(job["model_dir"], engine_run.Shape(**job["shape"]), job["kv"],
+                               **job.get("engine_kw", {}))
                 w = Workload.registry[job["workload"]]
                 try:
                     if job.get("round_trip"):

@@ -78,8 +78,9 @@ class EngineRun:
         from vllm import LLM
 
         self.shape = shape
+        engine_kw.setdefault("skip_tokenizer_init", True)  # prompts are token ids
         self.llm = LLM(
-            model=model_dir, skip_tokenizer_init=True, dtype=shape.dtype, seed=0,
+            model=model_dir, dtype=shape.dtype, seed=0,
             tensor_parallel_size=shape.tp, block_size=shape.block_size,
             num_gpu_blocks_override=shape.num_blocks, max_num_seqs=shape.max_num_seqs,
             max_num_batched_tokens=shape.max_num_batched_tokens, max_model_len=shape.max_model_len,

@@ -1,6 +1,8 @@
 """Every model family tpu-inference 0.32 serves, in the real engine on CPU (tiny random checkpoints).
 
-Per family (``tiny_families``: gpt-oss, Gemma 4, DeepSeek-V3, Llama 4):
+Per family (``tiny_families``: gpt-oss, Gemma 4, DeepSeek-V3, Llama 4, and the
+multimodal architectures as their checkpoints name them: Gemma 4 as
+``Gemma4ForConditionalGeneration``, Llama Guard 4, Qwen2.5-VL, text prompts):
 
 * TP 1, no connector: greedy tokens agree with HF transformers (float32)
   at every step where HF's top-2 margin is clear of the engine's rounding,
@@ -55,7 +57,8 @@ TP1 = {n: Shape(n, "bfloat16" if f.bf16_only else "float32", tp=1, block_size=f.
 TP2 = {n: dataclasses.replace(s, tp=2) for n, s in TP1.items()}
 # Largest engine-vs-HF disagreement seen (TP 1 and 2): gemma4 none at any margin, gpt-oss 0.009,
 # llama4 0.012, deepseek-v3 0.068 (fp8 latent cache).
-MARGIN = {"gemma4": 1e-3, "gpt-oss": 0.03, "llama4": 0.03, "deepseek-v3": 0.1}
+MARGIN = {"gemma4": 1e-3, "gpt-oss": 0.03, "llama4": 0.03, "deepseek-v3": 0.1,
+          "gemma4-mm": 1e-3, "llama-guard4": 0.03, "qwen2.5-vl": 1e-3}
 MIN_COMPARED = {"deepseek-v3": 0.3}  # share of generated tokens clear of a near-tie (default 0.5)
 THEIR_ENV = {"TPU_OFFLOAD_NUM_CPU_CHUNKS": "256", "TPU_OFFLOAD_NUM_STAGING_BLOCKS": "32",
              "TPU_OFFLOAD_SKIP_JAX_PRECOMPILE": "1"}
@@ -72,12 +75,13 @@ def family_env(engines):
     os.environ.update({k: v for k, v in saved.items() if v is not None})
 
 
-def engine(engines, key, shape: Shape, kv=None):
+def engine(engines, key, shape: Shape, kv=None, **kw):
+    """The family's engine (its environment and arguments; ``kw`` overrides them)."""
     family = FAMILIES[shape.model]
     if engines.key != key or engines.run is None:  # a new engine: this family's environment only
         engines.close()
         use_engine_env(family)
-    return engines.get(key, shape, kv, **dict(family.engine_kwargs))
+    return engines.get(key, shape, kv, **{**dict(family.engine_kwargs), **kw})
 
 
 def baseline(engines, shape: Shape, w) -> list[list[int]]:

@@ -1,4 +1,6 @@
-"""gpt-oss, Gemma 4 and Llama 4 with our connector at TP 2, precompile on, as served.
+"""gpt-oss, Gemma 4 and Llama 4 (and the multimodal classes: Gemma 4 as
+``Gemma4ForConditionalGeneration``, Llama Guard 4, Qwen2.5-VL) with our connector
+at TP 2, precompile on, as served.
 
 One child process (2 emulated devices, tpu-inference's precompile on, our
 connector's too) per family runs a no-connector engine and then ours with the
@@ -26,7 +28,7 @@ pytestmark = pytest.mark.engine
 
 BLOCK = 16
 W = ROUNDTRIP[BLOCK]
-NAMES = ("gpt-oss", "gemma4", "llama4")
+NAMES = ("gpt-oss", "gemma4", "llama4", "gemma4-mm", "llama-guard4", "qwen2.5-vl")
 OUR_PROGRAMS = ("gather_local", "scatter_local", "jit(store)", "jit(load)", "jit(take)", "jit(put)", "jit(make)")
 
 
@@ -36,7 +38,8 @@ def served(request, model_dir, tmp_path_factory):
     shape = Shape(fam.name, "bfloat16" if fam.bf16_only else "float32", tp=2, block_size=BLOCK,
                   max_num_batched_tokens=256, max_num_seqs=16)  # warm-up: sub-page prompts fill each bucket
     job = {"shape": dataclasses.asdict(shape), "model_dir": model_dir(shape.model, shape.dtype),
-           "workload": W.name, "count_compiles": True, "env": dict(fam.engine_env)}
+           "workload": W.name, "count_compiles": True, "env": dict(fam.engine_env),
+           "engine_kw": dict(fam.engine_kwargs)}
     jobs = [{**job, "kv": None, "passes": 1},
             {**job, "kv": kv_transfer_config("offload.json", **OURS, skip_precompile=False), "passes": 3,
              "control": True}]

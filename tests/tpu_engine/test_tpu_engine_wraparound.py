@@ -41,6 +41,8 @@ FAMILY_SHAPES = {  # name -> (shape, vLLM prefix caching)
     "qwen2-tp1": (Shape("qwen2", "float32", tp=1, block_size=BLOCK), True),
     "gpt-oss-tp1": (Shape("gpt-oss", "bfloat16", tp=1, block_size=BLOCK), True),  # hybrid: 2 KV-cache groups
     "llama4-tp1": (Shape("llama4", "bfloat16", tp=1, block_size=BLOCK), True),
+    "llama-guard4-tp1": (Shape("llama-guard4", "bfloat16", tp=1, block_size=BLOCK), True),
+    "qwen2.5-vl-tp1": (Shape("qwen2.5-vl", "float32", tp=1, block_size=BLOCK), True),  # M-RoPE
     "gemma4-tp2": (Shape("gemma4", "float32", tp=2, block_size=BLOCK), True),
     "gemma4-tp2-no-prefix-caching": (Shape("gemma4", "float32", tp=2, block_size=BLOCK), False),
 }
@@ -52,6 +54,8 @@ CHUNK_BYTES = {
     "qwen2": 16 * 2 * 2 * 128 * 4 * 2,  # 2 KV heads, float32, 2 layers
     "gpt-oss": 16 * 2 * 128 * 2 * 2,  # head_dim 64: K and V share one 128-lane row per head; 2 heads, 2 layers
     "llama4": 16 * 2 * 2 * 128 * 2 * 4,  # 2 KV heads, bf16, 4 layers
+    "llama-guard4": 16 * 2 * 2 * 128 * 2 * 2,  # 2 KV heads, bf16, 2 layers
+    "qwen2.5-vl": 16 * 2 * 2 * 128 * 4 * 2,  # 2 KV heads, float32, 2 layers
     "gemma4": 16 * 2 * 2 * (128 + 128 + 256) * 4,  # two sliding layers of head_dim 128, a global one of 256
 }
 

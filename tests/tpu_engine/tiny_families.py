@@ -10,6 +10,14 @@ here adds an attention or cache layout of its own to the engine under test:
 * ``GEMMA4`` (``Gemma4ForCausalLM``, text only): sliding layers and a global
   layer with a larger head_dim (so two KV cache page shapes in one model),
   q/k/v norms, partial rope on the global layer, final-logit soft cap.
+* ``GEMMA4_MM``, ``LLAMA_GUARD4``, ``QWEN2_5_VL``: the multimodal classes of
+  tpu-inference's registry (``Gemma4ForConditionalGeneration``,
+  ``Llama4ForConditionalGeneration`` -> its ``LlamaGuard4ForCausalLM``,
+  ``Qwen2_5_VLForConditionalGeneration``), each with a tiny vision tower the
+  engine builds and loads. A KV connector with a consumer role makes vLLM
+  accept embedding inputs (``VllmConfig._resolve_mm_embedding_inputs``), so
+  it builds the multimodal processor even for a language-model-only engine:
+  these engines load the tokenizer and the processor configs written here.
 
 Sizes: hidden 128, 2-3 layers, vocab ``tiny_models.VOCAB``, so an engine
 starts in seconds. Sliding windows are 32 tokens, so prompts of a few
@@ -79,8 +87,11 @@ class TinyFamily:
             with open(marker, "w") as f:
                 f.write(spec)
         write_tokenizer(path, self.vocab_size)
+        self.write_processor(path)
         return path
 
+    def write_processor(self, path: str) -> None:
+        """The image (and video) processor configs vLLM's multimodal processor reads (none: text only)."""
 
     def hf_model_class(self):
         """HF's class for this checkpoint (also what the HF reference loads it with)."""
@@ -169,7 +180,9 @@ class TinyGemma4(TinyFamily):
             tie_word_embeddings=False, dtype=dtype,
         )
         vision = Gemma4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                                    num_key_value_heads=2, head_dim=16)
+                                    num_key_value_heads=2, head_dim=16,
+                                    # as Gemma 4's own config.json; tpu-inference's multimodal model reads it
+                                    default_output_length=280)
         # Untied: with random weights, logits = final_norm(h) . E and h dominated by the scaled input
         # embedding just copy the last token (the real checkpoints tie them).
         return Gemma4Config(text_config=text, vision_config=vision, audio_config=None,
@@ -281,6 +294,79 @@ class TinyLlama4(TinyFamily):
                             tie_word_embeddings=False, dtype=dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class TinyLlamaGuard4(TinyFamily):
+    """Llama Guard 4 (``Llama4ForConditionalGeneration``, which tpu-inference's registry maps to
+    its JAX ``LlamaGuard4ForCausalLM``): Llama 4's text model made dense (no MoE layer), rope
+    and per-head L2 q/k norms on every layer, and the Llama 4 vision tower and projector
+    beside it. tpu-inference's model reads the layer count from ``text_config.num_layers``
+    (default 48, Llama Guard 4's own), which HF's config does not define, so the tiny config
+    carries it too; its dense MLP is ``intermediate_size`` wide, HF's ``intermediate_size_mlp``,
+    so both are equal (as in Llama Guard 4's config). bf16 only (its dtype is fixed)."""
+
+    bf16_only: bool = True
+
+    def hf_config(self, dtype: str):
+        from transformers import Llama4Config, Llama4TextConfig, Llama4VisionConfig
+
+        text = Llama4TextConfig(
+            hidden_size=self.hidden_size, num_hidden_layers=self.num_layers, num_layers=self.num_layers,
+            num_attention_heads=self.num_heads, num_key_value_heads=self.num_kv_heads, head_dim=self.head_dim,
+            intermediate_size=self.intermediate_size, intermediate_size_mlp=self.intermediate_size,
+            moe_layers=[], no_rope_layers=[1] * self.num_layers, vocab_size=self.vocab_size,
+            max_position_embeddings=self.max_position, initializer_range=self.init_range,
+            tie_word_embeddings=False, dtype=dtype,
+        )
+        vision = Llama4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                    image_size=28, patch_size=14, vision_output_dim=32, projector_input_dim=32,
+                                    projector_output_dim=32)
+        return Llama4Config(text_config=text, vision_config=vision, initializer_range=self.init_range,
+                            tie_word_embeddings=False, dtype=dtype)
+
+    def write_processor(self, path: str) -> None:
+        from transformers import Llama4ImageProcessor
+
+        Llama4ImageProcessor().save_pretrained(path)
+
+
+QWEN_VL_TOKENS = {"<|image_pad|>": VOCAB, "<|video_pad|>": VOCAB + 1, "<|vision_start|>": VOCAB + 2,
+                  "<|vision_end|>": VOCAB + 3}
+
+
+@dataclasses.dataclass(frozen=True)
+class TinyQwen25VL(TinyFamily):
+    """Qwen2.5-VL (``Qwen2_5_VLForConditionalGeneration``, tpu-inference's JAX model): Qwen2's text
+    model (q/k/v biases) with M-RoPE (the head's rotary half split into temporal, height and
+    width sections; a text token has all three positions equal), and a one-block vision tower
+    whose merger projects into the text model's width. Its image, video and vision-start ids
+    lie just past the prompts' range (``VOCAB`` and up), so a random prompt never holds one."""
+
+    mrope_section: tuple[int, ...] = (16, 24, 24)  # Qwen2.5-VL's own, for head_dim 128
+
+    def hf_config(self, dtype: str):
+        from transformers import Qwen2_5_VLConfig
+
+        rope = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": list(self.mrope_section)}
+        text = dict(hidden_size=self.hidden_size, num_hidden_layers=self.num_layers,
+                    num_attention_heads=self.num_heads, num_key_value_heads=self.num_kv_heads,
+                    intermediate_size=self.intermediate_size, vocab_size=self.vocab_size,
+                    max_position_embeddings=self.max_position, initializer_range=self.init_range,
+                    rope_parameters=rope, tie_word_embeddings=False, dtype=dtype)
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=self.hidden_size,
+                      fullatt_block_indexes=[0], initializer_range=self.init_range)
+        t = QWEN_VL_TOKENS
+        return Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=t["<|image_pad|>"],
+                                video_token_id=t["<|video_pad|>"], vision_start_token_id=t["<|vision_start|>"],
+                                vision_end_token_id=t["<|vision_end|>"], tie_word_embeddings=False, dtype=dtype)
+
+    def write_processor(self, path: str) -> None:
+        from transformers import Qwen2VLImageProcessor, Qwen2VLVideoProcessor
+
+        write_tokenizer(path, self.vocab_size, QWEN_VL_TOKENS)
+        Qwen2VLImageProcessor().save_pretrained(path)
+        Qwen2VLVideoProcessor().save_pretrained(path)
+
+
 # bf16 only (see TinyGptOss), and at init 0.2 this model is chaotic in bf16 (HF's own bf16 and
 # float32 logits then differ by up to ~4 at the 99th percentile, against a median top-2 margin of
 # 0.4); at 0.05 they differ by 0.03 against a median margin of 0.13.
@@ -301,7 +387,20 @@ LLAMA4 = TinyLlama4(name="llama4", architecture="Llama4ForCausalLM", hf_class="L
                     # its shardings name the 'expert' mesh axis, which only the new model design's mesh has
                     engine_env=(("NEW_MODEL_DESIGN", "1"),))
 
-FAMILIES = {f.name: f for f in (GPT_OSS, GEMMA4, DEEPSEEK_V3, LLAMA4)}
+# The multimodal architectures, served as their checkpoints name them (text prompts; vLLM's multimodal
+# processor needs a real tokenizer, so the engine serves the language model only: the vision tower is
+# still built and loaded).
+MM = (("language_model_only", True), ("skip_tokenizer_init", False))
+GEMMA4_MM = dataclasses.replace(GEMMA4, name="gemma4-mm", architecture="Gemma4ForConditionalGeneration",
+                                served_architecture="", engine_kwargs=MM)
+LLAMA_GUARD4 = TinyLlamaGuard4(name="llama-guard4", architecture="Llama4ForConditionalGeneration",
+                               hf_class="Llama4ForConditionalGeneration", head_dim=128, init_range=0.05,
+                               engine_kwargs=MM)
+QWEN2_5_VL = TinyQwen25VL(name="qwen2.5-vl", architecture="Qwen2_5_VLForConditionalGeneration",
+                          hf_class="Qwen2_5_VLForConditionalGeneration", hidden_size=256, num_heads=2,
+                          num_kv_heads=2, head_dim=128, vocab_size=VOCAB + 4, engine_kwargs=MM)
+
+FAMILIES = {f.name: f for f in (GPT_OSS, GEMMA4, DEEPSEEK_V3, LLAMA4, GEMMA4_MM, LLAMA_GUARD4, QWEN2_5_VL)}
 ENGINE_ENV_KEYS = frozenset(k for f in FAMILIES.values() for k, _ in f.engine_env)
 
 

@@ -46,15 +46,18 @@ class TinyLlama(_TinyLlama):
         return path
 
 
-def write_tokenizer(path: str, vocab_size: int) -> None:
-    """A word-level tokenizer: token i is the word ``w{i}`` (ids 0-2 are special)."""
+def write_tokenizer(path: str, vocab_size: int, specials: dict[str, int] | None = None) -> None:
+    """A word-level tokenizer: token i is the word ``w{i}`` (ids 0-2 are special, and
+    ``specials``' ids are their names: a multimodal model's placeholder tokens)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
+    names = {i: t for t, i in (specials or {}).items()}
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{names.get(i, f"w{i}"): i for i in range(3, vocab_size)}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                   additional_special_tokens=list(specials or ()))
     fast.save_pretrained(path)
 
 
