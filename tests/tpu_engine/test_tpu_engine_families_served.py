@@ -1,4 +1,4 @@
-"""gpt-oss, Gemma 4 and Llama 4 with our connector at TP 2, precompile on, as served.
+"""gpt-oss, Gemma 4, Llama 4 and Qwen3-MoE with our connector at TP 2, precompile on, as served.
 
 One child process (2 emulated devices, tpu-inference's precompile on, our
 connector's too) per family runs a no-connector engine and then ours with the
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.engine
 
 BLOCK = 16
 W = ROUNDTRIP[BLOCK]
-NAMES = ("gpt-oss", "gemma4", "llama4")
+NAMES = ("gpt-oss", "gemma4", "llama4", "qwen3-moe")
 OUR_PROGRAMS = ("gather_local", "scatter_local", "jit(store)", "jit(load)", "jit(take)", "jit(put)", "jit(make)")
 
 
