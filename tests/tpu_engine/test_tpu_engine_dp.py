@@ -8,9 +8,9 @@ tensor parallel 1 inside each rank):
 
 * the tiny DeepSeek-V3 (MLA, fp8 latent cache, 32-token pages);
 * a dense Llama-shaped model with 4 KV heads (bf16, ``attn_dp_size`` 2);
-* Kimi K2.5 (``KimiK25ForConditionalGeneration``, vLLM-preferred), text only
-  (``language_model_only``): the tiny DeepSeek-V3's text weights beside a
-  vision tower, so its tokens must equal DeepSeek-V3's.
+* Kimi K2.5 (``KimiK25ForConditionalGeneration``, vLLM-preferred), its vision
+  tower loaded, text prompts: the tiny DeepSeek-V3's text weights, so its
+  tokens must equal DeepSeek-V3's.
 
 Requests are routed round-robin (``DP_SCHED_ROUTING``), so a round of two
 prompts puts one on each rank. Each: greedy tokens identical to the engine
@@ -44,9 +44,8 @@ MODELS = {
     "dense-kv4": (Shape("kv4", "bfloat16", tp=2, block_size=32), {"additional_config": {"sharding": {
         "sharding_strategy": {"enable_dp_attention": True, "attn_dp_size": 2}}}},
                   {"NEW_MODEL_DESIGN": "1"}),
-    # Kimi K2.5 (vLLM-preferred): DeepSeek-V3's text model beside a vision tower, served text-only
-    "kimi-k25": (Shape("kimi-k25", "bfloat16", tp=2, block_size=32),
-                 {**dict(FAMILIES["deepseek-v3"].engine_kwargs), "language_model_only": True},
+    # Kimi K2.5 (vLLM-preferred): DeepSeek-V3's text model beside a vision tower (loaded), text prompts
+    "kimi-k25": (Shape("kimi-k25", "bfloat16", tp=2, block_size=32), dict(FAMILIES["deepseek-v3"].engine_kwargs),
                  dict(FAMILIES["deepseek-v3"].engine_env)),
 }
 TWO = Workload.of("dp-two", [[prompt(51, 100), prompt(52, 165)]], block_size=32)  # one prompt per rank

@@ -355,3 +355,4 @@ class TinyQwen3Moe(TinyFamily):
 # float32 ones at the 99th percentile against a median top-2 margin of 0.2
 QWEN3_MOE = TinyQwen3Moe(name="qwen3-moe", architecture="Qwen3MoeForCausalLM", init_range=0.1)
 FAMILIES[QWEN3_MOE.name] = QWEN3_MOE
+ENGINE_ENV_KEYS = ENGINE_ENV_KEYS | {k for k, _ in QWEN3_MOE.engine_env}

@@ -8,8 +8,10 @@ exactly ``tiny_families.DEEPSEEK_V3``'s, so the two engines must give the
 same greedy tokens; the vision tower (MoonViT, 1 layer) and projector are
 HF transformers' ``Kimi_K25ForConditionalGeneration`` at random init.
 Written in the original checkpoint's names, which vLLM loads
-(``language_model.model.layers.*``, ``vision_tower.*``, ``mm_projector.*``;
-transformers 5.19 writes the text layers as ``blocks``, which neither reads).
+(``language_model.model.layers.*``, ``vision_tower.*``, ``mm_projector.*``):
+transformers 5.19 writes them back from its own, except the text layers
+(``blocks``, the vision encoder's word), the patch embedding (under
+``encoder``) and the projector's ``pre_norm``.
 """
 
 from __future__ import annotations
@@ -37,12 +39,14 @@ def write_kimi_k25(path: str, deepseek_dir: str) -> str:
         text_cfg = DeepseekV3Config.from_pretrained(deepseek_dir)
         cfg = Kimi_K25Config(text_config=text_cfg, vision_config=Kimi_K25VisionConfig(**VISION),
                              projection_hidden_size=VISION["hidden_size"], tie_word_embeddings=False)
-        hf = Kimi_K25ForConditionalGeneration(cfg).to(torch.bfloat16)
+        hf_dir = os.path.join(path, "hf")  # transformers writes the original names back, but for two
+        Kimi_K25ForConditionalGeneration(cfg).to(torch.bfloat16).save_pretrained(hf_dir, safe_serialization=True)
         weights = {f"language_model.{k}": v for k, v in load_file(os.path.join(deepseek_dir, "model.safetensors")).items()}
-        for name, p in hf.model.vision_tower.state_dict().items():
-            weights[f"vision_tower.{name}"] = p.contiguous()
-        for name, p in hf.model.mm_projector.state_dict().items():
-            weights[f"mm_projector.{name}"] = p.contiguous()
+        for name, p in load_file(os.path.join(hf_dir, "model.safetensors")).items():
+            name = name.replace("model.mm_projector.", "mm_projector.")  # its pre_norm keeps the HF prefix
+            name = name.replace("vision_tower.encoder.patch_embed.", "vision_tower.patch_embed.")
+            if name.startswith(("vision_tower.", "mm_projector.")):
+                weights[name] = p
         os.makedirs(path, exist_ok=True)
         save_file(weights, os.path.join(path, "model.safetensors"))
         cfg_dict = cfg.to_dict()
