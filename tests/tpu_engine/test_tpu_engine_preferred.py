@@ -17,7 +17,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 TESTED = {  # architecture -> the test that serves it with our connector, or refuses it
     "GptOssForCausalLM": ("test_tpu_engine_families.py", "test_tp1_our_connector_round_trip"),
     "Qwen3MoeForCausalLM": ("test_tpu_engine_families.py", "test_tp1_our_connector_round_trip"),
-    "KimiK25ForConditionalGeneration": ("test_tpu_engine_dp.py", "test_kimi_k25_serves_the_tiny_deepseek_v3_text_model"),
+    "KimiK25ForConditionalGeneration": ("test_tpu_engine_dp.py",
+                                        "test_kimi_k25_serves_the_tiny_deepseek_v3_text_model"),
     "Qwen3_5MoeForConditionalGeneration": ("test_tpu_engine_hybrids.py",
                                            "test_qwen3_5_moe_is_refused_at_start_naming_the_model_and_reason"),
 }

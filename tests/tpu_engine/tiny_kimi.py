@@ -41,7 +41,8 @@ def write_kimi_k25(path: str, deepseek_dir: str) -> str:
                              projection_hidden_size=VISION["hidden_size"], tie_word_embeddings=False)
         hf_dir = os.path.join(path, "hf")  # transformers writes the original names back, but for two
         Kimi_K25ForConditionalGeneration(cfg).to(torch.bfloat16).save_pretrained(hf_dir, safe_serialization=True)
-        weights = {f"language_model.{k}": v for k, v in load_file(os.path.join(deepseek_dir, "model.safetensors")).items()}
+        text_weights = load_file(os.path.join(deepseek_dir, "model.safetensors"))
+        weights = {f"language_model.{k}": v for k, v in text_weights.items()}
         for name, p in load_file(os.path.join(hf_dir, "model.safetensors")).items():
             name = name.replace("model.mm_projector.", "mm_projector.")  # its pre_norm keeps the HF prefix
             name = name.replace("vision_tower.encoder.patch_embed.", "vision_tower.patch_embed.")
