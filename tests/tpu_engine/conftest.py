@@ -34,6 +34,12 @@ from tiny_hybrids import REGISTRY_EXTRA  # noqa: E402
 
 MODELS = {m.name: m for m in (KV4, KV1, QWEN3, QWEN3_SERVED)} | FAMILIES | REGISTRY_EXTRA
 
+from tiny_drafts import EAGLE3_TARGET  # noqa: E402
+from tiny_kimi import KIMI_K25  # noqa: E402
+
+MODELS[EAGLE3_TARGET.name] = EAGLE3_TARGET
+MODELS[KIMI_K25.name] = KIMI_K25
+
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory):

@@ -50,6 +50,7 @@ def apply() -> None:
     _moe_gmm()
     _their_connector_scatter()
     _flax_model_at_exit()
+    _eagle3_without_tpu_compiler_options()
     _applied = True
 
 
@@ -364,3 +365,17 @@ def device_count() -> int:
     import jax
 
     return len(jax.devices())
+
+
+# ---- speculative decoding ------------------------------------------------------
+def _eagle3_without_tpu_compiler_options() -> None:
+    """The EAGLE-3 drafter's ``Eagle3Proposer._propose`` is jitted with literal
+    ``xla_tpu_*`` compiler options (not through ``compiler_options.py``), which
+    XLA:CPU rejects at its first draft ("No such compile option"). The same
+    function is jitted again with the same arguments, less those options."""
+    import jax
+
+    eagle3 = importlib.import_module("tpu_inference.spec_decode.jax.eagle3")
+    fn = eagle3.Eagle3Proposer._propose
+    eagle3.Eagle3Proposer._propose = jax.jit(fn.__wrapped__, donate_argnames=("kv_caches",),
+                                             out_shardings=(None, None), static_argnums=(0, 7, 8))

@@ -137,6 +137,26 @@ class EngineRun:
         gc.collect()
 
 
+def refused_start(model_dir: str, shape: Shape, kv_transfer_config: dict | None = None, **engine_kw) -> Exception:
+    """Start an engine that must fail to start; its error, after tearing down what a failed
+    start leaves in this process (a started one's shutdown does the same): vLLM's worker
+    connector and its model-parallel groups. Left behind, the groups built for this model
+    are reused by the next engine (``ensure_model_parallel_initialized`` sees them): a MoE
+    model after a dense one then finds no expert-parallel group ("expert parallel group is
+    not initialized")."""
+    from vllm.distributed.kv_transfer import kv_transfer_state
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    try:
+        EngineRun(model_dir, shape, kv_transfer_config, **engine_kw).close()
+    except Exception as err:  # noqa: BLE001  (the test judges the error)
+        return err
+    finally:
+        kv_transfer_state.ensure_kv_transfer_shutdown()
+        cleanup_dist_env_and_memory()
+    raise AssertionError(f"the engine for {model_dir} started")
+
+
 def env_without_offload_vars() -> None:
     """Both connectors read TPU_OFFLOAD_* env: a test's env must not leak into ours."""
     for k in [k for k in os.environ if k.startswith("TPU_OFFLOAD_")]:

@@ -3,11 +3,14 @@
 tpu-inference then runs its ``DPScheduler``: one vLLM scheduler (and one
 scheduler half of our connector) per rank, each in a forked process, and one
 worker whose caches hold both ranks' block ranges side by side, sharded over
-the ranks' devices. Two models at TP 2 with DP attention (so attention DP 2,
+the ranks' devices. Three models at TP 2 with DP attention (so attention DP 2,
 tensor parallel 1 inside each rank):
 
 * the tiny DeepSeek-V3 (MLA, fp8 latent cache, 32-token pages);
-* a dense Llama-shaped model with 4 KV heads (bf16, ``attn_dp_size`` 2).
+* a dense Llama-shaped model with 4 KV heads (bf16, ``attn_dp_size`` 2);
+* Kimi K2.5 (``KimiK25ForConditionalGeneration``, vLLM-preferred), its vision
+  tower loaded, text prompts: the tiny DeepSeek-V3's text weights, so its
+  tokens must equal DeepSeek-V3's.
 
 Requests are routed round-robin (``DP_SCHED_ROUTING``), so a round of two
 prompts puts one on each rank. Each: greedy tokens identical to the engine
@@ -41,6 +44,9 @@ MODELS = {
     "dense-kv4": (Shape("kv4", "bfloat16", tp=2, block_size=32), {"additional_config": {"sharding": {
         "sharding_strategy": {"enable_dp_attention": True, "attn_dp_size": 2}}}},
                   {"NEW_MODEL_DESIGN": "1"}),
+    # Kimi K2.5 (vLLM-preferred): DeepSeek-V3's text model beside a vision tower (loaded), text prompts
+    "kimi-k25": (Shape("kimi-k25", "bfloat16", tp=2, block_size=32), dict(FAMILIES["deepseek-v3"].engine_kwargs),
+                 dict(FAMILIES["deepseek-v3"].engine_env)),
 }
 TWO = Workload.of("dp-two", [[prompt(51, 100), prompt(52, 165)]], block_size=32)  # one prompt per rank
 SHIFT = Workload.of("dp-shift", [[prompt(53, 40)]], block_size=32)  # moves round-robin routing on by one
@@ -122,3 +128,9 @@ def test_dp2_round_trip_on_each_rank_and_across_ranks(name, engines):
     eng.reset_prefix_cache()
     got = TWO.run(eng)
     assert got[0] != base[0] and got[1] != base[1]
+
+
+def test_kimi_k25_serves_the_tiny_deepseek_v3_text_model(engines):
+    """Its text weights are the tiny DeepSeek-V3's (``tiny_kimi``): the same greedy tokens at DP 2,
+    so the engine loaded them where DeepSeek-V3's go (and the vision tower stays out of text)."""
+    assert baseline(engines, "kimi-k25") == baseline(engines, "deepseek-v3")

@@ -24,6 +24,7 @@ pytestmark = pytest.mark.engine
 def test_qwen3_5_moe_is_refused_at_start_naming_the_model_and_reason(engines, tmp_path_factory):
     from vllm import LLM
     from vllm.distributed.kv_transfer import kv_transfer_state
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
     path = write_qwen3_5_moe(str(tmp_path_factory.mktemp("qwen3_5_moe")))
     engines.close()  # one engine (and worker connector) per process
@@ -33,8 +34,9 @@ def test_qwen3_5_moe_is_refused_at_start_naming_the_model_and_reason(engines, tm
                 num_gpu_blocks_override=96, max_num_seqs=4, max_num_batched_tokens=256, max_model_len=512,
                 language_model_only=True,  # text only; vLLM's multimodal processor still needs a tokenizer
                 kv_transfer_config=kv_transfer_config("offload.json", cpu_bytes="64MiB", staging_blocks=32))
-    finally:
+    finally:  # what a failed start leaves in the process (see engine_run.refused_start)
         kv_transfer_state.ensure_kv_transfer_shutdown()
+        cleanup_dist_env_and_memory()
     err = refused.value
     assert type(err).__name__ == "ConfigError", repr(err)
     msg = str(err)

@@ -40,6 +40,7 @@ FAMILY_SHAPES = {  # name -> (shape, vLLM prefix caching)
     "qwen3-tp1": (Shape("qwen3", "bfloat16", tp=1, block_size=BLOCK), True),
     "qwen2-tp1": (Shape("qwen2", "float32", tp=1, block_size=BLOCK), True),
     "gpt-oss-tp1": (Shape("gpt-oss", "bfloat16", tp=1, block_size=BLOCK), True),  # hybrid: 2 KV-cache groups
+    "qwen3-moe-tp1": (Shape("qwen3-moe", "bfloat16", tp=1, block_size=BLOCK), True),  # vLLM-model path
     "llama4-tp1": (Shape("llama4", "bfloat16", tp=1, block_size=BLOCK), True),
     "llama-guard4-tp1": (Shape("llama-guard4", "bfloat16", tp=1, block_size=BLOCK), True),
     "qwen2.5-vl-tp1": (Shape("qwen2.5-vl", "float32", tp=1, block_size=BLOCK), True),  # M-RoPE
@@ -53,6 +54,7 @@ CHUNK_BYTES = {
     "qwen3": 16 * 2 * 4 * 128 * 2 * 2,  # 4 KV heads, bf16, 2 layers
     "qwen2": 16 * 2 * 2 * 128 * 4 * 2,  # 2 KV heads, float32, 2 layers
     "gpt-oss": 16 * 2 * 128 * 2 * 2,  # head_dim 64: K and V share one 128-lane row per head; 2 heads, 2 layers
+    "qwen3-moe": 16 * 2 * 128 * 2 * 2,  # head_dim 64 too, 2 KV heads, bf16, 2 layers
     "llama4": 16 * 2 * 2 * 128 * 2 * 4,  # 2 KV heads, bf16, 4 layers
     "llama-guard4": 16 * 2 * 2 * 128 * 2 * 2,  # 2 KV heads, bf16, 2 layers
     "qwen2.5-vl": 16 * 2 * 2 * 128 * 4 * 2,  # 2 KV heads, float32, 2 layers
