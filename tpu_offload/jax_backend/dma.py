@@ -75,15 +75,18 @@ def _sliced(ref, rows, split):
     return ref.at[idx]
 
 
-def gather_call(num_layers: int, staging_shape, dtype, platform: str, split: tuple[int, int] | None = None):
+def gather_call(num_layers: int, staging_shape, dtype, platform: str, split: tuple[int, int] | None = None,
+                fresh: bool = False):
     """A function ``(n, src, dst, length, offset, *caches, staging) -> staging`` for one device's
     shards: for every run i < n[0] and layer l, ``caches[l][src[i] : src[i] + length[i]]``
     (only the slice ``offset[0] : offset[0] + size`` of block dim ``split = (dim, size)``) into
-    ``staging[dst[i] : ..., l]``. One DMA per (run, layer), one semaphore per layer."""
+    ``staging[dst[i] : ..., l]``. One DMA per (run, layer), one semaphore per layer.
+    ``fresh``: no ``staging`` argument; the kernel's output is a new buffer (rows no run writes
+    are undefined), so nothing is zero-filled first (DP attention's per-rank buffer)."""
     L = num_layers
 
     def kernel(n_ref, src_ref, dst_ref, len_ref, off_ref, *refs):
-        caches, out, sems = refs[:L], refs[L + 1], refs[L + 2]
+        caches, out, sems = refs[:L], refs[L + (0 if fresh else 1)], refs[-1]
 
         def copy(i, li):
             rows = pl.ds(src_ref[i], len_ref[i])
@@ -96,10 +99,11 @@ def gather_call(num_layers: int, staging_shape, dtype, platform: str, split: tup
     out_shape = jax.ShapeDtypeStruct(staging_shape, dtype)
 
     run = _dma_call(kernel, out_shape, pl.BlockSpec(memory_space=pl.ANY),
-                    {N_SCALARS + L: 0}, L, platform)  # staging, written in place
+                    {} if fresh else {N_SCALARS + L: 0}, L + (0 if fresh else 1), L, platform)  # staging in place
 
-    def call(n, src, dst, length, offset, caches, staging):
-        return run(n, src, dst, length, offset, *caches, staging)
+    def call(n, src, dst, length, offset, caches, staging=None):
+        return run(n, src, dst, length, offset, *caches) if fresh else run(n, src, dst, length, offset, *caches,
+                                                                              staging)
 
     return call
 
@@ -125,7 +129,7 @@ def scatter_call(num_layers: int, cache_shape, dtype, platform: str, split: tupl
     out_shape = tuple(jax.ShapeDtypeStruct(cache_shape, dtype) for _ in range(L))
 
     run = _dma_call(kernel, out_shape, tuple(pl.BlockSpec(memory_space=pl.ANY) for _ in range(L)),
-                    {N_SCALARS + 1 + li: li for li in range(L)}, L, platform)  # every cache, in place
+                    {N_SCALARS + 1 + li: li for li in range(L)}, L + 1, L, platform)  # every cache, in place
 
     def call(n, src, dst, length, offset, source, caches):
         return run(n, src, dst, length, offset, source, *caches)
@@ -133,14 +137,15 @@ def scatter_call(num_layers: int, cache_shape, dtype, platform: str, split: tupl
     return call
 
 
-def _dma_call(kernel, out_shape, out_specs, aliases: dict[int, int], num_layers: int, platform: str):
+def _dma_call(kernel, out_shape, out_specs, aliases: dict[int, int], num_inputs: int, num_layers: int,
+              platform: str):
     """The ``pallas_call`` both directions share: the scalars prefetched, every array left in HBM
     (``pl.ANY``: the kernel only starts DMAs), one DMA semaphore per layer, outputs aliased."""
     return pl.pallas_call(
         kernel, out_shape=out_shape,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=N_SCALARS, grid=(1,),
-            in_specs=[pl.BlockSpec(memory_space=pl.ANY)] * (num_layers + 1),
+            in_specs=[pl.BlockSpec(memory_space=pl.ANY)] * num_inputs,
             out_specs=out_specs,
             scratch_shapes=[pltpu.SemaphoreType.DMA((num_layers,))]),
         input_output_aliases=aliases,
