@@ -41,6 +41,8 @@ CASES = {
     # DeepSeek's latent cache (32-token packing): blocks over attn_dp, a whole copy on every "model" device
     "mla_fp8": ((1, 32, 128), P("attn_dp", None), jnp.float8_e4m3fn),
     "mla_bf16": ((1, 32, 128), P("attn_dp", None), jnp.bfloat16),
+    # a latent cache whose first (untiled) dim takes the slices: the DMA kernel writes each rank's part
+    "mla_major": ((4, 16, 128), P("attn_dp", None), jnp.bfloat16),
     # a dense model under DP attention: heads over "model"
     "dense": ((16, 4, 64), P("attn_dp", None, "model", None), jnp.bfloat16),
 }
@@ -116,7 +118,8 @@ def test_dma_kernel_under_dp_bit_exact(dp, case, path):
     # rank 0: two chunks (two passes with a 1-chunk share); the last rank: one adjacent chunk
     stores = [StoreChunk(0, [1, 2]), StoreChunk(1, [3, 0]), StoreChunk(2, [last, last + 1])]
     eng.store(caches, stores).block_until_ready()
-    assert eng.dmas["gather"] == (1 + 2 + 1) * LAYERS  # (1, 2) is a run; (3, 0) is not; (14, 15) is
+    parts = ranks if g.split_dim < len(g.block_shape) - 2 else 1  # a DMA per rank's part of an untiled slice
+    assert eng.dmas["gather"] == (1 + 2 + 1) * LAYERS * parts  # (1, 2) is a run; (3, 0) is not; (14, 15) is
     eng.complete_store([0, 1, 2], True)
     # rank 0's chunks into the last rank's range and back into rank 0's, the last rank's into rank 0's
     loads = [LoadChunk(0, [last - 2, last - 1]), LoadChunk(1, [5, -1]), LoadChunk(2, [6, 7])]

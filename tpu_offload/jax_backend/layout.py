@@ -276,7 +276,8 @@ def _group(mesh: Mesh, key: tuple, layers: tuple, sharding: NamedSharding, num_b
         if head_replicas > 1:
             raise ValueError(f"a KV cache both replicated over mesh axes {list(copies)} and with repeated heads")
         replicas = math.prod(mesh.shape[a] for a in copies)
-        free = [d for d in range(len(local)) if not _axes(spec[1 + d])]  # the replicas' axes go there
+        # the replicas' axes go on a dim no mesh axis (of size > 1) splits, the most major that divides
+        free = [d for d in range(len(local)) if all(mesh.shape[a] == 1 for a in _axes(spec[1 + d]))]
         split_dim = next((d for d in free if local[d] % replicas == 0), None)
         if split_dim is None:
             raise ValueError(

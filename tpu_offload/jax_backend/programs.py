@@ -37,7 +37,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from tpu_offload.jax_backend import dma
-from tpu_offload.jax_backend.layout import KVLayout
+from tpu_offload.jax_backend.layout import KVLayout, _divided
 
 KERNELS = ("dma", "loop")
 
@@ -154,7 +154,8 @@ class Programs:
             runs = sum(len(r) for r in self._rank_runs(g, ids, pos, name)) if g.ranks > 1 else \
                 len(self._runs(ids, pos, name))
             reps = 1 if name == "gather" else (g.rank_replicas if g.ranks > 1 else g.replicas)
-            total += runs * len(g.layers) * reps
+            parts = g.ranks if g.ranks > 1 and _parts(g) else 1  # a DMA per rank's part of a slice
+            total += runs * len(g.layers) * reps * parts
         return total
 
     @staticmethod
@@ -365,16 +366,18 @@ class Programs:
                 if g.ranks > 1:  # this rank's blocks back from every device's slices: one all-to-all per pass
                     args = tuple(a[0] for a in args)
                     st = _to_ranks(g, st, as_bits)
+                    size = g.local_block_shape[g.split_dim] // g.rank_replicas  # a copy's slice
+                    if _parts(g):
+                        split, parts = (g.split_dim, size // g.ranks), g.ranks
+                    else:
+                        split, parts = (None if g.rank_replicas == 1 else (g.split_dim, size)), 1
+                    call = dma.scatter_call(len(g.layers), layers[0].shape, layers[0].dtype, platform, split, parts)
                     if g.rank_replicas == 1:
-                        call = dma.scatter_call(len(g.layers), layers[0].shape, layers[0].dtype, platform)
                         layers = call(*args, jnp.zeros((1,), jnp.int32), st, layers)
                     else:  # and the rank's copies' slices, one ring shift per copy
-                        size = st.shape[2 + g.split_dim]
-                        call = dma.scatter_call(len(g.layers), layers[0].shape, layers[0].dtype, platform,
-                                                (g.split_dim, size))
                         layers = _scatter_replicas(lambda off, src, lay: call(*args, off, src, lay), st, layers, g,
-                                                   as_bits, mesh_shape, ring=(g.rank_axes, g.rank_replicas, g.rank_replicas,
-                                                                  size))
+                                                   as_bits, mesh_shape,
+                                                   ring=(g.rank_axes, g.rank_replicas, g.rank_replicas, size))
                 elif g.replicas == 1:
                     call = dma.scatter_call(len(g.layers), layers[0].shape, layers[0].dtype, platform)
                     layers = call(*args, jnp.zeros((1,), jnp.int32), st, layers)
@@ -558,26 +561,46 @@ def _gather_ranks(g, layers, staging, n, src, dst, length, platform: str, as_bit
     """DP attention's gather on one device: its rank's blocks (its copy's slice of each, when a rank's
     devices hold copies) DMA'd into a buffer of the rank's share of staging, then one all-to-all over
     the ranks spreads every block's slices to their places in staging (piece index: copy major, rank
-    minor, layout.py): rank r's blocks land at staging positions [r * share, (r + 1) * share)."""
-    m = g.rank_replicas
-    size = g.local_block_shape[g.split_dim] // m
-    shape = (staging.shape[0] // g.ranks, len(g.layers), *g.local_block_shape[: g.split_dim], size,
-             *g.local_block_shape[g.split_dim + 1:])
-    split = None if m == 1 else (g.split_dim, size)
+    minor, layout.py): rank r's blocks land at staging positions [r * share, (r + 1) * share).
+
+    Where the slices lie along an untiled dimension (``_parts``), the DMAs write each rank's part to
+    its own leading index, the layout the all-to-all sends as it is; else the kernel copies whole
+    (copy-sliced) blocks and XLA relays them for the all-to-all (one more buffer and HBM pass)."""
+    m, d = g.rank_replicas, g.ranks
+    size = g.local_block_shape[g.split_dim] // m  # this copy's slice of a block
     offset = jnp.reshape(lax.axis_index(g.rank_axes) * size if m > 1 else 0, (1,)).astype(jnp.int32)
-    mine = dma.gather_call(len(g.layers), shape, staging.dtype, platform, split, fresh=True)(
-        n, src, dst, length, offset, layers)
+    share = (staging.shape[0] // d, len(g.layers))
+    if _parts(g):
+        call = dma.gather_call(len(g.layers), (d, *share, *g.piece_shape), staging.dtype, platform,
+                               (g.split_dim, size // d), fresh=True, parts=d)
+        split, concat = 0, 0
+    else:
+        split = None if m == 1 else (g.split_dim, size)
+        call = dma.gather_call(len(g.layers), (*share, *_divided(g.local_block_shape, g.split_dim, m)),
+                               staging.dtype, platform, split, fresh=True)
+        split, concat = 2 + g.split_dim, 0
+    mine = call(n, src, dst, length, offset, layers)
     raw = lax.bitcast_convert_type(mine, _bits(mine.dtype)) if as_bits else mine
-    out = lax.all_to_all(raw, g.block_axes, 2 + g.split_dim, 0, tiled=True)
-    return lax.bitcast_convert_type(out, staging.dtype) if as_bits else out
+    out = lax.all_to_all(raw, g.block_axes, split, concat, tiled=True)
+    out = lax.bitcast_convert_type(out, staging.dtype) if as_bits else out
+    return jnp.reshape(out, staging.shape)
 
 
 def _to_ranks(g, staging, as_bits: bool):
-    """The inverse of ``_gather_ranks``'s all-to-all: each rank's share of staging, whole blocks (its copy's
-    slice of them) on that rank's devices."""
+    """The inverse of ``_gather_ranks``'s all-to-all: each rank's share of staging on that rank's devices,
+    as the parts of its copy's slice of each block (``_parts``: one leading index per part) or whole."""
     raw = lax.bitcast_convert_type(staging, _bits(staging.dtype)) if as_bits else staging
-    out = lax.all_to_all(raw, g.block_axes, 0, 2 + g.split_dim, tiled=True)
+    if _parts(g):
+        raw = jnp.reshape(raw, (g.ranks, staging.shape[0] // g.ranks, *staging.shape[1:]))
+        out = lax.all_to_all(raw, g.block_axes, 0, 0, tiled=True)
+    else:
+        out = lax.all_to_all(raw, g.block_axes, 0, 2 + g.split_dim, tiled=True)
     return lax.bitcast_convert_type(out, staging.dtype) if as_bits else out
+
+
+def _parts(g) -> bool:
+    """Whether a DP group's slices lie along an untiled block dimension (a DMA addresses any offset)."""
+    return g.split_dim < len(g.block_shape) - 2
 
 
 def _scatter_replicas(write, staging, layers, g, as_bits: bool, mesh_shape, ring=None):
