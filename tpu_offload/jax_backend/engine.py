@@ -280,7 +280,8 @@ class TransferEngine:
         for g in self.layout.groups:
             ids = np.concatenate([np.asarray(x.ids(g.kv_group), dtype=np.int64) for x in part])
             keep = np.flatnonzero(ids >= 0)
-            pos = np.repeat(np.asarray(at, dtype=np.int64) * self.bpc, self.bpc) + np.tile(np.arange(self.bpc), len(part))
+            pos = (np.repeat(np.asarray(at, dtype=np.int64) * self.bpc, self.bpc)
+                   + np.tile(np.arange(self.bpc), len(part)))
             out.append((ids[keep], pos[keep]))
         return out
 
