@@ -41,9 +41,14 @@ CASES = {
     # DeepSeek's latent cache (32-token packing): blocks over attn_dp, a whole copy on every "model" device
     "mla_fp8": ((1, 32, 128), P("attn_dp", None), jnp.float8_e4m3fn),
     "mla_bf16": ((1, 32, 128), P("attn_dp", None), jnp.bfloat16),
+    # a latent cache whose first (untiled) dim takes the slices: the DMA kernel writes each rank's part
+    "mla_major": ((4, 16, 128), P("attn_dp", None), jnp.bfloat16),
     # a dense model under DP attention: heads over "model"
     "dense": ((16, 4, 64), P("attn_dp", None, "model", None), jnp.bfloat16),
 }
+
+
+MESHES = {"dp2": ((2, 2), ("attn_dp", "model")), "dp4": ((4, 1), ("attn_dp", "model"))}
 
 
 @pytest.mark.parametrize("path", ["program", "device_put"])
@@ -84,3 +89,59 @@ def test_slab_holds_one_slice_per_device():
     (slab,) = eng.slabs[0]
     assert slab.shape == (4, 1, LAYERS, 1, 32, 128)
     assert {tuple(s.data.shape) for s in slab.addressable_shards} == {(4, 1, LAYERS, 1, 8, 128)}
+
+
+@pytest.mark.parametrize("path", ["program", "device_put"])
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("dp", sorted(MESHES))
+def test_dma_kernel_under_dp_bit_exact(dp, case, path):
+    """The DMA kernel (TPU interpret mode) under DP attention: each rank's devices DMA its own blocks
+    (local ids) into its share of staging, one all-to-all per pass spreads the slices. Chunks of every
+    rank cross into other ranks' ranges, a rank with more chunks than its share of staging takes two
+    passes, and the DMA counter counts each rank's coalesced runs. At DP 4 one device per rank
+    (DeepSeek-V3 at DP 8's shape: no copy within a rank); at DP 2 the latent cache has 2 copies per rank."""
+    shape, names = MESHES[dp]
+    mesh = make_mesh("auto", shape=shape, names=names)
+    ranks = shape[0]
+    per_rank = BLOCKS // ranks
+    bshape, spec, dtype = CASES[case]
+    if bshape[2] % shape[1] and spec[2:3] == ("model",):
+        pytest.skip("heads do not divide")
+    caches = _caches(mesh, bshape, spec, dtype, seed=5)
+    layout = KVLayout.from_caches(caches)
+    (g,) = layout.groups
+    assert g.ranks == ranks and g.block_axes == ("attn_dp",)
+    eng = TransferEngine(layout, num_slots=8, blocks_per_chunk=2, staging_blocks=2 * ranks, path=path, kernel="dma")
+    assert eng.programs.kernel == "dma"
+    ref = [_bits(c) for c in caches]
+    last = BLOCKS - 2  # the last rank's last two blocks
+    # rank 0: two chunks (two passes with a 1-chunk share); the last rank: one adjacent chunk
+    stores = [StoreChunk(0, [1, 2]), StoreChunk(1, [3, 0]), StoreChunk(2, [last, last + 1])]
+    eng.store(caches, stores).block_until_ready()
+    parts = ranks if g.split_dim < len(g.block_shape) - 2 else 1  # a DMA per rank's part of an untiled slice
+    assert eng.dmas["gather"] == (1 + 2 + 1) * LAYERS * parts  # (1, 2) is a run; (3, 0) is not; (14, 15) is
+    eng.complete_store([0, 1, 2], True)
+    # rank 0's chunks into the last rank's range and back into rank 0's, the last rank's into rank 0's
+    loads = [LoadChunk(0, [last - 2, last - 1]), LoadChunk(1, [5, -1]), LoadChunk(2, [6, 7])]
+    caches, done = eng.load(caches, loads)
+    done.block_until_ready()
+    got = [_bits(c) for c in caches]
+    moved = {last - 2: 1, last - 1: 2, 5: 3, 6: last, 7: last + 1}
+    for layer in range(LAYERS):
+        for dst in range(BLOCKS):
+            assert np.array_equal(got[layer][dst], ref[layer][moved.get(dst, dst)]), (layer, dst)
+    compiled = eng.programs.compiles
+    assert compiled == len(eng.programs.all_programs(path))  # one program each, for two passes of any size
+    for c in caches:
+        assert c.sharding.spec == spec
+
+
+def test_dma_kernel_under_dp_refuses_a_chunk_across_ranks():
+    """A chunk belongs to one request, on one rank; the DMA kernel stages it on that rank's devices."""
+    mesh = make_mesh("auto", shape=(2, 2), names=("attn_dp", "model"))
+    shape, spec, dtype = CASES["dense"]
+    caches = _caches(mesh, shape, spec, dtype, seed=1)
+    eng = TransferEngine(KVLayout.from_caches(caches), num_slots=4, blocks_per_chunk=2, staging_blocks=4,
+                         kernel="dma")
+    with pytest.raises(ValueError, match="attention-DP rank 1"):
+        eng.store(caches, [StoreChunk(0, [7, 8])])

@@ -67,14 +67,19 @@ def dp_env(engines):
             os.environ[k] = v
 
 
-def engine(engines, name: str, ours: bool):
+def engine(engines, name: str, ours: bool, kernel: str | None = None, slots: int | None = None):
+    """``slots``: a host tier of that many chunks (``num_cpu_chunks``) instead of OURS' bytes."""
     shape, kwargs, env = MODELS[name]
-    key = ("dp-ours" if ours else "dp-baseline", shape)
+    key = ("dp-ours" if ours else "dp-baseline", kernel, slots, shape)
     if engines.key != key or engines.run is None:
         engines.close()
         use_engine_env(None)
         os.environ.update({**env, **ENV})
-    kv = kv_transfer_config("offload.json", **OURS) if ours else None
+    extra = {"transfer_kernel": kernel} if kernel else {}
+    kv = kv_transfer_config("offload.json", **OURS, **extra) if ours else None
+    if ours and slots is not None:
+        del kv["kv_connector_extra_config"]["cpu_bytes"]
+        kv["kv_connector_extra_config"]["num_cpu_chunks"] = slots
     return engines.get(key, shape, kv, **kwargs)
 
 
@@ -134,3 +139,76 @@ def test_kimi_k25_serves_the_tiny_deepseek_v3_text_model(engines):
     """Its text weights are the tiny DeepSeek-V3's (``tiny_kimi``): the same greedy tokens at DP 2,
     so the engine loaded them where DeepSeek-V3's go (and the vision tower stays out of text)."""
     assert baseline(engines, "kimi-k25") == baseline(engines, "deepseek-v3")
+
+
+def test_dp2_dma_kernel_round_trip_across_ranks(engines):
+    """The DMA kernel (what a TPU runs under DP attention; TPU interpret mode here) in the real engine,
+    with our programs precompiled at start: each rank's worker devices DMA its own blocks and one
+    all-to-all per pass spreads them. Identical tokens; a prompt stored on one rank and then routed
+    to the other hits every chunk from the first rank's slots; DMAs issued; nothing compiled while
+    serving."""
+    name = "deepseek-v3"
+    base = baseline(engines, name)
+    eng = engine(engines, name, ours=True, kernel="dma")
+    w = wrk(eng)
+    assert w.engine.programs.kernel == "dma" and w.engine.layout.groups[0].ranks == 2
+    compiled = w.engine.programs.compiles
+    assert compiled > 0, "precompiled at start"
+    chunks = full_blocks(TWO, eng.shape.block_size)
+    t0 = dict(w.totals)
+    eng.reset_prefix_cache()
+    assert TWO.run(eng) == base  # prompt i on rank i: stored
+    t1 = dict(w.totals)
+    assert delta(t1, t0, "stored_chunks") >= chunks and w.engine.dmas["gather"] > 0
+    eng.reset_prefix_cache()
+    SHIFT.run(eng)
+    t2 = dict(w.totals)
+    assert TWO.run(eng) == base  # each prompt on the other rank
+    t3 = dict(w.totals)
+    seam = eng.worker_connector._dp
+    assert delta(t3, t2, "loaded_chunks") == chunks and seam.foreign == chunks
+    assert delta(t3, t0, "load_errors") == 0 and w.engine.dmas["scatter"] > 0
+    assert w.engine.programs.compiles == compiled, "none of our programs compiled while serving"
+
+
+# Eight prompts of 6-7 chunks (one 32-token block each) through a 16-chunk tier shared by both ranks,
+# a reset of vLLM's prefix cache before every round, then repeats of the latest prompts and of the first.
+WRAP_SLOTS = 16
+WRAP = Workload.of("dp-wrap", [[prompt(60 + i, 200 + 8 * i) for i in (0, 1)], [prompt(60 + i, 200 + 8 * i) for i in (2, 3)],
+                               [prompt(60 + i, 200 + 8 * i) for i in (4, 5)], [prompt(60 + i, 200 + 8 * i) for i in (6, 7)],
+                               [prompt(67, 256)], [prompt(66, 248), prompt(67, 256)], [prompt(60, 200)],
+                               [prompt(60, 200), prompt(61, 208)]], block_size=32)
+
+
+def test_dp2_full_tier_wraps_around_with_identical_tokens(engines):
+    """Issue 20's wrap-around at DP 2: DeepSeek-V3 with a host tier of 16 chunks that both ranks'
+    schedulers fill, over 50 chunks stored through it (the LRU wraps around three times), repeats of
+    the latest prompts loaded back on whichever rank they land: tokens identical to no connector, no
+    store dropped, no error caught, never more valid slots than the tier holds."""
+    name = "deepseek-v3"
+    shape = MODELS[name][0]
+    if (shape, WRAP.name) not in engines.baselines:
+        eng = engine(engines, name, ours=False)
+        engines.baselines[shape, WRAP.name] = _rounds(eng)
+    base = engines.baselines[shape, WRAP.name]
+    eng = engine(engines, name, ours=True, slots=WRAP_SLOTS)
+    w = wrk(eng)
+    assert w.engine.num_slots == WRAP_SLOTS
+    t0 = dict(w.totals)
+    assert _rounds(eng) == base
+    t1 = dict(w.totals)
+    stored = delta(t1, t0, "stored_chunks")
+    assert stored >= 3 * WRAP_SLOTS, f"{stored} chunks stored through {WRAP_SLOTS} slots: the LRU must wrap"
+    assert delta(t1, t0, "loaded_chunks") > 0, "repeats of the latest prompts come back from the tier"
+    for k in ("store_errors", "load_errors", "dropped_store_chunks"):
+        assert delta(t1, t0, k) == 0, k
+    assert not w.guard.counts, "no error was caught"
+    assert len(valid_slots(eng)) <= WRAP_SLOTS
+
+
+def _rounds(eng) -> list[list[int]]:
+    out = []
+    for i in range(len(WRAP.rounds)):
+        eng.reset_prefix_cache()  # the repeats must come from our tier, not vLLM's prefix cache
+        out += WRAP.run(eng, rounds=[i])
+    return out

@@ -99,8 +99,11 @@ def test_dma_kernel_gives_identical_tokens_and_hits(setup, engines):
     run = engines.get(("ours-dma", setup), setup, kv_transfer_config("offload.json", **OURS, transfer_kernel="dma"))
     eng = wrk(run).engine
     assert eng.programs.kernel == "dma"
+    compiled = eng.programs.compiles
+    assert compiled > 0, "our programs precompiled at start"
     round_trip_every_chunk(run, w, base, setup)
     assert eng.dmas["gather"] > 0 and eng.dmas["scatter"] > 0
+    assert eng.programs.compiles == compiled, "none compiled while serving"
 
 
 def test_device_pressure_revisits_hit_our_tier_without_reset(setup, engines, ours):

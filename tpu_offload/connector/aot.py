@@ -152,7 +152,9 @@ def measure(programs: Programs, path: str = "program") -> dict[str, Figures]:
     """
     blocks = programs.staging_blocks
     block = programs.layout.device_block_bytes() * blocks  # a device's pieces: what gather moves
-    written = blocks * sum(g.local_elems * jnp.dtype(g.dtype).itemsize * len(g.layers) for g in programs.layout.groups)
+    # under DP attention a device writes only its rank's share of the blocks
+    written = blocks * sum(g.local_elems * jnp.dtype(g.dtype).itemsize * len(g.layers) // g.ranks
+                           for g in programs.layout.groups)
     chunk = programs.layout.device_block_bytes() * programs.bpc
     if path == "device_put":  # the host side is the runtime's device_put of chunks sliced out of staging
         builders = {"gather": programs.gather, "scatter": programs.scatter, "take_chunks": programs.take_chunks,

@@ -229,8 +229,8 @@ class TransferEngine:
         already hold the earlier pass's output, not the donated arrays.
         """
         done = None
-        for part in _split(chunks, self.staging_chunks):
-            kv_caches, done = self._load_pass(kv_caches, part)
+        for part, at in self._passes(chunks):
+            kv_caches, done = self._load_pass(kv_caches, part, at)
             if on_pass is not None:
                 on_pass(kv_caches)
         return kv_caches, done
@@ -240,8 +240,8 @@ class TransferEngine:
         for c in chunks:
             self.valid[c.slot] = False
         done = None
-        for part in _split(chunks, self.staging_chunks):
-            done = self._store_pass(kv_caches, part)
+        for part, at in self._passes(chunks):
+            done = self._store_pass(kv_caches, part, at)
         return done
 
     def complete_store(self, slots: Sequence[int], ok: bool) -> None:
@@ -274,14 +274,34 @@ class TransferEngine:
     def _set_slab(self, k: int, new) -> None:
         self.slabs = tuple(per_group[:k] + (s,) + per_group[k + 1:] for per_group, s in zip(self.slabs, new))
 
-    def _block_lists(self, part):
+    def _passes(self, chunks):
+        """The passes through staging: (chunks, the staging chunk of each). In order, a staging buffer
+        at a time; under DP attention with the DMA kernel, each rank's chunks in its own share of
+        staging (a chunk's rank: its first block's), as many passes as the busiest rank needs."""
+        ranks = max(g.ranks for g in self.layout.groups)
+        if ranks == 1 or self.programs.kernel != "dma":
+            for part in _split(chunks, self.staging_chunks):
+                yield part, np.arange(len(part))
+            return
+        share, per_rank = self.staging_chunks // ranks, self.layout.num_blocks // ranks
+        queues: list[list] = [[] for _ in range(ranks)]
+        for c in chunks:
+            ids = [b for g in self.layout.groups for b in c.ids(g.kv_group) if b >= 0]
+            queues[(ids[0] // per_rank) if ids else 0].append(c)
+        for p in range(0, max(len(q) for q in queues), share):
+            part = [(c, r * share + i) for r, q in enumerate(queues) for i, c in enumerate(q[p:p + share])]
+            yield [c for c, _ in part], np.array([a for _, a in part], dtype=np.int64)
+
+    def _block_lists(self, part, at):
         """Per group: (block ids, staging positions) of the blocks it moves (-1 ids are skipped;
-        chunk i of the pass is staging chunk i)."""
+        chunk i of the pass is staging chunk at[i])."""
         out = []
         for g in self.layout.groups:
             ids = np.concatenate([np.asarray(x.ids(g.kv_group), dtype=np.int64) for x in part])
             keep = np.flatnonzero(ids >= 0)
-            out.append((ids[keep], keep))
+            pos = (np.repeat(np.asarray(at, dtype=np.int64) * self.bpc, self.bpc)
+                   + np.tile(np.arange(self.bpc), len(part)))
+            out.append((ids[keep], pos[keep]))
         return out
 
     def _count_dmas(self, lists, name: str) -> None:
@@ -289,41 +309,43 @@ class TransferEngine:
         self.last_dmas[name] = n
         self.dmas[name] += n
 
-    def _load_pass(self, kv_caches, part: Sequence[LoadChunk]):
-        lists = self._block_lists(part)
-        self._host_to_staging([x.slot for x in part], [self._chunks_moved(pos) for _, pos in lists])
+    def _load_pass(self, kv_caches, part: Sequence[LoadChunk], at):
+        lists = self._block_lists(part, at)
+        self._host_to_staging([x.slot for x in part], at, [self._chunks_moved(pos) for _, pos in lists])
         caches, done = self.programs.scatter()(tuple(kv_caches), self.staging,
                                                *self.programs.block_args(lists, "scatter"))
         self._count_dmas(lists, "scatter")
         return list(caches), done
 
-    def _store_pass(self, kv_caches, part: Sequence[StoreChunk]):
-        lists = self._block_lists(part)
+    def _store_pass(self, kv_caches, part: Sequence[StoreChunk], at):
+        lists = self._block_lists(part, at)
         self.staging = self.programs.gather()(tuple(kv_caches), self.staging,
                                               *self.programs.block_args(lists, "gather"))
         self._count_dmas(lists, "gather")
-        return self._staging_to_host([x.slot for x in part], [self._chunks_moved(pos) for _, pos in lists])
+        return self._staging_to_host([x.slot for x in part], at, [self._chunks_moved(pos) for _, pos in lists])
 
     def _chunks_moved(self, positions) -> np.ndarray:
-        """Which chunks of the pass (by index) a group moves at all."""
+        """Which staging chunks a group moves at all."""
         return np.unique(np.asarray(positions, dtype=np.int64) // self.bpc)
 
-    def _host_to_staging(self, slots: Sequence[int], moved: Sequence[np.ndarray]) -> None:
-        """Slot ``slots[i]`` into staging chunk i, by this engine's host path; group g only
-        for the chunks in ``moved[g]``."""
+    def _host_to_staging(self, slots: Sequence[int], at, moved: Sequence[np.ndarray]) -> None:
+        """Slot ``slots[i]`` into staging chunk ``at[i]``, by this engine's host path; group g only
+        for the staging chunks in ``moved[g]``."""
         if self.path == "device_put":
-            self._device_put_load(slots, moved)
+            self._device_put_load(slots, at, moved)
             return
         c = self.staging_chunks
         for k, pos, rows in self._by_slab(slots):
+            pos = np.asarray(at)[pos]
             sel = [np.isin(pos, chunks) for chunks in moved]
             self.staging, _ = self.programs.load(self.programs.slab_rows[k])(
                 self.staging, tuple(g[k] for g in self.slabs), tuple(ints(rows[m], c, 0) for m in sel),
                 tuple(ints(pos[m], c, 0) for m in sel), ints([int(m.sum()) for m in sel], len(sel), 0))
 
-    def _device_put_load(self, slots: Sequence[int], moved: Sequence[np.ndarray]) -> None:
+    def _device_put_load(self, slots: Sequence[int], at, moved: Sequence[np.ndarray]) -> None:
         """device_put path: every chunk the pass needs, checked first (nothing donated before a refusal),
         then one batched host-to-device transfer and one program per group that moves any."""
+        slots = dict(zip(np.asarray(at).tolist(), slots))  # by staging chunk
         want = [(int(i), gi) for gi, chunks in enumerate(moved) for i in chunks]
         sources = []
         for i, gi in want:
@@ -347,14 +369,15 @@ class TransferEngine:
                                                        ints([i for i, _ in mine], k, 0))
             self.staging = tuple(staging)  # each group's new staging as soon as it exists (the old is donated)
 
-    def _staging_to_host(self, slots: Sequence[int], moved: Sequence[np.ndarray]) -> Done:
-        """Staging chunk i into slot ``slots[i]``, by this engine's host path; group g only for the
-        chunks in ``moved[g]`` (a slot's other groups keep bytes no load will ask for)."""
+    def _staging_to_host(self, slots: Sequence[int], at, moved: Sequence[np.ndarray]) -> Done:
+        """Staging chunk ``at[i]`` into slot ``slots[i]``, by this engine's host path; group g only for
+        the staging chunks in ``moved[g]`` (a slot's other groups keep bytes no load will ask for)."""
         dones = []
+        at = np.asarray(at)
         if self.path == "device_put":  # one program and one batched transfer per pass
             chunks = self.programs.take_chunks()(self.staging)
-            want = [(i, gi) for i in range(len(slots)) for gi, m in enumerate(moved) if i in m]
-            sent = transfer([chunks[gi][i] for i, gi in want],  # D2H, outside any program
+            want = [(i, gi) for i in range(len(slots)) for gi, m in enumerate(moved) if at[i] in m]
+            sent = transfer([chunks[gi][at[i]] for i, gi in want],  # D2H, outside any program
                             [self.programs.host_chunk_sh[gi] for _, gi in want])
             host = [[None] * len(moved) for _ in slots]
             for (i, gi), a in zip(want, sent):
@@ -365,6 +388,7 @@ class TransferEngine:
             return Done(dones)
         c = self.staging_chunks
         for k, pos, rows in self._by_slab(slots):
+            pos = at[pos]
             sel = [np.isin(pos, chunks) for chunks in moved]
             new, done = self.programs.store(self.programs.slab_rows[k])(
                 tuple(g[k] for g in self.slabs), self.staging, tuple(ints(rows[m], c, 0) for m in sel),

@@ -65,6 +65,18 @@ class LayerGroup:
     kv_group: int = 0  # which of a chunk's id lists addresses these layers (LoadChunk.ids): 0 all, 1 windowed
     block_axes: tuple[str, ...] = ()  # DP attention: mesh axes the block dimension is split over (ranks)
 
+    ranks: int = 1  # DP attention: ranks the blocks are split over (the product of block_axes' sizes)
+
+    @property
+    def rank_axes(self) -> tuple[str, ...]:
+        """The replica axes within one rank (MLA's copies on a rank's devices): replica_axes less the ranks'."""
+        return tuple(a for a in self.replica_axes if a not in self.block_axes)
+
+    @property
+    def rank_replicas(self) -> int:
+        """Devices of one rank holding identical bytes of its blocks (they split its blocks among them)."""
+        return self.replicas // self.ranks
+
     @property
     def local_elems(self) -> int:
         return math.prod(self.local_block_shape)
@@ -242,8 +254,12 @@ def _group(mesh: Mesh, key: tuple, layers: tuple, sharding: NamedSharding, num_b
             f"the KV cache's block dimension is split over mesh axes {block_axes} (data-parallel attention) "
             f"and its KV heads are repeated {head_replicas} times: not supported together")
     # DP attention splits the block dimension over ranks: a block lives on its rank's devices only. The
-    # gather broadcasts it over those axes, which then hold identical bytes like MLA's copies.
-    copies = tuple(a for a in mesh.axis_names if a in replicated_axes(mesh, spec) or a in block_axes)  # mesh order
+    # gather spreads it over those axes, which then hold slices of it like MLA's copies. The ranks' axes
+    # come last (minor) in a piece's index: a rank's devices keep, of every block, its copy's slice split
+    # ``ranks`` ways, so one all-to-all over the ranks moves whole blocks' slices (programs.py, DMA kernel).
+    rep = replicated_axes(mesh, spec)
+    copies = (tuple(a for a in mesh.axis_names if a in rep and a not in block_axes)
+              + tuple(a for a in mesh.axis_names if a in block_axes))
     local = list(block_shape)
     shard_axes: list[str] = []
     for dim, entry in enumerate(spec[1:]):
@@ -260,7 +276,8 @@ def _group(mesh: Mesh, key: tuple, layers: tuple, sharding: NamedSharding, num_b
         if head_replicas > 1:
             raise ValueError(f"a KV cache both replicated over mesh axes {list(copies)} and with repeated heads")
         replicas = math.prod(mesh.shape[a] for a in copies)
-        free = [d for d in range(len(local)) if not _axes(spec[1 + d])]  # the replicas' axes go there
+        # the replicas' axes go on a dim no mesh axis (of size > 1) splits, the most major that divides
+        free = [d for d in range(len(local)) if all(mesh.shape[a] == 1 for a in _axes(spec[1 + d]))]
         split_dim = next((d for d in free if local[d] % replicas == 0), None)
         if split_dim is None:
             raise ValueError(
@@ -277,6 +294,7 @@ def _group(mesh: Mesh, key: tuple, layers: tuple, sharding: NamedSharding, num_b
         local_block_shape=tuple(local), shard_axes=tuple(shard_axes),
         shards=math.prod(mesh.shape[a] for a in shard_axes), head_axes=head_axes, head_shards=head_shards,
         replicas=replicas, kv_group=kv_group, split_dim=split_dim, replica_axes=copies, block_axes=block_axes,
+        ranks=split,
     )
 
 

@@ -37,7 +37,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from tpu_offload.jax_backend import dma
-from tpu_offload.jax_backend.layout import KVLayout
+from tpu_offload.jax_backend.layout import KVLayout, _divided
 
 KERNELS = ("dma", "loop")
 
@@ -51,13 +51,16 @@ class Programs:
         or ``loop`` (XLA ops, one block per trip). Default: ``dma`` on TPU, ``loop`` elsewhere."""
         self.layout = layout
         self.platform = layout.program_mesh.devices.flat[0].platform
-        kernel = kernel or default_kernel(self.platform, layout)
+        ranks = max(g.ranks for g in layout.groups)
+        chunks = staging_blocks // blocks_per_chunk
+        if kernel is None:
+            kernel = default_kernel(self.platform, layout) if chunks % ranks == 0 else "loop"
         if kernel not in KERNELS:
             raise ValueError(f"transfer kernel {kernel!r}: expected one of {', '.join(KERNELS)}")
-        if kernel == "dma" and any(g.block_axes for g in layout.groups):
-            raise ValueError("transfer kernel 'dma': the KV cache's block dimension is split over attention-DP "
-                             "ranks, which the DMA kernel does not address (each rank's block ids are local); "
-                             "use the 'loop' kernel (TPU_OFFLOAD_TRANSFER_KERNEL=loop or auto)")
+        if kernel == "dma" and chunks % ranks:
+            raise ValueError(f"transfer kernel 'dma': {chunks} staging chunks do not divide over the {ranks} "
+                             "attention-DP ranks (each rank stages its blocks on its own devices); set "
+                             f"TPU_OFFLOAD_NUM_STAGING_BLOCKS to a multiple of {ranks * blocks_per_chunk}")
         if kernel == "dma" and self.platform == "tpu" and not dma_sliceable(layout):
             raise ValueError("transfer kernel 'dma': a replica's slice of a block lies along a tiled dimension "
                              f"(block shapes {[g.block_shape for g in layout.groups]}), which a TPU DMA cannot "
@@ -131,20 +134,50 @@ class Programs:
         if self.kernel == "loop":
             return (tuple(ints(ids, n, 0) for ids, _ in moves), tuple(ints(pos, n, 0) for _, pos in moves),
                     ints([len(ids) for ids, _ in moves], len(moves), 0))
-        ops = [dma.run_operands(self._runs(ids, pos, name), n) for ids, pos in moves]
+        ops = []
+        for g, (ids, pos) in zip(self.layout.groups, moves):
+            if g.ranks == 1:
+                ops.append(dma.run_operands(self._runs(ids, pos, name), n))
+            else:  # one row per rank: its own runs, in its devices' block ids and its share of staging
+                per = [dma.run_operands(r, n // g.ranks) for r in self._rank_runs(g, ids, pos, name)]
+                ops.append(tuple(np.stack([o[k] for o in per]) for k in range(4)))
         return tuple(tuple(o[k] for o in ops) for k in range(4))
 
     def dma_count(self, moves, name: str) -> int:
         """DMAs one ``gather``/``scatter`` call issues for ``moves`` (0 for the loop kernel): one per
-        (layer, coalesced run), and the scatter's once per replica slice."""
+        (layer, coalesced run), and the scatter's once per replica slice. Under DP attention, what one
+        device of each rank issues, summed over the ranks."""
         if self.kernel != "dma":
             return 0
-        return sum(len(self._runs(ids, pos, name)) * len(g.layers) * (g.replicas if name == "scatter" else 1)
-                   for g, (ids, pos) in zip(self.layout.groups, moves))
+        total = 0
+        for g, (ids, pos) in zip(self.layout.groups, moves):
+            runs = sum(len(r) for r in self._rank_runs(g, ids, pos, name)) if g.ranks > 1 else \
+                len(self._runs(ids, pos, name))
+            reps = 1 if name == "gather" else (g.rank_replicas if g.ranks > 1 else g.replicas)
+            parts = g.ranks if g.ranks > 1 and _parts(g) else 1  # a DMA per rank's part of a slice
+            total += runs * len(g.layers) * reps * parts
+        return total
 
     @staticmethod
     def _runs(ids, pos, name: str) -> np.ndarray:
         return dma.coalesce(ids, pos) if name == "gather" else dma.coalesce(pos, ids)
+
+    def rank_chunks(self, g) -> int:
+        """Staging chunks each attention-DP rank owns: rank r stages at chunks [r * k, (r + 1) * k)."""
+        return self.staging_chunks // g.ranks
+
+    def _rank_runs(self, g, ids, pos, name: str) -> list[np.ndarray]:
+        """Per rank, the runs of its blocks in its own numbering: its devices' cache rows (global id less
+        the rank's first block) and its share of staging (position less the share's first)."""
+        ids, pos = np.asarray(ids, dtype=np.int64), np.asarray(pos, dtype=np.int64)
+        per_rank, share = self.layout.num_blocks // g.ranks, self.staging_blocks // g.ranks
+        rank = ids // per_rank
+        bad = np.flatnonzero(pos // share != rank)
+        if bad.size:
+            i = bad[0]
+            raise ValueError(f"block {ids[i]} (attention-DP rank {rank[i]}) at staging position {pos[i]}, in rank "
+                             f"{pos[i] // share}'s share: the DMA kernel stages each rank's blocks on its own devices")
+        return [self._runs(ids[rank == r] - r * per_rank, pos[rank == r] - r * share, name) for r in range(g.ranks)]
 
     def store(self, rows: int | None = None) -> Callable:
         """(one slab per group, staging, slab rows[g][c], staging chunks[g][c], count[groups]) -> (slabs, done).
@@ -241,6 +274,7 @@ class Programs:
     def _build_scatter(self):
         groups = self.layout.groups
         as_bits = collectives_as_bits(self.layout)
+        mesh_shape = dict(self.layout.mesh.shape)
 
         def scatter_local(caches, staging, ids, pos, count):
             caches = list(caches)
@@ -264,7 +298,8 @@ class Programs:
 
                 layers = tuple(caches[a] for a in g.layers)
                 if g.replicas > 1:  # the whole head shard: the ring runs once per pass, outside the loop
-                    new = _scatter_replicas(lambda off, src, lay: write(off, src, lay), st, layers, g, as_bits)
+                    new = _scatter_replicas(lambda off, src, lay: write(off, src, lay), st, layers, g, as_bits,
+                                            mesh_shape)
                 else:
                     new = write(jnp.zeros((1,), jnp.int32), st, layers)
 
@@ -281,22 +316,34 @@ class Programs:
                             self._ints(len(groups))).compile()
 
     def _gp(self):
-        return tuple(P() for _ in self.layout.groups)
+        """The DMA operands' specs per group: replicated, or one row per attention-DP rank on its devices."""
+        return tuple(P(g.block_axes) if g.ranks > 1 else P() for g in self.layout.groups)
 
     def _dma_avals(self):
-        n, g = self.staging_blocks, len(self.layout.groups)
-        return (tuple(self._ints(1) for _ in range(g)),) + tuple(self._group_ints(n) for _ in range(3))
+        n, out = self.staging_blocks, []
+        for g in self.layout.groups:
+            if g.ranks == 1:
+                out.append((self._ints(1),) + (self._ints(n),) * 3)
+            else:
+                sh = self.layout.sharding(g.block_axes)
+                row = lambda k: jax.ShapeDtypeStruct((g.ranks, k), jnp.int32, sharding=sh)
+                out.append((row(1),) + (row(n // g.ranks),) * 3)
+        return tuple(tuple(o[k] for o in out) for k in range(4))
 
     def _build_gather_dma(self):
-        groups, platform = self.layout.groups, self.platform
+        groups, platform, as_bits = self.layout.groups, self.platform, collectives_as_bits(self.layout)
 
         def gather_local(caches, staging, count, src, dst, length):
             out = []
             for gi, (g, st) in enumerate(zip(groups, staging)):
+                layers = [caches[a] for a in g.layers]
+                if g.ranks > 1:
+                    out.append(_gather_ranks(g, layers, st, count[gi][0], src[gi][0], dst[gi][0], length[gi][0],
+                                             platform, as_bits))
+                    continue
                 split, offset = _replica_split(g)
                 call = dma.gather_call(len(g.layers), st.shape, st.dtype, platform, split)
-                out.append(call(count[gi], src[gi], dst[gi], length[gi], offset,
-                                [caches[a] for a in g.layers], st))
+                out.append(call(count[gi], src[gi], dst[gi], length[gi], offset, layers, st))
             return tuple(out)
 
         gp = self._gp()
@@ -308,23 +355,41 @@ class Programs:
     def _build_scatter_dma(self):
         groups, platform = self.layout.groups, self.platform
         as_bits = collectives_as_bits(self.layout)
+        mesh_shape = dict(self.layout.mesh.shape)
 
         def scatter_local(caches, staging, count, src, dst, length):
             caches = list(caches)
+            counts = []
             for gi, (g, st) in enumerate(zip(groups, staging)):
                 layers = [caches[a] for a in g.layers]
                 args = (count[gi], src[gi], dst[gi], length[gi])
-                if g.replicas == 1:
+                if g.ranks > 1:  # this rank's blocks back from every device's slices: one all-to-all per pass
+                    args = tuple(a[0] for a in args)
+                    st = _to_ranks(g, st, as_bits)
+                    size = g.local_block_shape[g.split_dim] // g.rank_replicas  # a copy's slice
+                    if _parts(g):
+                        split, parts = (g.split_dim, size // g.ranks), g.ranks
+                    else:
+                        split, parts = (None if g.rank_replicas == 1 else (g.split_dim, size)), 1
+                    call = dma.scatter_call(len(g.layers), layers[0].shape, layers[0].dtype, platform, split, parts)
+                    if g.rank_replicas == 1:
+                        layers = call(*args, jnp.zeros((1,), jnp.int32), st, layers)
+                    else:  # and the rank's copies' slices, one ring shift per copy
+                        layers = _scatter_replicas(lambda off, src, lay: call(*args, off, src, lay), st, layers, g,
+                                                   as_bits, mesh_shape,
+                                                   ring=(g.rank_axes, g.rank_replicas, g.rank_replicas, size))
+                elif g.replicas == 1:
                     call = dma.scatter_call(len(g.layers), layers[0].shape, layers[0].dtype, platform)
                     layers = call(*args, jnp.zeros((1,), jnp.int32), st, layers)
                 else:  # every replica's slices, one ring shift per replica: once per pass, never per block
                     split, _ = _replica_split(g)
                     call = dma.scatter_call(len(g.layers), layers[0].shape, layers[0].dtype, platform, split)
                     layers = _scatter_replicas(lambda off, src, lay: call(*args, off, src, lay), st, layers, g,
-                                               as_bits)
+                                               as_bits, mesh_shape)
+                counts.append(args[0])
                 for a, arr in zip(g.layers, layers):
                     caches[a] = arr
-            return tuple(caches), jnp.concatenate(count)
+            return tuple(caches), jnp.concatenate(counts)
 
         gp = self._gp()
         body = self._local(scatter_local, (self._cache_specs(), self._staging_specs(), gp, gp, gp, gp),
@@ -492,7 +557,53 @@ def _replica_split(g):
     return (g.split_dim, t), jnp.reshape(j * t, (1,)).astype(jnp.int32)
 
 
-def _scatter_replicas(write, staging, layers, g, as_bits: bool):
+def _gather_ranks(g, layers, staging, n, src, dst, length, platform: str, as_bits: bool):
+    """DP attention's gather on one device: its rank's blocks (its copy's slice of each, when a rank's
+    devices hold copies) DMA'd into a buffer of the rank's share of staging, then one all-to-all over
+    the ranks spreads every block's slices to their places in staging (piece index: copy major, rank
+    minor, layout.py): rank r's blocks land at staging positions [r * share, (r + 1) * share).
+
+    Where the slices lie along an untiled dimension (``_parts``), the DMAs write each rank's part to
+    its own leading index, the layout the all-to-all sends as it is; else the kernel copies whole
+    (copy-sliced) blocks and XLA relays them for the all-to-all (one more buffer and HBM pass)."""
+    m, d = g.rank_replicas, g.ranks
+    size = g.local_block_shape[g.split_dim] // m  # this copy's slice of a block
+    offset = jnp.reshape(lax.axis_index(g.rank_axes) * size if m > 1 else 0, (1,)).astype(jnp.int32)
+    share = (staging.shape[0] // d, len(g.layers))
+    if _parts(g):
+        call = dma.gather_call(len(g.layers), (d, *share, *g.piece_shape), staging.dtype, platform,
+                               (g.split_dim, size // d), fresh=True, parts=d)
+        split, concat = 0, 0
+    else:
+        split = None if m == 1 else (g.split_dim, size)
+        call = dma.gather_call(len(g.layers), (*share, *_divided(g.local_block_shape, g.split_dim, m)),
+                               staging.dtype, platform, split, fresh=True)
+        split, concat = 2 + g.split_dim, 0
+    mine = call(n, src, dst, length, offset, layers)
+    raw = lax.bitcast_convert_type(mine, _bits(mine.dtype)) if as_bits else mine
+    out = lax.all_to_all(raw, g.block_axes, split, concat, tiled=True)
+    out = lax.bitcast_convert_type(out, staging.dtype) if as_bits else out
+    return jnp.reshape(out, staging.shape)
+
+
+def _to_ranks(g, staging, as_bits: bool):
+    """The inverse of ``_gather_ranks``'s all-to-all: each rank's share of staging on that rank's devices,
+    as the parts of its copy's slice of each block (``_parts``: one leading index per part) or whole."""
+    raw = lax.bitcast_convert_type(staging, _bits(staging.dtype)) if as_bits else staging
+    if _parts(g):
+        raw = jnp.reshape(raw, (g.ranks, staging.shape[0] // g.ranks, *staging.shape[1:]))
+        out = lax.all_to_all(raw, g.block_axes, 0, 0, tiled=True)
+    else:
+        out = lax.all_to_all(raw, g.block_axes, 0, 2 + g.split_dim, tiled=True)
+    return lax.bitcast_convert_type(out, staging.dtype) if as_bits else out
+
+
+def _parts(g) -> bool:
+    """Whether a DP group's slices lie along an untiled block dimension (a DMA addresses any offset)."""
+    return g.split_dim < len(g.block_shape) - 2
+
+
+def _scatter_replicas(write, staging, layers, g, as_bits: bool, mesh_shape, ring=None):
     """Write every replica's slices of the pass into ``layers`` (the whole head shard, or MLA's
     whole copy), each with one ``write(offset, source, layers)``.
 
@@ -504,33 +615,50 @@ def _scatter_replicas(write, staging, layers, g, as_bits: bool):
     replica (j - k) mod r), once per pass, never per block (a full all-gather
     over the head axes would move every group's bytes to every device). Each
     shift waits (optimization barrier) for the previous write, so one
-    received buffer is live at a time: one staging buffer of HBM scratch."""
-    r, h = g.replicas, g.rep_size
-    split_offset = lambda k: jnp.reshape(((lax.axis_index(g.rep_axes) % r - k) % r) * g.piece_shape[g.split_dim],
-                                         (1,)).astype(jnp.int32)
+    received buffer is live at a time: one staging buffer of HBM scratch. ``ring``: (axes, replicas,
+    devices along the axes, slice size) when not the group's own (a DP rank's copies). ``mesh_shape``:
+    the mesh's axis sizes, in its order."""
+    axes, r, h, size = ring or (g.rep_axes, g.replicas, g.rep_size, g.piece_shape[g.split_dim])
+    split_offset = lambda k: jnp.reshape(((lax.axis_index(axes) % r - k) % r) * size, (1,)).astype(jnp.int32)
     layers = write(split_offset(0), staging, layers)
     raw = lax.bitcast_convert_type(staging, _bits(staging.dtype)) if as_bits else staging
     for k in range(1, r):
         raw, layers = lax.optimization_barrier((raw, tuple(layers)))
-        got = lax.ppermute(raw, g.rep_axes, [(i, i // r * r + (i % r + k) % r) for i in range(h)])
+        got = lax.ppermute(raw, *_ring(axes, mesh_shape, [(i, i // r * r + (i % r + k) % r) for i in range(h)]))
         got = lax.bitcast_convert_type(got, staging.dtype) if as_bits else got
         layers = write(split_offset(k), got, layers)
     return layers
 
 
+def _ring(axes: tuple, mesh_shape: dict, pairs: list) -> tuple:
+    """``(axes, pairs)`` for ``ppermute``, with ``pairs`` given as linear indices over ``axes`` in
+    their own order, restated over the same axes in mesh order (which ppermute requires; DP
+    attention's replica axes put the ranks' axes last, layout.py)."""
+    ordered = tuple(a for a in mesh_shape if a in axes)
+    if ordered == tuple(axes):
+        return axes, pairs
+    sizes = [mesh_shape[a] for a in axes]
+    coords = list(np.ndindex(*sizes))  # by linear index over ``axes``
+    where = lambda c: int(np.ravel_multi_index([c[axes.index(a)] for a in ordered],
+                                               [mesh_shape[a] for a in ordered]))
+    return ordered, [(where(coords[i]), where(coords[j])) for i, j in pairs]
+
+
 def default_kernel(platform: str, layout: KVLayout | None = None) -> str:
-    """``dma`` where a TPU runs it; ``loop`` elsewhere (the DMA kernel is interpreted on CPU, slowly),
-    where a TPU DMA cannot address a replica's slice (``dma_sliceable``), and under DP attention."""
-    return "dma" if platform == "tpu" and (layout is None or (dma_sliceable(layout) and not any(
-        g.block_axes for g in layout.groups))) else "loop"
+    """``dma`` where a TPU runs it; ``loop`` elsewhere (the DMA kernel is interpreted on CPU, slowly)
+    and where a TPU DMA cannot address a replica's slice (``dma_sliceable``)."""
+    return "dma" if platform == "tpu" and (layout is None or dma_sliceable(layout)) else "loop"
 
 
 def dma_sliceable(layout: KVLayout) -> bool:
     """Whether every group's replica slice lies along a dimension a TPU DMA can slice at any offset.
     HBM arrays are tiled over their last two dimensions, and a DMA's offsets there must be whole
     tiles: MLA's latent cache (4, 32, 640) per 128-token page, split 8 ways at TP 8, keeps 4 of 32
-    rows, a part of an 8-row tile (the TPU compiler refuses that kernel)."""
-    return all(g.replicas == 1 or g.split_dim < len(g.block_shape) - 2 for g in layout.groups)
+    rows, a part of an 8-row tile (the TPU compiler refuses that kernel). Under DP attention the
+    kernel slices only by a rank's own copies (none at one device per rank: DeepSeek-V3 at DP 8);
+    the all-to-all over the ranks does the rest."""
+    return all((g.rank_replicas if g.ranks > 1 else g.replicas) == 1 or g.split_dim < len(g.block_shape) - 2
+               for g in layout.groups)
 
 
 def _bits(dtype):
