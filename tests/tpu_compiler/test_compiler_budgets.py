@@ -304,3 +304,15 @@ def test_dense_under_dp_attention_is_no_block_loop(llama70b_dp2):
         assert ops[0] == ops[1] == ops[2] <= 8, (name, ops)
         f = figs[name]
         assert f.hbm_scratch <= 1.1 * f.moved and f.bytes_accessed <= (4.01 if name == "gather" else 3) * f.moved, f
+
+
+@pytest.mark.xfail(strict=True, reason="under DP attention the DMA kernel's all-to-all costs more than the "
+                   "1.1x scratch / 3x bytes-accessed budgets: DeepSeek-V3 DP 8 relays a rank's blocks (2.0x "
+                   "scratch, 11x accessed), the dense DP 2 gather copies the all-to-all's result once (4x "
+                   "accessed). Meeting them needs each chunk kept in its owner rank's host memory (README)")
+@pytest.mark.parametrize("shape", ["deepseek_dp8", "llama70b_dp2"])
+def test_dp_attention_within_the_budgets(shape, request):
+    programs, figs = request.getfixturevalue(shape)
+    for name in ("gather", "scatter"):
+        f = figs[name]
+        assert f.hbm_scratch <= 1.1 * f.moved and f.bytes_accessed <= 3 * f.moved, (name, f)
