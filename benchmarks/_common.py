@@ -85,3 +85,23 @@ def pyplot():
     except ImportError:
         return None
     return plt
+
+
+def store_prompts(eng, prompts: Sequence[list[int]]) -> None:
+    """One pass that stores ``prompts``, then a few small steps so their stores complete."""
+    eng.generate(prompts, max_tokens=1)
+    for _ in range(3):
+        eng.generate([[5, 6, 7, 8]], 1)
+
+
+def restore_ttfts_ms(eng, prompts: Sequence[list[int]]) -> list[float]:
+    """vLLM's ``first_token_latency`` (ms) of each prompt sent alone, so each TTFT is one restore."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    out = []
+    for p in prompts:
+        (o,) = eng.llm.generate([TokensPrompt(prompt_token_ids=list(p))], sp, use_tqdm=False)
+        out.append(o.metrics.first_token_latency * 1e3)
+    return out

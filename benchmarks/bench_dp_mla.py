@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests" / "tpu_engine")]
 
-from _common import print_table, write_json  # noqa: E402
+from _common import print_table, restore_ttfts_ms, store_prompts, write_json  # noqa: E402
 
 THEIR_ENV = {"TPU_OFFLOAD_NUM_CPU_CHUNKS": "1024", "TPU_OFFLOAD_NUM_STAGING_BLOCKS": "64",
              "TPU_OFFLOAD_SKIP_JAX_PRECOMPILE": "1"}
@@ -74,9 +74,6 @@ def measure(kind: str, reps: int, batch: int, prompt_len: int) -> dict:
     assert type(eng.core.scheduler).__name__ == "DPScheduler" and eng.core.scheduler.dp_size == 2
     ttft, per_rep = [], []
     try:
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
         wrk = eng.worker_connector.worker if kind == "ours" else None
 
         def load_bytes():
@@ -84,17 +81,10 @@ def measure(kind: str, reps: int, batch: int, prompt_len: int) -> dict:
 
         for r in range(reps + 1):
             prompts = [prompt(7000 + 100 * r + i, prompt_len) for i in range(batch)]
-            eng.generate(prompts, max_tokens=1)  # stored
-            for _ in range(3):
-                eng.generate([[5, 6, 7, 8]], 1)  # steps the engine: the stores complete
+            store_prompts(eng, prompts)
             eng.reset_prefix_cache()
             before = load_bytes()
-            lat = []
-            for i, p in enumerate(prompts):  # one at a time: each TTFT is one restore
-                sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-                (out,) = eng.llm.generate([TokensPrompt(prompt_token_ids=p + prompt(9000 + i, 8))], sp,
-                                          use_tqdm=False)
-                lat.append(out.metrics.first_token_latency * 1e3)
+            lat = restore_ttfts_ms(eng, [p + prompt(9000 + i, 8) for i, p in enumerate(prompts)])
             if r:
                 ttft += lat
                 per_rep.append(load_bytes() - before)

@@ -40,7 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests" / "tpu_engine")]
 
-from _common import print_table, write_json  # noqa: E402
+from _common import print_table, restore_ttfts_ms, store_prompts, write_json  # noqa: E402
 
 PAGE = 128  # tokens per TPU page for these models in tpu-inference
 THEIR_ENV = {"TPU_OFFLOAD_NUM_CPU_CHUNKS": "1024", "TPU_OFFLOAD_NUM_STAGING_BLOCKS": "64",
@@ -133,23 +133,13 @@ def measure(kind: str, family: str, reps: int, batch: int, prompt_len: int) -> d
     groups = len(eng.core.scheduler.kv_cache_config.kv_cache_groups)
     ttft, per_rep = [], []
     try:
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
         wrk = None if kind == "theirs" else eng.worker_connector.worker
         for r in range(reps + 1):
             before = dict(moved) if wrk is None else {"store": wrk.totals.get("store_bytes", 0),
                                                        "load": wrk.totals.get("load_bytes", 0)}
             prompts = [prompt(7000 + 100 * r + i, prompt_len) for i in range(batch)]
-            eng.generate(prompts, max_tokens=1)  # stored
-            for _ in range(3):
-                eng.generate([[5, 6, 7, 8]], 1)  # steps the engine: the stores complete
-            lat = []
-            for i, p in enumerate(prompts):  # one at a time: each TTFT is one restore
-                sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-                (out,) = eng.llm.generate([TokensPrompt(prompt_token_ids=p + prompt(9000 + i, 8))], sp,
-                                          use_tqdm=False)
-                lat.append(out.metrics.first_token_latency * 1e3)
+            store_prompts(eng, prompts)
+            lat = restore_ttfts_ms(eng, [p + prompt(9000 + i, 8) for i, p in enumerate(prompts)])
             after = dict(moved) if wrk is None else {"store": wrk.totals.get("store_bytes", 0),
                                                       "load": wrk.totals.get("load_bytes", 0)}
             if r:
