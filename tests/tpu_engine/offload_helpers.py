@@ -138,3 +138,21 @@ class CompileCounter:
 
     def since(self, mark: int) -> list[str]:
         return self.names[mark:]
+
+
+def store_then_hit_every_block(eng, w, base, block_size: int) -> None:
+    """Pass 1 stores, vLLM's prefix cache is reset, pass 2 hits every full block from our tier:
+    identical tokens both passes, and what vLLM took is what we counted, with no load error."""
+    t0 = totals(eng)
+    assert w.run(eng) == base
+    settle(eng)
+    t1 = totals(eng)
+    assert delta(t1, t0, "stored_chunks") > 0
+    eng.reset_prefix_cache()
+    with ExternalHits(eng) as took:
+        assert w.run(eng) == base
+    t2 = totals(eng)
+    want = sum(hit_tokens(len(p), block_size) for p in w.prompts)
+    assert delta(t2, t1, "hit_tokens") == want
+    assert took.tokens == want, "what vLLM took from our tier is what we counted"
+    assert delta(t2, t1, "load_errors") == 0

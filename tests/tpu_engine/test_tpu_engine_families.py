@@ -45,7 +45,7 @@ import sys
 import pytest
 
 from engine_run import REPO, Shape, kv_transfer_config, their_kv_transfer_config
-from offload_helpers import OURS, ExternalHits, delta, hit_tokens, settle, totals, valid_slots, zero_slots
+from offload_helpers import OURS, hit_tokens, store_then_hit_every_block, valid_slots, zero_slots
 from tiny_families import ENGINE_ENV_KEYS, FAMILIES, use_engine_env
 from workloads import DETERMINISM, ROUNDTRIP
 
@@ -212,19 +212,7 @@ def test_tp1_our_connector_round_trip(name, engines):
     base = baseline(engines, shape, w)
     eng = engine(engines, ("ours", shape), shape, kv_transfer_config("offload.json", **OURS))
     before = valid_slots(eng)
-    t0 = totals(eng)
-    assert w.run(eng) == base
-    settle(eng)
-    t1 = totals(eng)
-    assert delta(t1, t0, "stored_chunks") > 0
-    eng.reset_prefix_cache()
-    with ExternalHits(eng) as took:
-        assert w.run(eng) == base
-    t2 = totals(eng)
-    want = sum(hit_tokens(len(p), shape.block_size) for p in w.prompts)
-    assert delta(t2, t1, "hit_tokens") == want
-    assert took.tokens == want, "what vLLM took from our tier is what we counted"
-    assert delta(t2, t1, "load_errors") == 0
+    store_then_hit_every_block(eng, w, base, shape.block_size)
 
     # negative control: the restored bytes are what attention reads (every layer's, whatever its shape)
     zero_slots(eng, valid_slots(eng) - before, keep_checksums=True)
