@@ -155,15 +155,19 @@ def measure(programs: Programs, path: str = "program") -> dict[str, Figures]:
     # under DP attention a device writes only its rank's share of the blocks
     written = blocks * sum(g.local_elems * jnp.dtype(g.dtype).itemsize * len(g.layers) // g.ranks
                            for g in programs.layout.groups)
-    chunk = programs.layout.device_block_bytes() * programs.bpc
+    # a chunk per device, where it is held (under DP attention on its rank's devices only)
+    chunk = sum(g.piece_bytes for g in programs.layout.groups) * programs.bpc
     if path == "device_put":  # the host side is the runtime's device_put of chunks sliced out of staging
         builders = {"gather": programs.gather, "scatter": programs.scatter, "take_chunks": programs.take_chunks,
                     "put_chunks": programs.put_chunks}
     else:
         builders = {"gather": programs.gather, "scatter": programs.scatter, "store": programs.store,
                     "load": programs.load, "alloc_slabs": programs._slab_allocator}
+        if programs.ranks > 1:  # a load that also carries chunks to other ranks (one ring pass)
+            builders["load_cross"] = lambda: programs.load(cross=True)
     # scatter writes the whole head shard (replicas x the piece) into the cache
     moved = {"gather": block, "scatter": written, "store": chunk, "load": chunk, "alloc_slabs": chunk,
+             "load_cross": chunk * programs.cross_chunks * (programs.ranks - 1),  # what its ring carries
              "take_chunks": block, "put_chunks": block}  # every chunk of a pass
     return {name: figures(name, build, moved[name]) for name, build in builders.items()}
 
@@ -204,10 +208,12 @@ def budget_failures(programs: Programs, figs: dict[str, Figures]) -> list[str]:
     if st.host_alias != st.host_argument or st.host_argument < slab:
         out.append(f"store: host slabs not updated in place (host argument {st.host_argument / MIB:.0f} MiB, "
                    f"alias {st.host_alias / MIB:.0f} MiB, slab {slab / MIB:.0f} MiB)")
-    if ld.host_argument < slab or ld.host_output:
-        out.append(f"load: host slab not read in place (host argument {ld.host_argument / MIB:.0f} MiB, "
-                   f"host output {ld.host_output / MIB:.0f} MiB)")
-    for f in (st, ld):
+    loads = [ld] + ([figs["load_cross"]] if "load_cross" in figs else [])
+    for f in loads:
+        if f.host_argument < slab or f.host_output:
+            out.append(f"{f.program}: host slab not read in place (host argument {f.host_argument / MIB:.0f} MiB, "
+                       f"host output {f.host_output / MIB:.0f} MiB)")
+    for f in [st] + loads:
         if f.host_temp:
             out.append(f"{f.program}: {f.host_temp / MIB:.1f} MiB of host temporaries")
     alloc = figs["alloc_slabs"]

@@ -54,12 +54,17 @@ class _Flight:
     hbm: int = 0  # HBM per device it holds until it lands (connector/hbm.py)
 
 
-def transfer_path(cfg, devices) -> str:
+def transfer_path(cfg, devices, ranks: int = 1) -> str:
     """``auto``: device_put on TPU, where a program's host copies would hold the TensorCore (the next
-    forward waits for them) while a runtime device_put overlaps it; program elsewhere (CPU, tests)."""
+    forward waits for them) while a runtime device_put overlaps it; program elsewhere (CPU, tests) and
+    under DP attention, where a chunk lives on one rank's devices (jax_backend/ranks.py)."""
+    if cfg.transfer_path == "device_put" and ranks > 1:
+        raise ConfigError(f"transfer_path='device_put' with {ranks} attention-DP ranks: each rank keeps its chunks "
+                          "in its own devices' host memory, which only the program path writes; set "
+                          "transfer_path to 'program' or 'auto' (TPU_OFFLOAD_TRANSFER_PATH)")
     if cfg.transfer_path != "auto":
         return cfg.transfer_path
-    return "device_put" if devices and devices[0].platform == "tpu" else "program"
+    return "device_put" if devices and devices[0].platform == "tpu" and ranks == 1 else "program"
 
 
 class OffloadWorker:
@@ -169,7 +174,7 @@ class OffloadWorker:
         memory.check_memory_kind(cfg.host_memory_kind, local)
         memory.check_host_fits(int(self.s.num_slots * layout.block_bytes * self.s.blocks_per_chunk * local_share),
                                self.s.num_slots, available=self._free_host, margin=cfg.host_memory_margin)
-        path = transfer_path(cfg, local)
+        path = transfer_path(cfg, local, layout.ranks)
         if path == "device_put" and cfg.snapshot_path:
             raise ConfigError("snapshot_path saves the preallocated host slabs: it needs transfer_path=program "
                               f"(TPU_OFFLOAD_TRANSFER_PATH), not {cfg.transfer_path!r} (device_put on {local[0].platform})")

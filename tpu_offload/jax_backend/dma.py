@@ -75,63 +75,51 @@ def _sliced(ref, rows, split):
     return ref.at[idx]
 
 
-def gather_call(num_layers: int, staging_shape, dtype, platform: str, split: tuple[int, int] | None = None,
-                fresh: bool = False, parts: int = 1):
+def gather_call(num_layers: int, staging_shape, dtype, platform: str, split: tuple[int, int] | None = None):
     """A function ``(n, src, dst, length, offset, *caches, staging) -> staging`` for one device's
     shards: for every run i < n[0] and layer l, ``caches[l][src[i] : src[i] + length[i]]``
     (only the slice ``offset[0] : offset[0] + size`` of block dim ``split = (dim, size)``) into
-    ``staging[dst[i] : ..., l]``. One DMA per (run, layer), one semaphore per layer.
-    ``fresh``: no ``staging`` argument; the kernel's output is a new buffer (rows no run writes
-    are undefined), so nothing is zero-filled first (DP attention's per-rank buffer).
-    ``parts > 1``: ``staging`` has a leading dim of ``parts``; part j of the slice (the ``size``
-    elements at ``offset + j * size``) goes to ``staging[j]``: the layout an all-to-all over the
-    parts takes as it is (DP attention)."""
+    ``staging[dst[i] : ..., l]``. One DMA per (run, layer), one semaphore per layer."""
     L = num_layers
 
     def kernel(n_ref, src_ref, dst_ref, len_ref, off_ref, *refs):
-        caches, out, sems = refs[:L], refs[L + (0 if fresh else 1)], refs[-1]
+        caches, out, sems = refs[:L], refs[L + 1], refs[-1]
 
-        def copy(i, li, j):
+        def copy(i, li):
             rows = pl.ds(src_ref[i], len_ref[i])
-            part = None if split is None else (split[0], off_ref[0] + j * split[1], split[1])
-            dst = out.at[pl.ds(dst_ref[i], len_ref[i]), li] if parts == 1 else \
-                out.at[j, pl.ds(dst_ref[i], len_ref[i]), li]
-            return pltpu.make_async_copy(_sliced(caches[li], rows, part), dst, sems.at[li])
+            part = None if split is None else (split[0], off_ref[0], split[1])
+            return pltpu.make_async_copy(_sliced(caches[li], rows, part), out.at[pl.ds(dst_ref[i], len_ref[i]), li],
+                                         sems.at[li])
 
-        _start_then_wait(n_ref, L, copy, parts)
+        _start_then_wait(n_ref, L, copy)
 
     out_shape = jax.ShapeDtypeStruct(staging_shape, dtype)
+    run = _dma_call(kernel, out_shape, pl.BlockSpec(memory_space=pl.ANY), {N_SCALARS + L: 0}, L + 1, L,
+                    platform)  # staging in place
 
-    run = _dma_call(kernel, out_shape, pl.BlockSpec(memory_space=pl.ANY),
-                    {} if fresh else {N_SCALARS + L: 0}, L + (0 if fresh else 1), L, platform)  # staging in place
-
-    def call(n, src, dst, length, offset, caches, staging=None):
-        return run(n, src, dst, length, offset, *caches) if fresh else run(n, src, dst, length, offset, *caches,
-                                                                              staging)
+    def call(n, src, dst, length, offset, caches, staging):
+        return run(n, src, dst, length, offset, *caches, staging)
 
     return call
 
 
-def scatter_call(num_layers: int, cache_shape, dtype, platform: str, split: tuple[int, int] | None = None,
-                 parts: int = 1):
+def scatter_call(num_layers: int, cache_shape, dtype, platform: str, split: tuple[int, int] | None = None):
     """A function ``(n, src, dst, length, offset, source, *caches) -> caches``: for every run
     i < n[0] and layer l, ``source[src[i] : src[i] + length[i], l]`` into ``caches[l][dst[i] : ...]``
     (into the slice ``offset[0] : offset[0] + size`` of block dim ``split = (dim, size)`` when
-    ``source`` holds one replica's slices). The caches are written in place. ``parts``: as
-    ``gather_call``'s, the other way."""
+    ``source`` holds one replica's slices). The caches are written in place."""
     L = num_layers
 
     def kernel(n_ref, src_ref, dst_ref, len_ref, off_ref, *refs):
         source, outs, sems = refs[0], refs[1 + L: 1 + 2 * L], refs[1 + 2 * L]
 
-        def copy(i, li, j):
+        def copy(i, li):
             rows = pl.ds(dst_ref[i], len_ref[i])
-            part = None if split is None else (split[0], off_ref[0] + j * split[1], split[1])
-            src = source.at[pl.ds(src_ref[i], len_ref[i]), li] if parts == 1 else \
-                source.at[j, pl.ds(src_ref[i], len_ref[i]), li]
-            return pltpu.make_async_copy(src, _sliced(outs[li], rows, part), sems.at[li])
+            part = None if split is None else (split[0], off_ref[0], split[1])
+            return pltpu.make_async_copy(source.at[pl.ds(src_ref[i], len_ref[i]), li],
+                                         _sliced(outs[li], rows, part), sems.at[li])
 
-        _start_then_wait(n_ref, L, copy, parts)
+        _start_then_wait(n_ref, L, copy)
 
     out_shape = tuple(jax.ShapeDtypeStruct(cache_shape, dtype) for _ in range(L))
 
@@ -161,17 +149,15 @@ def _dma_call(kernel, out_shape, out_specs, aliases: dict[int, int], num_inputs:
     )
 
 
-def _start_then_wait(n_ref, num_layers: int, copy, parts: int = 1):
-    """Start every (run, layer, part) DMA, then wait for each: all are in flight together."""
+def _start_then_wait(n_ref, num_layers: int, copy):
+    """Start every (run, layer) DMA, then wait for each: all are in flight together."""
 
     @pl.loop(0, n_ref[0])
     def _start(i):
         for li in range(num_layers):
-            for j in range(parts):
-                copy(i, li, j).start()
+            copy(i, li).start()
 
     @pl.loop(0, n_ref[0])
     def _wait(i):
         for li in range(num_layers):
-            for j in range(parts):
-                copy(i, li, j).wait()
+            copy(i, li).wait()

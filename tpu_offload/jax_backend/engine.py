@@ -103,14 +103,22 @@ def plan_transfers(layout: KVLayout, *, num_slots: int, blocks_per_chunk: int, s
             f"staging_blocks={staging_blocks} cannot hold one chunk of {blocks_per_chunk} blocks; "
             f"raise staging_blocks (TPU_OFFLOAD_NUM_STAGING_BLOCKS) to at least {blocks_per_chunk}"
         )
-    # Whole chunks only: a staging buffer of 10 blocks with 4-block chunks uses 8.
-    staging_blocks = staging_blocks // blocks_per_chunk * blocks_per_chunk
-    local_chunk_bytes = max(1, layout.block_bytes * blocks_per_chunk * _local_fraction(layout))
+    # Whole chunks only: a staging buffer of 10 blocks with 4-block chunks uses 8. Under DP attention each
+    # rank stages and stores its own chunks (ranks.py): staging and every slab split into equal shares.
+    d = layout.ranks
+    if staging_blocks < blocks_per_chunk * d:
+        raise ValueError(f"staging_blocks={staging_blocks} cannot give each of the {d} attention-DP ranks one "
+                         f"chunk of {blocks_per_chunk} blocks; raise staging_blocks (TPU_OFFLOAD_NUM_STAGING_BLOCKS) "
+                         f"to at least {blocks_per_chunk * d}")
+    if num_slots % d:
+        raise ValueError(f"{num_slots} host slots do not divide over the {d} attention-DP ranks' partitions")
+    staging_blocks = staging_blocks // (blocks_per_chunk * d) * (blocks_per_chunk * d)
+    local_chunk_bytes = max(1, layout.block_bytes * blocks_per_chunk * _local_fraction(layout) / d)
     if rows_per_slab is None:
         rows_per_slab = int(max_slab_bytes // local_chunk_bytes)
-    rows_per_slab = max(1, min(num_slots, rows_per_slab))
-    n_full, rest = divmod(num_slots, rows_per_slab)
-    rows = (rows_per_slab,) * n_full + ((rest,) if rest else ())
+    rows_per_slab = max(d, min(num_slots, rows_per_slab) // d * d)
+    n_full, rest = divmod(num_slots // d, rows_per_slab // d)  # each rank's partition, in slabs of equal shares
+    rows = (rows_per_slab,) * n_full + ((rest * d,) if rest else ())
     programs = Programs(layout, staging_blocks=staging_blocks, blocks_per_chunk=blocks_per_chunk,
                         slab_rows=rows, memory_kind=memory_kind, kernel=kernel)
     return TransferPlan(staging_blocks=staging_blocks, rows_per_slab=rows_per_slab, programs=programs)
@@ -164,6 +172,8 @@ class TransferEngine:
         self.programs = plan.programs
         if path not in PATHS:
             raise ValueError(f"transfer path {path!r}: expected one of {', '.join(PATHS)}")
+        if path == "device_put":
+            self.programs._no_dp(path)
         self.path = path
         if not checked:
             preflight(layout, plan, path, num_slots, hbm_check)
@@ -261,14 +271,25 @@ class TransferEngine:
                 self.host[slot] = tuple(_zeros(av) if a is None else a
                                         for a, av in zip(held, self.programs.host_chunk_avals()))
             return [v for g in groups for v in hostview.array_views(self.host[slot][g])]
-        k, row = divmod(slot, self.rows_per_slab)
+        (k,), (row,) = self._rows([slot])
         return [v for g in groups for v in hostview.row_views(self.slabs[g][k], row)]
 
     # ---- passes ------------------------------------------------------------
+    def _rows(self, slots: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """(slab, row) of each slot. Under DP attention rank r's partition of the slots (connector/dp.py)
+        fills its share of every slab's rows, which lives in its devices' host memory (ranks.py)."""
+        slots = np.asarray(slots, dtype=np.int64)
+        d = self.layout.ranks
+        if d == 1:
+            return np.divmod(slots, self.rows_per_slab)
+        rank, i = np.divmod(slots, self.num_slots // d)
+        slab, j = np.divmod(i, self.rows_per_slab // d)
+        share = np.asarray(self.programs.slab_rows, dtype=np.int64)[slab] // d
+        return slab, rank * share + j
+
     def _by_slab(self, slots: Sequence[int]):
         """Chunk positions grouped by slab: [(slab, positions in ``slots``, rows in the slab)]."""
-        slots = np.asarray(slots, dtype=np.int64)
-        slab, row = np.divmod(slots, self.rows_per_slab)
+        slab, row = self._rows(slots)
         return [(int(k), np.flatnonzero(slab == k), row[slab == k]) for k in np.unique(slab)]
 
     def _set_slab(self, k: int, new) -> None:
@@ -276,20 +297,34 @@ class TransferEngine:
 
     def _passes(self, chunks):
         """The passes through staging: (chunks, the staging chunk of each). In order, a staging buffer
-        at a time; under DP attention with the DMA kernel, each rank's chunks in its own share of
-        staging (a chunk's rank: its first block's), as many passes as the busiest rank needs."""
-        ranks = max(g.ranks for g in self.layout.groups)
-        if ranks == 1 or self.programs.kernel != "dma":
+        at a time; under DP attention, each rank's chunks in its own share of
+        staging (a chunk's rank: its first block's), as many passes as the busiest rank needs; a load
+        from another rank's partition of the slots takes at most ``cross_chunks`` per pair of ranks
+        and pass (ranks.py)."""
+        ranks = self.layout.ranks
+        if ranks == 1:
             for part in _split(chunks, self.staging_chunks):
                 yield part, np.arange(len(part))
             return
         share, per_rank = self.staging_chunks // ranks, self.layout.num_blocks // ranks
+        cap, per_part = self.programs.cross_chunks, self.num_slots // ranks
         queues: list[list] = [[] for _ in range(ranks)]
         for c in chunks:
             ids = [b for g in self.layout.groups for b in c.ids(g.kv_group) if b >= 0]
             queues[(ids[0] // per_rank) if ids else 0].append(c)
-        for p in range(0, max(len(q) for q in queues), share):
-            part = [(c, r * share + i) for r, q in enumerate(queues) for i, c in enumerate(q[p:p + share])]
+        while any(queues):
+            part = []
+            for r, q in enumerate(queues):  # a load from another rank's partition: at most ``cap`` per pair
+                taken, later, sent = [], [], {}
+                for c in q:
+                    src = c.slot // per_part if isinstance(c, LoadChunk) else r
+                    if len(taken) == share or (src != r and sent.get(src, 0) == cap):
+                        later.append(c)
+                        continue
+                    sent[src] = sent.get(src, 0) + 1
+                    taken.append(c)
+                queues[r] = later
+                part += [(c, r * share + i) for i, c in enumerate(taken)]
             yield [c for c, _ in part], np.array([a for _, a in part], dtype=np.int64)
 
     def _block_lists(self, part, at):
@@ -334,13 +369,12 @@ class TransferEngine:
         if self.path == "device_put":
             self._device_put_load(slots, at, moved)
             return
-        c = self.staging_chunks
         for k, pos, rows in self._by_slab(slots):
             pos = np.asarray(at)[pos]
             sel = [np.isin(pos, chunks) for chunks in moved]
-            self.staging, _ = self.programs.load(self.programs.slab_rows[k])(
-                self.staging, tuple(g[k] for g in self.slabs), tuple(ints(rows[m], c, 0) for m in sel),
-                tuple(ints(pos[m], c, 0) for m in sel), ints([int(m.sum()) for m in sel], len(sel), 0))
+            args, cross = self.programs.load_args(k, [rows[m] for m in sel], [pos[m] for m in sel])
+            self.staging, _ = self.programs.load(self.programs.slab_rows[k], cross)(
+                self.staging, tuple(g[k] for g in self.slabs), *args)
 
     def _device_put_load(self, slots: Sequence[int], at, moved: Sequence[np.ndarray]) -> None:
         """device_put path: every chunk the pass needs, checked first (nothing donated before a refusal),
@@ -386,13 +420,12 @@ class TransferEngine:
                 self.host[slot] = tuple(host[i])
             dones.extend(sent)
             return Done(dones)
-        c = self.staging_chunks
         for k, pos, rows in self._by_slab(slots):
             pos = at[pos]
             sel = [np.isin(pos, chunks) for chunks in moved]
             new, done = self.programs.store(self.programs.slab_rows[k])(
-                tuple(g[k] for g in self.slabs), self.staging, tuple(ints(rows[m], c, 0) for m in sel),
-                tuple(ints(pos[m], c, 0) for m in sel), ints([int(m.sum()) for m in sel], len(sel), 0))
+                tuple(g[k] for g in self.slabs), self.staging,
+                *self.programs.store_args(k, [rows[m] for m in sel], [pos[m] for m in sel]))
             self._set_slab(k, new)
             dones.append(done)
         return Done(dones)
@@ -406,8 +439,8 @@ class TransferEngine:
     def _checksum(self, slot: int) -> int:
         if self.path == "device_put":
             return hostview.views_checksum(self.row_views(slot))
-        k, row = divmod(slot, self.rows_per_slab)
-        return hostview.row_checksum([per_group[k] for per_group in self.slabs], row)
+        (k,), (row,) = self._rows([slot])
+        return hostview.row_checksum([per_group[k] for per_group in self.slabs], int(row))
 
 
 def transfer(arrays: Sequence[jax.Array], shardings: Sequence) -> list[jax.Array]:

@@ -23,13 +23,17 @@ def shard_bytes(shard: jax.Array) -> np.ndarray:
 
 
 def row_views(slab: jax.Array, row: int) -> list[np.ndarray]:
-    """Bytes of ``row`` in each shard this process holds (the slot-major dim is never sharded)."""
+    """Bytes of ``row`` in each shard this process holds. The slot-major dim is split only under DP
+    attention (a rank's rows on its devices); a shard without the row gives nothing."""
     rows = slab.shape[0]
     out = []
     for shard in sorted(slab.addressable_shards, key=lambda s: s.device.id):
+        first, stop, _ = shard.index[0].indices(rows)
+        if not first <= row < stop:
+            continue
         buf = shard_bytes(shard.data)
-        stride = buf.size // rows
-        out.append(buf[row * stride : (row + 1) * stride])
+        stride = buf.size // (stop - first)
+        out.append(buf[(row - first) * stride : (row - first + 1) * stride])
     return out
 
 

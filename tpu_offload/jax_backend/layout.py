@@ -68,16 +68,6 @@ class LayerGroup:
     ranks: int = 1  # DP attention: ranks the blocks are split over (the product of block_axes' sizes)
 
     @property
-    def rank_axes(self) -> tuple[str, ...]:
-        """The replica axes within one rank (MLA's copies on a rank's devices): replica_axes less the ranks'."""
-        return tuple(a for a in self.replica_axes if a not in self.block_axes)
-
-    @property
-    def rank_replicas(self) -> int:
-        """Devices of one rank holding identical bytes of its blocks (they split its blocks among them)."""
-        return self.replicas // self.ranks
-
-    @property
     def local_elems(self) -> int:
         return math.prod(self.local_block_shape)
 
@@ -102,9 +92,15 @@ class LayerGroup:
         return math.prod(self.block_shape) * np.dtype(self.dtype).itemsize * len(self.layers)
 
     @property
-    def device_block_bytes(self) -> int:
-        """One device's share of a block in our buffers."""
+    def piece_bytes(self) -> int:
+        """One device's piece of one block, all this group's layers (on the devices that hold the block)."""
         return self.piece * np.dtype(self.dtype).itemsize * len(self.layers)
+
+    @property
+    def device_block_bytes(self) -> int:
+        """One device's share of a block in our buffers, averaged over staging: the piece, but under DP
+        attention a device holds pieces of its own rank's blocks only (1 in ``ranks`` of a pass)."""
+        return self.piece_bytes // self.ranks
 
     @property
     def piece_shape(self) -> tuple[int, ...]:
@@ -199,12 +195,15 @@ class KVLayout:
         return self.sharding(*self.staging_spec(g))
 
     def slab_sharding(self, g: LayerGroup, memory_kind: str) -> NamedSharding:
-        return self.sharding(None, *self.staging_spec(g), memory_kind=memory_kind)
+        """(slot row, block in chunk, layer, *piece): under DP attention the rows over the ranks, so a
+        rank's partition of the slots (connector/dp.py) lives in its own devices' host memory."""
+        return self.sharding(block_entry(g), None, None, *g.piece_spec, memory_kind=memory_kind)
 
     @staticmethod
     def staging_spec(g: LayerGroup) -> tuple:
-        """(block, layer, *the pieces' spec for a block's own dims)."""
-        return (None, None, *g.piece_spec)
+        """(block, layer, *the pieces' spec for a block's own dims); under DP attention the staging
+        blocks split over the ranks: rank r stages its own blocks, on its own devices."""
+        return (block_entry(g), None, *g.piece_spec)
 
     def replicated(self) -> NamedSharding:
         return self.sharding()
@@ -218,6 +217,11 @@ class KVLayout:
     @property
     def replicated_block_bytes(self) -> int:
         return sum(g.replicated_block_bytes for g in self.groups)
+
+    @property
+    def ranks(self) -> int:
+        """Attention-DP ranks (1 without DP attention); every group's caches split their blocks alike."""
+        return max(g.ranks for g in self.groups)
 
     @property
     def kv_groups(self) -> int:
@@ -253,13 +257,10 @@ def _group(mesh: Mesh, key: tuple, layers: tuple, sharding: NamedSharding, num_b
         raise ValueError(
             f"the KV cache's block dimension is split over mesh axes {block_axes} (data-parallel attention) "
             f"and its KV heads are repeated {head_replicas} times: not supported together")
-    # DP attention splits the block dimension over ranks: a block lives on its rank's devices only. The
-    # gather spreads it over those axes, which then hold slices of it like MLA's copies. The ranks' axes
-    # come last (minor) in a piece's index: a rank's devices keep, of every block, its copy's slice split
-    # ``ranks`` ways, so one all-to-all over the ranks moves whole blocks' slices (programs.py, DMA kernel).
-    rep = replicated_axes(mesh, spec)
-    copies = (tuple(a for a in mesh.axis_names if a in rep and a not in block_axes)
-              + tuple(a for a in mesh.axis_names if a in block_axes))
+    # DP attention splits the block dimension over ranks: a block lives on its rank's devices only, and
+    # stays there: staging and the host slabs split over the ranks the same way (rank-local), so storing a
+    # block moves it between one rank's devices and their host memory, never between ranks.
+    copies = tuple(a for a in mesh.axis_names if a in replicated_axes(mesh, spec))
     local = list(block_shape)
     shard_axes: list[str] = []
     for dim, entry in enumerate(spec[1:]):
@@ -296,6 +297,13 @@ def _group(mesh: Mesh, key: tuple, layers: tuple, sharding: NamedSharding, num_b
         replicas=replicas, kv_group=kv_group, split_dim=split_dim, replica_axes=copies, block_axes=block_axes,
         ranks=split,
     )
+
+
+def block_entry(g: LayerGroup):
+    """The PartitionSpec entry of our buffers' block (or slot) dimension: the ranks' axes under DP attention."""
+    if not g.block_axes:
+        return None
+    return g.block_axes[0] if len(g.block_axes) == 1 else g.block_axes
 
 
 def _divided(shape: tuple[int, ...], dim: int, by: int) -> tuple[int, ...]:

@@ -5,6 +5,8 @@
 
 Both run per device (``shard_map``) on its own shards; the only traffic
 between devices is the scatter's rebuild of replicated heads (see layout.py).
+Under DP attention each rank moves its own blocks between its own devices
+and its own host memory; only a load into another rank crosses (ranks.py).
 * ``store``   staging -> host slabs (donates the slabs): one batched D2H.
 * ``load``    host slabs -> staging (donates staging): one batched H2D.
 
@@ -34,9 +36,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-from tpu_offload.jax_backend import dma
+from tpu_offload.jax_backend import dma, ranks
+from tpu_offload.jax_backend.collectives import bits, collectives_as_bits, ring
 from tpu_offload.jax_backend.layout import KVLayout, _divided
 
 KERNELS = ("dma", "loop")
@@ -51,16 +54,15 @@ class Programs:
         or ``loop`` (XLA ops, one block per trip). Default: ``dma`` on TPU, ``loop`` elsewhere."""
         self.layout = layout
         self.platform = layout.program_mesh.devices.flat[0].platform
-        ranks = max(g.ranks for g in layout.groups)
-        chunks = staging_blocks // blocks_per_chunk
+        self.ranks = layout.ranks
+        if (staging_blocks // blocks_per_chunk) % self.ranks or any(r % self.ranks for r in slab_rows):
+            raise ValueError(f"{staging_blocks} staging blocks and slabs of {list(slab_rows)} chunks under "
+                             f"{self.ranks} attention-DP ranks: each rank stages and stores its own chunks, so "
+                             f"both must divide into {self.ranks} equal shares (engine.plan_transfers rounds them)")
         if kernel is None:
-            kernel = default_kernel(self.platform, layout) if chunks % ranks == 0 else "loop"
+            kernel = default_kernel(self.platform, layout)
         if kernel not in KERNELS:
             raise ValueError(f"transfer kernel {kernel!r}: expected one of {', '.join(KERNELS)}")
-        if kernel == "dma" and chunks % ranks:
-            raise ValueError(f"transfer kernel 'dma': {chunks} staging chunks do not divide over the {ranks} "
-                             "attention-DP ranks (each rank stages its blocks on its own devices); set "
-                             f"TPU_OFFLOAD_NUM_STAGING_BLOCKS to a multiple of {ranks * blocks_per_chunk}")
         if kernel == "dma" and self.platform == "tpu" and not dma_sliceable(layout):
             raise ValueError("transfer kernel 'dma': a replica's slice of a block lies along a tiled dimension "
                              f"(block shapes {[g.block_shape for g in layout.groups]}), which a TPU DMA cannot "
@@ -85,6 +87,8 @@ class Programs:
         self._cache_sh = tuple(g.cache_sharding for g in self._arrays)  # the runner's own
         self._cache_in_sh = tuple(layout.sharding(*g.cache_spec) for g in self._arrays)  # the same on program_mesh
         self._rep = layout.replicated()
+        self.share_chunks = self.staging_chunks // self.ranks  # staging chunks each attention-DP rank owns
+        self.cross_chunks = ranks.cross_chunks(self.share_chunks)  # chunks a load carries per rank pair and pass
 
     # ---- abstract values ----------------------------------------------
     def _caches_aval(self):
@@ -129,19 +133,28 @@ class Programs:
 
     def block_args(self, moves, name: str) -> tuple:
         """The index operands of ``gather``/``scatter`` (``name``) for ``moves``: per group, (cache
-        block ids, staging positions) of the blocks it moves."""
-        n = self.staging_blocks
+        block ids, staging positions) of the blocks it moves. Under DP attention, one row per rank, on
+        its devices: its own blocks in its own numbering (ranks.py)."""
         if self.kernel == "loop":
-            return (tuple(ints(ids, n, 0) for ids, _ in moves), tuple(ints(pos, n, 0) for _, pos in moves),
-                    ints([len(ids) for ids, _ in moves], len(moves), 0))
-        ops = []
+            per = [self._loop_operands(g, ids, pos) for g, (ids, pos) in zip(self.layout.groups, moves)]
+            return tuple(tuple(o[k] for o in per) for k in range(3))
+        n, ops = self.staging_blocks, []
         for g, (ids, pos) in zip(self.layout.groups, moves):
             if g.ranks == 1:
                 ops.append(dma.run_operands(self._runs(ids, pos, name), n))
-            else:  # one row per rank: its own runs, in its devices' block ids and its share of staging
-                per = [dma.run_operands(r, n // g.ranks) for r in self._rank_runs(g, ids, pos, name)]
+            else:
+                per = [dma.run_operands(self._runs(i, p, name), n // g.ranks) for i, p in self._by_rank(g, ids, pos)]
                 ops.append(tuple(np.stack([o[k] for o in per]) for k in range(4)))
         return tuple(tuple(o[k] for o in ops) for k in range(4))
+
+    def _loop_operands(self, g, ids, pos) -> tuple:
+        """The loop kernel's (ids, positions, count) of one group."""
+        n = self.staging_blocks
+        if g.ranks == 1:
+            return ints(ids, n, 0), ints(pos, n, 0), ints([len(ids)], 1, 0)
+        per = self._by_rank(g, ids, pos)
+        return (np.stack([ints(i, n // g.ranks, 0) for i, _ in per]), np.stack([ints(p, n // g.ranks, 0) for _, p in per]),
+                np.array([[len(i)] for i, _ in per], dtype=np.int32))
 
     def dma_count(self, moves, name: str) -> int:
         """DMAs one ``gather``/``scatter`` call issues for ``moves`` (0 for the loop kernel): one per
@@ -151,33 +164,29 @@ class Programs:
             return 0
         total = 0
         for g, (ids, pos) in zip(self.layout.groups, moves):
-            runs = sum(len(r) for r in self._rank_runs(g, ids, pos, name)) if g.ranks > 1 else \
-                len(self._runs(ids, pos, name))
-            reps = 1 if name == "gather" else (g.rank_replicas if g.ranks > 1 else g.replicas)
-            parts = g.ranks if g.ranks > 1 and _parts(g) else 1  # a DMA per rank's part of a slice
-            total += runs * len(g.layers) * reps * parts
+            runs = sum(len(self._runs(i, p, name)) for i, p in self._by_rank(g, ids, pos))
+            total += runs * len(g.layers) * (1 if name == "gather" else g.replicas)
         return total
 
     @staticmethod
     def _runs(ids, pos, name: str) -> np.ndarray:
         return dma.coalesce(ids, pos) if name == "gather" else dma.coalesce(pos, ids)
 
-    def rank_chunks(self, g) -> int:
-        """Staging chunks each attention-DP rank owns: rank r stages at chunks [r * k, (r + 1) * k)."""
-        return self.staging_chunks // g.ranks
-
-    def _rank_runs(self, g, ids, pos, name: str) -> list[np.ndarray]:
-        """Per rank, the runs of its blocks in its own numbering: its devices' cache rows (global id less
-        the rank's first block) and its share of staging (position less the share's first)."""
+    def _by_rank(self, g, ids, pos) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per rank, (block ids, staging positions) of its blocks in its own numbering: its devices'
+        cache rows (global id less the rank's first block) and its share of staging (position less the
+        share's first). One rank without DP attention."""
         ids, pos = np.asarray(ids, dtype=np.int64), np.asarray(pos, dtype=np.int64)
+        if g.ranks == 1:
+            return [(ids, pos)]
         per_rank, share = self.layout.num_blocks // g.ranks, self.staging_blocks // g.ranks
         rank = ids // per_rank
         bad = np.flatnonzero(pos // share != rank)
         if bad.size:
             i = bad[0]
             raise ValueError(f"block {ids[i]} (attention-DP rank {rank[i]}) at staging position {pos[i]}, in rank "
-                             f"{pos[i] // share}'s share: the DMA kernel stages each rank's blocks on its own devices")
-        return [self._runs(ids[rank == r] - r * per_rank, pos[rank == r] - r * share, name) for r in range(g.ranks)]
+                             f"{pos[i] // share}'s share: each rank stages its own blocks on its own devices")
+        return [(ids[rank == r] - r * per_rank, pos[rank == r] - r * share) for r in range(g.ranks)]
 
     def store(self, rows: int | None = None) -> Callable:
         """(one slab per group, staging, slab rows[g][c], staging chunks[g][c], count[groups]) -> (slabs, done).
@@ -186,23 +195,53 @@ class Programs:
         once per slab a pass touches: one program over every slab made the
         TPU compiler take 41 s for the 45 slabs of a 720 GiB tier."""
         rows = self.slab_rows[0] if rows is None else rows
+        if self.ranks > 1:
+            return self._get(("store", rows), lambda r: ranks.build_store(self, r), rows)
         return self._get(("store", rows), self._build_store, rows)
 
-    def load(self, rows: int | None = None) -> Callable:
-        """(staging, one slab per group, slab rows[g][c], staging chunks[g][c], count[groups]) -> (staging, done)."""
+    def load(self, rows: int | None = None, cross: bool = False) -> Callable:
+        """(staging, one slab per group, slab rows[g][c], staging chunks[g][c], count[groups]) -> (staging, done).
+        ``cross``: under DP attention, the program that also carries chunks to other ranks (ranks.py)."""
         rows = self.slab_rows[0] if rows is None else rows
-        return self._get(("load", rows), self._build_load, rows)
+        if self.ranks > 1:
+            return self._get(("load", rows, cross), lambda r: ranks.build_load(self, r, cross), rows)
+        return self._get(("load", rows, False), self._build_load, rows)
+
+    def store_args(self, k: int, rows: list, pos: list) -> tuple:
+        """The operands after (slabs, staging) of ``store(slab_rows[k])``: per group, slab ``k``'s rows and the
+        staging chunks they take."""
+        if self.ranks > 1:
+            per = [ranks.store_operands(self, k, r, p) for r, p in zip(rows, pos)]
+            return tuple(tuple(o[i] for o in per) for i in range(3))
+        c = self.staging_chunks
+        return (tuple(ints(r, c, 0) for r in rows), tuple(ints(p, c, 0) for p in pos),
+                ints([len(r) for r in rows], len(rows), 0))
+
+    def load_args(self, k: int, rows: list, pos: list) -> tuple[tuple, bool]:
+        """(the operands after (staging, slabs) of ``load(slab_rows[k], cross)``, cross): as ``store_args``;
+        ``cross``: some chunk loads into another rank than the one whose host memory holds it."""
+        if self.ranks > 1:
+            per = [ranks.load_operands(self, k, r, p) for r, p in zip(rows, pos)]
+            return tuple(tuple(o[0][i] for o in per) for i in range(3)), any(c for _, c in per)
+        return self.store_args(k, rows, pos), False
 
     def take_chunks(self) -> Callable:
         """(staging) -> per group, every staging chunk as its own array, (bpc, layers, *piece): what one
         batched ``device_put`` per pass sends to host (one program per pass, never per chunk)."""
+        self._no_dp("device_put")
         return self._get(("take_chunks",), self._build_take_chunks)
+
+    def _no_dp(self, path: str) -> None:
+        if self.ranks > 1:
+            raise ValueError(f"the {path} host path under {self.ranks} attention-DP ranks: a chunk lives on one "
+                             "rank's devices, which no array of the whole mesh can hold; use the program path")
 
     def put_chunks(self, group: int = 0) -> Callable:
         """(staging of ``group``, staging_chunks chunk arrays, pos[staging_chunks]) -> that staging
         (donated): chunk k written at staging chunk pos[k]. The chunks one batched ``device_put``
         brought back; a pass with fewer repeats its first (chunk, pos) pair. One per group: a load
         brings back only the groups it needs."""
+        self._no_dp("device_put")
         return self._get(("put_chunks", group), self._build_put_chunks, group)
 
     def all_programs(self, path: str = "program") -> dict[str, Callable]:
@@ -216,6 +255,10 @@ class Programs:
                "alloc_slabs": self._slab_allocator()}
         if self.slab_rows[-1] != self.slab_rows[0]:  # the last, smaller slab
             out.update(store_last=self.store(self.slab_rows[-1]), load_last=self.load(self.slab_rows[-1]))
+        if self.ranks > 1:  # a load that carries chunks to other ranks
+            out.update(load_cross=self.load(cross=True))
+            if self.slab_rows[-1] != self.slab_rows[0]:
+                out.update(load_cross_last=self.load(self.slab_rows[-1], cross=True))
         return out
 
     def precompile(self, path: str = "program") -> None:
@@ -249,27 +292,26 @@ class Programs:
             out = []
             for gi, (g, st) in enumerate(zip(groups, staging)):
                 layers = [caches[a] for a in g.layers]
+                gids, gpos = _mine(g, ids[gi]), _mine(g, pos[gi])
 
-                def body(i, st, g=g, gi=gi, layers=layers):
+                def body(i, st, g=g, layers=layers, gids=gids, gpos=gpos):
                     for li, c in enumerate(layers):
-                        block = _read_block(c, g, ids[gi][i])  # (1, *local_block_shape)
+                        block = lax.dynamic_index_in_dim(c, gids[i], 0, keepdims=True)  # (1, *local_block_shape)
                         if g.replicas > 1:  # keep only this device's slice of the bytes its replicas also hold
                             j = lax.axis_index(g.rep_axes) % g.replicas
                             t = g.piece_shape[g.split_dim]
                             block = lax.dynamic_slice_in_dim(block, j * t, t, axis=1 + g.split_dim)
-                        st = lax.dynamic_update_slice(st, block[:, None], (pos[gi][i], li) + (0,) * len(g.piece_shape))
+                        st = lax.dynamic_update_slice(st, block[:, None], (gpos[i], li) + (0,) * len(g.piece_shape))
                     return st
 
-                out.append(lax.fori_loop(0, count[gi], body, st))
+                out.append(lax.fori_loop(0, _mine(g, count[gi])[0], body, st))
             return tuple(out)
 
-        gp = tuple(P() for _ in groups)
-        body = self._local(gather_local, (self._cache_specs(), self._staging_specs(), gp, gp, P()),
+        gp = self._gp()
+        body = self._local(gather_local, (self._cache_specs(), self._staging_specs(), gp, gp, gp),
                            self._staging_specs())
         jitted = jax.jit(body, donate_argnums=(1,), out_shardings=self._staging_sh)
-        n = self.staging_blocks
-        return jitted.lower(self._caches_aval(), self._staging_aval(), self._group_ints(n), self._group_ints(n),
-                            self._ints(len(groups))).compile()
+        return jitted.lower(self._caches_aval(), self._staging_aval(), *self._loop_avals()).compile()
 
     def _build_scatter(self):
         groups = self.layout.groups
@@ -280,21 +322,21 @@ class Programs:
             caches = list(caches)
             for gi, (g, st) in enumerate(zip(groups, staging)):
                 zeros = (0,) * len(g.piece_shape)
+                gids, gpos, n = _mine(g, ids[gi]), _mine(g, pos[gi]), _mine(g, count[gi])[0]
 
-                def write(offset, source, layers, g=g, gi=gi, zeros=zeros):
+                def write(offset, source, layers, g=g, zeros=zeros, gids=gids, gpos=gpos, n=n):
                     """Each block's piece of ``source`` into its cache block, at ``offset`` along the split
                     dim (a replica's slice), sliced straight out of ``source``: no copy of the row."""
                     inner = tuple(offset[0] if d == g.split_dim else 0 for d in range(len(zeros)))
 
-                    def body(i, layers):  # under DP attention only the owning rank's devices write
+                    def body(i, layers):
                         return tuple(
-                            _write_block(
-                                c, g, ids[gi][i],
-                                lax.dynamic_slice(source, (pos[gi][i], li, *zeros), (1, 1, *g.piece_shape))[:, 0],
-                                inner)
+                            lax.dynamic_update_slice(
+                                c, lax.dynamic_slice(source, (gpos[i], li, *zeros), (1, 1, *g.piece_shape))[:, 0],
+                                (gids[i], *inner))
                             for li, c in enumerate(layers))
 
-                    return lax.fori_loop(0, count[gi], body, tuple(layers))
+                    return lax.fori_loop(0, n, body, tuple(layers))
 
                 layers = tuple(caches[a] for a in g.layers)
                 if g.replicas > 1:  # the whole head shard: the ring runs once per pass, outside the loop
@@ -305,15 +347,24 @@ class Programs:
 
                 for a, arr in zip(g.layers, new):
                     caches[a] = arr
-            return tuple(caches), count
+            return tuple(caches), jnp.concatenate([_mine(g, c) for g, c in zip(groups, count)])
 
-        gp = tuple(P() for _ in groups)
-        body = self._local(scatter_local, (self._cache_specs(), self._staging_specs(), gp, gp, P()),
+        gp = self._gp()
+        body = self._local(scatter_local, (self._cache_specs(), self._staging_specs(), gp, gp, gp),
                            (self._cache_specs(), P()))
         jitted = jax.jit(body, donate_argnums=(0,), out_shardings=(self._cache_sh, self._rep))
-        n = self.staging_blocks
-        return jitted.lower(self._caches_aval(), self._staging_aval(), self._group_ints(n), self._group_ints(n),
-                            self._ints(len(groups))).compile()
+        return jitted.lower(self._caches_aval(), self._staging_aval(), *self._loop_avals()).compile()
+
+    def _loop_avals(self):
+        """The loop kernel's (ids, positions, count) per group: replicated, or one row per rank."""
+        n, out = self.staging_blocks, []
+        for g in self.layout.groups:
+            if g.ranks == 1:
+                out.append((self._ints(n), self._ints(n), self._ints(1)))
+            else:
+                row = lambda k: jax.ShapeDtypeStruct((g.ranks, k), jnp.int32, sharding=self.layout.sharding(g.block_axes))
+                out.append((row(n // g.ranks), row(n // g.ranks), row(1)))
+        return tuple(tuple(o[k] for o in out) for k in range(3))
 
     def _gp(self):
         """The DMA operands' specs per group: replicated, or one row per attention-DP rank on its devices."""
@@ -331,19 +382,16 @@ class Programs:
         return tuple(tuple(o[k] for o in out) for k in range(4))
 
     def _build_gather_dma(self):
-        groups, platform, as_bits = self.layout.groups, self.platform, collectives_as_bits(self.layout)
+        groups, platform = self.layout.groups, self.platform
 
         def gather_local(caches, staging, count, src, dst, length):
             out = []
             for gi, (g, st) in enumerate(zip(groups, staging)):
                 layers = [caches[a] for a in g.layers]
-                if g.ranks > 1:
-                    out.append(_gather_ranks(g, layers, st, count[gi][0], src[gi][0], dst[gi][0], length[gi][0],
-                                             platform, as_bits))
-                    continue
                 split, offset = _replica_split(g)
                 call = dma.gather_call(len(g.layers), st.shape, st.dtype, platform, split)
-                out.append(call(count[gi], src[gi], dst[gi], length[gi], offset, layers, st))
+                args = tuple(_mine(g, a[gi]) for a in (count, src, dst, length))
+                out.append(call(*args, offset, layers, st))
             return tuple(out)
 
         gp = self._gp()
@@ -362,28 +410,12 @@ class Programs:
             counts = []
             for gi, (g, st) in enumerate(zip(groups, staging)):
                 layers = [caches[a] for a in g.layers]
-                args = (count[gi], src[gi], dst[gi], length[gi])
-                if g.ranks > 1:  # this rank's blocks back from every device's slices: one all-to-all per pass
-                    args = tuple(a[0] for a in args)
-                    st = _to_ranks(g, st, as_bits)
-                    size = g.local_block_shape[g.split_dim] // g.rank_replicas  # a copy's slice
-                    if _parts(g):
-                        split, parts = (g.split_dim, size // g.ranks), g.ranks
-                    else:
-                        split, parts = (None if g.rank_replicas == 1 else (g.split_dim, size)), 1
-                    call = dma.scatter_call(len(g.layers), layers[0].shape, layers[0].dtype, platform, split, parts)
-                    if g.rank_replicas == 1:
-                        layers = call(*args, jnp.zeros((1,), jnp.int32), st, layers)
-                    else:  # and the rank's copies' slices, one ring shift per copy
-                        layers = _scatter_replicas(lambda off, src, lay: call(*args, off, src, lay), st, layers, g,
-                                                   as_bits, mesh_shape,
-                                                   ring=(g.rank_axes, g.rank_replicas, g.rank_replicas, size))
-                elif g.replicas == 1:
-                    call = dma.scatter_call(len(g.layers), layers[0].shape, layers[0].dtype, platform)
+                args = tuple(_mine(g, a[gi]) for a in (count, src, dst, length))
+                split, _ = _replica_split(g)
+                call = dma.scatter_call(len(g.layers), layers[0].shape, layers[0].dtype, platform, split)
+                if g.replicas == 1:
                     layers = call(*args, jnp.zeros((1,), jnp.int32), st, layers)
                 else:  # every replica's slices, one ring shift per replica: once per pass, never per block
-                    split, _ = _replica_split(g)
-                    call = dma.scatter_call(len(g.layers), layers[0].shape, layers[0].dtype, platform, split)
                     layers = _scatter_replicas(lambda off, src, lay: call(*args, off, src, lay), st, layers, g,
                                                as_bits, mesh_shape)
                 counts.append(args[0])
@@ -495,7 +527,8 @@ class Programs:
             for per_group in avals:
                 group = []
                 for a in per_group:
-                    row = jax.device_put(jnp.zeros((1, *a.shape[1:]), a.dtype), a.sharding)
+                    one = NamedSharding(a.sharding.mesh, P(None, *a.sharding.spec[1:]), memory_kind=a.sharding.memory_kind)
+                    row = jax.device_put(jnp.zeros((1, *a.shape[1:]), a.dtype), one)  # rows split over DP ranks
                     group.append(jnp.broadcast_to(row, a.shape))
                 out.append(tuple(group))
             return tuple(out)
@@ -515,36 +548,9 @@ def _arrays(layout: KVLayout) -> tuple:
     return tuple(by_array[a] for a in range(layout.num_layers))
 
 
-def _local_id(c, g, block_id):
-    """This device's index of global block ``block_id`` and whether it holds it. With DP attention
-    (``g.block_axes``) rank r's devices hold blocks [r * n, (r + 1) * n) of the cache, n = its local rows."""
-    if not g.block_axes:
-        return block_id, None
-    n = c.shape[0]
-    local = block_id - lax.axis_index(g.block_axes) * n
-    return jnp.clip(local, 0, n - 1), (local >= 0) & (local < n)
-
-
-def _read_block(c, g, block_id):
-    """(1, *local block) of global block ``block_id``, on every device. Under DP attention the owning
-    rank's bytes reach the other ranks by an integer all-reduce with zeros: exact for any dtype."""
-    local, mine = _local_id(c, g, block_id)
-    block = lax.dynamic_index_in_dim(c, local, 0, keepdims=True)
-    if mine is None:
-        return block
-    bits = lax.bitcast_convert_type(block, _bits(block.dtype))
-    bits = lax.psum(jnp.where(mine, bits, jnp.zeros_like(bits)), g.block_axes)
-    return lax.bitcast_convert_type(bits, block.dtype)
-
-
-def _write_block(c, g, block_id, piece, at):
-    """``c`` with ``piece`` at global block ``block_id`` (offsets ``at`` inside it); under DP attention
-    only the owning rank's devices change."""
-    local, mine = _local_id(c, g, block_id)
-    at = (local, *at)
-    if mine is not None:
-        piece = jnp.where(mine, piece, lax.dynamic_slice(c, at, piece.shape))
-    return lax.dynamic_update_slice(c, piece, at)
+def _mine(g, x):
+    """A group's operand inside ``shard_map``: under DP attention its rank's row (the local (1, k))."""
+    return x[0] if g.ranks > 1 else x
 
 
 def _replica_split(g):
@@ -557,53 +563,7 @@ def _replica_split(g):
     return (g.split_dim, t), jnp.reshape(j * t, (1,)).astype(jnp.int32)
 
 
-def _gather_ranks(g, layers, staging, n, src, dst, length, platform: str, as_bits: bool):
-    """DP attention's gather on one device: its rank's blocks (its copy's slice of each, when a rank's
-    devices hold copies) DMA'd into a buffer of the rank's share of staging, then one all-to-all over
-    the ranks spreads every block's slices to their places in staging (piece index: copy major, rank
-    minor, layout.py): rank r's blocks land at staging positions [r * share, (r + 1) * share).
-
-    Where the slices lie along an untiled dimension (``_parts``), the DMAs write each rank's part to
-    its own leading index, the layout the all-to-all sends as it is; else the kernel copies whole
-    (copy-sliced) blocks and XLA relays them for the all-to-all (one more buffer and HBM pass)."""
-    m, d = g.rank_replicas, g.ranks
-    size = g.local_block_shape[g.split_dim] // m  # this copy's slice of a block
-    offset = jnp.reshape(lax.axis_index(g.rank_axes) * size if m > 1 else 0, (1,)).astype(jnp.int32)
-    share = (staging.shape[0] // d, len(g.layers))
-    if _parts(g):
-        call = dma.gather_call(len(g.layers), (d, *share, *g.piece_shape), staging.dtype, platform,
-                               (g.split_dim, size // d), fresh=True, parts=d)
-        split, concat = 0, 0
-    else:
-        split = None if m == 1 else (g.split_dim, size)
-        call = dma.gather_call(len(g.layers), (*share, *_divided(g.local_block_shape, g.split_dim, m)),
-                               staging.dtype, platform, split, fresh=True)
-        split, concat = 2 + g.split_dim, 0
-    mine = call(n, src, dst, length, offset, layers)
-    raw = lax.bitcast_convert_type(mine, _bits(mine.dtype)) if as_bits else mine
-    out = lax.all_to_all(raw, g.block_axes, split, concat, tiled=True)
-    out = lax.bitcast_convert_type(out, staging.dtype) if as_bits else out
-    return jnp.reshape(out, staging.shape)
-
-
-def _to_ranks(g, staging, as_bits: bool):
-    """The inverse of ``_gather_ranks``'s all-to-all: each rank's share of staging on that rank's devices,
-    as the parts of its copy's slice of each block (``_parts``: one leading index per part) or whole."""
-    raw = lax.bitcast_convert_type(staging, _bits(staging.dtype)) if as_bits else staging
-    if _parts(g):
-        raw = jnp.reshape(raw, (g.ranks, staging.shape[0] // g.ranks, *staging.shape[1:]))
-        out = lax.all_to_all(raw, g.block_axes, 0, 0, tiled=True)
-    else:
-        out = lax.all_to_all(raw, g.block_axes, 0, 2 + g.split_dim, tiled=True)
-    return lax.bitcast_convert_type(out, staging.dtype) if as_bits else out
-
-
-def _parts(g) -> bool:
-    """Whether a DP group's slices lie along an untiled block dimension (a DMA addresses any offset)."""
-    return g.split_dim < len(g.block_shape) - 2
-
-
-def _scatter_replicas(write, staging, layers, g, as_bits: bool, mesh_shape, ring=None):
+def _scatter_replicas(write, staging, layers, g, as_bits: bool, mesh_shape):
     """Write every replica's slices of the pass into ``layers`` (the whole head shard, or MLA's
     whole copy), each with one ``write(offset, source, layers)``.
 
@@ -615,33 +575,18 @@ def _scatter_replicas(write, staging, layers, g, as_bits: bool, mesh_shape, ring
     replica (j - k) mod r), once per pass, never per block (a full all-gather
     over the head axes would move every group's bytes to every device). Each
     shift waits (optimization barrier) for the previous write, so one
-    received buffer is live at a time: one staging buffer of HBM scratch. ``ring``: (axes, replicas,
-    devices along the axes, slice size) when not the group's own (a DP rank's copies). ``mesh_shape``:
-    the mesh's axis sizes, in its order."""
-    axes, r, h, size = ring or (g.rep_axes, g.replicas, g.rep_size, g.piece_shape[g.split_dim])
+    received buffer is live at a time: one staging buffer of HBM scratch. ``mesh_shape``: the mesh's
+    axis sizes, in its order. Under DP attention the replicas are a rank's own copies (layout.py)."""
+    axes, r, h, size = g.rep_axes, g.replicas, g.rep_size, g.piece_shape[g.split_dim]
     split_offset = lambda k: jnp.reshape(((lax.axis_index(axes) % r - k) % r) * size, (1,)).astype(jnp.int32)
     layers = write(split_offset(0), staging, layers)
-    raw = lax.bitcast_convert_type(staging, _bits(staging.dtype)) if as_bits else staging
+    raw = lax.bitcast_convert_type(staging, bits(staging.dtype)) if as_bits else staging
     for k in range(1, r):
         raw, layers = lax.optimization_barrier((raw, tuple(layers)))
-        got = lax.ppermute(raw, *_ring(axes, mesh_shape, [(i, i // r * r + (i % r + k) % r) for i in range(h)]))
+        got = lax.ppermute(raw, *ring(axes, mesh_shape, [(i, i // r * r + (i % r + k) % r) for i in range(h)]))
         got = lax.bitcast_convert_type(got, staging.dtype) if as_bits else got
         layers = write(split_offset(k), got, layers)
     return layers
-
-
-def _ring(axes: tuple, mesh_shape: dict, pairs: list) -> tuple:
-    """``(axes, pairs)`` for ``ppermute``, with ``pairs`` given as linear indices over ``axes`` in
-    their own order, restated over the same axes in mesh order (which ppermute requires; DP
-    attention's replica axes put the ranks' axes last, layout.py)."""
-    ordered = tuple(a for a in mesh_shape if a in axes)
-    if ordered == tuple(axes):
-        return axes, pairs
-    sizes = [mesh_shape[a] for a in axes]
-    coords = list(np.ndindex(*sizes))  # by linear index over ``axes``
-    where = lambda c: int(np.ravel_multi_index([c[axes.index(a)] for a in ordered],
-                                               [mesh_shape[a] for a in ordered]))
-    return ordered, [(where(coords[i]), where(coords[j])) for i, j in pairs]
 
 
 def default_kernel(platform: str, layout: KVLayout | None = None) -> str:
@@ -655,22 +600,8 @@ def dma_sliceable(layout: KVLayout) -> bool:
     HBM arrays are tiled over their last two dimensions, and a DMA's offsets there must be whole
     tiles: MLA's latent cache (4, 32, 640) per 128-token page, split 8 ways at TP 8, keeps 4 of 32
     rows, a part of an 8-row tile (the TPU compiler refuses that kernel). Under DP attention the
-    kernel slices only by a rank's own copies (none at one device per rank: DeepSeek-V3 at DP 8);
-    the all-to-all over the ranks does the rest."""
-    return all((g.rank_replicas if g.ranks > 1 else g.replicas) == 1 or g.split_dim < len(g.block_shape) - 2
-               for g in layout.groups)
-
-
-def _bits(dtype):
-    return jnp.dtype(f"uint{8 * jnp.dtype(dtype).itemsize}")
-
-
-def collectives_as_bits(layout: KVLayout) -> bool:
-    """The one place the CPU and TPU programs differ. XLA:CPU's collective-permute of bf16 goes
-    through f32 and quiets NaN payloads (0x7fbf -> 0x7fc0), so on CPU the replicas' slices cross
-    as raw bits (one block's slice, never a cache). On TPU the permute is a plain DMA, and the
-    extra reinterpretation would cost the scatter 1x more HBM traffic (the TPU compiler's figure)."""
-    return layout.program_mesh.devices.flat[0].platform == "cpu"
+    kernel slices only by a rank's own copies (none at one device per rank: DeepSeek-V3 at DP 8)."""
+    return all(g.replicas == 1 or g.split_dim < len(g.block_shape) - 2 for g in layout.groups)
 
 
 def ints(values, n: int, fill: int) -> np.ndarray:
