@@ -179,6 +179,37 @@ def snapshot(sc: dict) -> dict:
             "slabs_alive": all(not a.is_deleted() for per in engine.slabs for a in per)}
 
 
+def dp_roundtrip(sc: dict) -> dict:
+    """DP attention over the two hosts (rank r = process r's 4 devices): each host stages and stores its own
+    rank's chunks into its own partition of the slots, held in its own host memory; a chunk loads into the
+    other rank's blocks across the hosts (the load's ring), bit-exact, with nothing compiled while serving."""
+    from tpu_offload.jax_backend.engine import LoadChunk, StoreChunk, TransferEngine
+    from tpu_offload.jax_backend.layout import KVLayout
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("attn_dp", "model"))
+    sh = NamedSharding(mesh, P("attn_dp", None, "model", None))
+    shape = (NB, BS, HEADS, DIM)
+    data = [np.random.default_rng(11 + layer).standard_normal(shape).astype(np.float32) for layer in range(LAYERS)]
+    caches = [jax.make_array_from_callback(shape, sh, lambda idx, d=d: d[idx]) for d in data]
+    eng = TransferEngine(KVLayout.from_caches(caches, mesh), num_slots=4, blocks_per_chunk=1, staging_blocks=4,
+                         kernel=sc.get("kernel"))
+    eng.precompile()
+    mark = len(compiles)
+    # rank 0 (blocks 0-7) stores into its slots 0-1, rank 1 (blocks 8-15) into its slots 2-3
+    eng.store(caches, [StoreChunk(0, [1]), StoreChunk(1, [2]), StoreChunk(2, [9])]).block_until_ready()
+    eng.complete_store([0, 1, 2], True)
+    moved = {12: 1, 3: 9, 5: 2}  # rank 0's chunk into rank 1, rank 1's into rank 0, one at home
+    caches, done = eng.load(caches, [LoadChunk(0, [12]), LoadChunk(2, [3]), LoadChunk(1, [5])])
+    done.block_until_ready()
+    exact = all(np.array_equal(np.asarray(s.data)[d - s.index[0].indices(NB)[0]], data[layer][(src, *s.index[1:])])
+                for layer, c in enumerate(caches) for s in c.addressable_shards for d, src in moved.items()
+                if s.index[0].indices(NB)[0] <= d < s.index[0].indices(NB)[1])
+    slab = eng.slabs[0][0]
+    return {"ok": exact, "kernel": eng.programs.kernel, "compiles_while_serving": compiles[mark:],
+            "slab_rows_here": sorted({tuple(s.index[0].indices(slab.shape[0])[:2]) for s in slab.addressable_shards}),
+            "slab_shape": list(slab.shape)}
+
+
 def reshard_control() -> dict:
     """What the engine avoids: jax.device_put of a non-fully-addressable array to pinned_host compiles a program."""
     runner, _ = make_runner()
@@ -195,7 +226,8 @@ def main():
             reply({"stalled": True})
             time.sleep(sc["seconds"])  # never registers: its peer must give up with an error, not hang
             os._exit(0)
-        fn = {"register": register, "stall": register, "roundtrip": roundtrip, "snapshot": snapshot}.get(sc["kind"])
+        fn = {"register": register, "stall": register, "roundtrip": roundtrip, "snapshot": snapshot,
+              "dp": dp_roundtrip}.get(sc["kind"])
         reply({"scenario": sc.get("name", sc["kind"]), "pid": pid,
                **(fn(sc) if fn else reshard_control())})
     if not any(sc["kind"] == "stall" for sc in scenarios):  # a stalled peer never comes to the barrier
