@@ -28,6 +28,7 @@ Paths compared, per direction:
 so bytes accessed are reported as the compiler gives them.
 
     python benchmarks/bench_tpu_aot.py [--topology TPU7x:2x2x1] [--tp 8] [--model Qwen3-32B] [--blocks 16 64 1000]
+    python benchmarks/bench_tpu_aot.py --model DeepSeek-V3 --attn-dp 8 --num-blocks 16000   # as tpu-inference serves it
 """
 
 from __future__ import annotations
@@ -111,6 +112,8 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=128)
     ap.add_argument("--config", default=os.path.join(ROOT, "configs", "tpu-inference", "offload.json"))
     ap.add_argument("--blocks", type=int, nargs="+", default=[16, 64, 1000], help="blocks moved per call")
+    ap.add_argument("--attn-dp", type=int, default=1,
+                    help="attention-DP ranks the TP devices form (DeepSeek-V3 as tpu-inference serves it: --tp 8 --attn-dp 8)")
     args = ap.parse_args()
 
     import json
@@ -118,13 +121,13 @@ def main() -> None:
     extra = json.load(open(args.config))["kv_connector_extra_config"]
     cfg = OffloadConfig.from_sources(extra, env={})
     model = aot.MODELS[args.model]
-    mesh = aot.compile_only_mesh(args.topology, args.tp)
+    mesh = aot.compile_only_mesh(args.topology, args.tp, attn_dp=args.attn_dp)
     caches = aot.kv_cache_avals(mesh, model, args.num_blocks, args.block_size)
     _, replicas = aot.padded_kv_heads(model, args.tp)
     from tpu_offload.jax_backend.layout import KVLayout
 
     layout = KVLayout.from_caches(caches, mesh, head_replicas=replicas)
-    num_slots = cfg.resolve_num_chunks(layout.block_bytes * cfg.blocks_per_chunk)
+    num_slots = cfg.resolve_num_chunks(layout.block_bytes * cfg.blocks_per_chunk) // args.attn_dp * args.attn_dp
     programs = aot.deployment_programs(caches, mesh, num_slots=num_slots, blocks_per_chunk=cfg.blocks_per_chunk,
                                        staging_blocks=cfg.staging_blocks, head_replicas=replicas)
     ours = aot.measure(programs)
@@ -136,8 +139,8 @@ def main() -> None:
     rows = []
     for n in args.blocks:
         moved = n * block
-        adjacent = [(np.arange(n), np.arange(n))] * len(layout.groups)
-        scattered = [(np.arange(n) * 2, np.arange(n))] * len(layout.groups)
+        adjacent = [_blocks(programs, n, 1)] * len(layout.groups)
+        scattered = [_blocks(programs, n, 2)] * len(layout.groups)
         t_gather, t_scatter = theirs(caches, mesh, n, args.block_size)
         r_gather, r_scatter = raw(caches, mesh, n)
         for direction, t_build, r_build in (("gather", t_gather, r_gather), ("scatter", t_scatter, r_scatter)):
@@ -159,19 +162,21 @@ def main() -> None:
                     rows.append({"direction": direction, "blocks": n, "path": who, "error": str(e).splitlines()[0][:200]})
     cols = ["direction", "blocks", "path", "tensorcore_ops", "dmas_adjacent", "dmas_scattered", "hbm_scratch_mib",
             "accessed_mib", "moved_mib", "accessed_per_moved", "compile_s", "compiles"]
-    title = (f"{args.model} on {args.topology} (TP {args.tp}), {args.num_blocks} blocks of {args.block_size} tokens, "
+    dp = f" = attention DP {args.attn_dp}" if args.attn_dp > 1 else ""
+    title = (f"{args.model} on {args.topology} (TP {args.tp}{dp}), {args.num_blocks} blocks of {args.block_size} tokens, "
              f"per device; ours: {len(programs.slab_rows)} host slabs, staging {programs.staging_blocks} blocks")
     print_table(rows, cols, title=title)
     extra_rows = [{"program": k, "hbm_scratch_mib": v.hbm_scratch / MIB, "host_argument_mib": v.host_argument / MIB,
                    "host_alias_mib": v.host_alias / MIB, "host_temp_mib": v.host_temp / MIB, "compile_s": v.compile_s}
-                  for k, v in ours.items() if k in ("store", "load", "alloc_slabs")]
+                  for k, v in ours.items() if k in ("store", "load", "load_cross", "alloc_slabs")]
     print_table(extra_rows, title="ours, host side (one call per slab a pass touches)")
     total = sum(f.compile_s for f in ours.values())
     print(f"ours: every program compiled in {total:.1f} s; budget failures: {aot.budget_failures(programs, ours) or 'none'}")
-    write_json("tpu_aot", {"topology": args.topology, "tp": args.tp, "model": args.model, "num_blocks": args.num_blocks,
+    write_json("tpu_aot" if args.attn_dp == 1 else f"tpu_aot_dp{args.attn_dp}",
+               {"topology": args.topology, "tp": args.tp, "attn_dp": args.attn_dp, "model": args.model, "num_blocks": args.num_blocks,
                            "block_size": args.block_size, "rows": rows, "ours_host": extra_rows,
                            "ours_compile_s_total": total, "ours_programs": {k: v.to_dict() for k, v in ours.items()}})
-    _plot(rows, title)
+    _plot(rows, title, "tpu_aot" if args.attn_dp == 1 else f"tpu_aot_dp{args.attn_dp}")
 
 
 def _row(direction, n, who, scratch, accessed, moved, compile_s, compiles, ops, dmas):
@@ -181,7 +186,16 @@ def _row(direction, n, who, scratch, accessed, moved, compile_s, compiles, ops, 
             "compile_s": compile_s, "compiles": compiles}
 
 
-def _plot(rows, title):
+def _blocks(programs, n: int, stride: int):
+    """(block ids, staging positions) of ``n`` blocks, ``stride`` apart in the cache (1: one run). Under DP
+    attention, n / ranks blocks of each rank, into its own share of staging."""
+    d = programs.ranks
+    per, share, k = programs.layout.num_blocks // d, programs.staging_blocks // d, n // d
+    ids = np.concatenate([r * per + np.arange(k) * stride for r in range(d)])
+    return ids, np.concatenate([r * share + np.arange(k) for r in range(d)])
+
+
+def _plot(rows, title, name):
     plt = pyplot()
     if plt is None:
         return
@@ -199,7 +213,7 @@ def _plot(rows, title):
     ax.set_ylabel("TensorCore ops per call (loops per trip)")
     ax.set_title(title, fontsize=8)
     ax.legend()
-    save_figure(fig, "tpu_aot")
+    save_figure(fig, name)
 
 
 if __name__ == "__main__":
