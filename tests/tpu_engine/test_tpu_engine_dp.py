@@ -143,10 +143,10 @@ def test_kimi_k25_serves_the_tiny_deepseek_v3_text_model(engines):
 
 def test_dp2_dma_kernel_round_trip_across_ranks(engines):
     """The DMA kernel (what a TPU runs under DP attention; TPU interpret mode here) in the real engine,
-    with our programs precompiled at start: each rank's worker devices DMA its own blocks and one
-    all-to-all per pass spreads them. Identical tokens; a prompt stored on one rank and then routed
-    to the other hits every chunk from the first rank's slots; DMAs issued; nothing compiled while
-    serving."""
+    with our programs precompiled at start: each rank's devices DMA its own blocks into their own
+    host memory, and a load into the other rank carries them over (jax_backend/ranks.py). Identical
+    tokens; a prompt stored on one rank and then routed to the other hits every chunk from the first
+    rank's slots; DMAs issued; nothing compiled while serving."""
     name = "deepseek-v3"
     base = baseline(engines, name)
     eng = engine(engines, name, ours=True, kernel="dma")

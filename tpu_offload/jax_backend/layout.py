@@ -23,6 +23,10 @@ the cache is not split on: each keeps a ``1/replicas`` slice of every block
 (along the first block dimension that divides), and the host tier holds the
 latent cache once, sharded over those devices.
 
+Under DP attention the cache's block dimension is split over the ranks, and
+our buffers split theirs the same way: a rank's blocks stay on its devices,
+in its share of staging and its rows of the host slabs (ranks.py).
+
 Every program is compiled against ``program_mesh``: the cache mesh's devices
 and axis names with ``AxisType.Auto`` axes. tpu-inference builds Auto meshes,
 ``jax.make_mesh`` builds Explicit ones, and code inside ``shard_map`` sees
