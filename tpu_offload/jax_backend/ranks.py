@@ -46,7 +46,7 @@ def store_operands(programs, k: int, rows, pos) -> tuple:
     d, sc = programs.ranks, programs.share_chunks
     local = programs.slab_rows[k] // d
     rows, pos = np.asarray(rows, dtype=np.int64), np.asarray(pos, dtype=np.int64)
-    rank, src = divmod_checked(pos, sc), rows // local
+    rank, src = _rank_of(pos, sc), rows // local
     bad = np.flatnonzero(src != rank)
     if bad.size:
         i = bad[0]
@@ -69,7 +69,7 @@ def load_operands(programs, k: int, rows, pos) -> tuple[tuple, bool]:
     d, sc = programs.ranks, programs.share_chunks
     local = programs.slab_rows[k] // d
     rows, pos = np.asarray(rows, dtype=np.int64), np.asarray(pos, dtype=np.int64)
-    dst, src = divmod_checked(pos, sc), rows // local
+    dst, src = _rank_of(pos, sc), rows // local
     shift = (dst - src) % d
     for r in range(d):
         for s in range(1, d):
@@ -88,7 +88,7 @@ def load_operands(programs, k: int, rows, pos) -> tuple[tuple, bool]:
     return (out_rows, out_pos, counts), bool((shift > 0).any())
 
 
-def divmod_checked(pos: np.ndarray, share: int) -> np.ndarray:
+def _rank_of(pos: np.ndarray, share: int) -> np.ndarray:
     """The rank whose share of staging holds each staging chunk."""
     return np.asarray(pos, dtype=np.int64) // share
 
