@@ -179,6 +179,40 @@ def snapshot(sc: dict) -> dict:
             "slabs_alive": all(not a.is_deleted() for per in engine.slabs for a in per)}
 
 
+def snapshot_save(sc: dict) -> dict:
+    """Both hosts save a slab snapshot; then host 1 fails writing its part of a second one. Every host must
+    end the failed save with the same error (no host left waiting on one that raised), and the first
+    snapshot stays in place: no partial one is renamed over it."""
+    from tpu_offload.jax_backend import snapshot as snap
+    from tpu_offload.jax_backend.engine import TransferEngine
+    from tpu_offload.jax_backend.layout import KVLayout
+
+    runner, _ = make_runner()
+    engine = TransferEngine(KVLayout.from_caches(runner.kv_caches, runner.mesh), num_slots=8, blocks_per_chunk=1,
+                            staging_blocks=4)
+    host_dir = os.path.join(sc["dir"], "host")
+    first = snap.save_slabs(engine, host_dir, "first", "fp", timeout_s=30)
+    deadline = time.monotonic() + 30
+    while not os.path.isdir(host_dir) and time.monotonic() < deadline:  # process 0 renames it into place
+        time.sleep(0.05)
+    saved = sorted(os.listdir(host_dir))
+    if pid == 1:  # its meta file cannot be written, after orbax wrote every host's shards (a full disk)
+        def full(*args):
+            raise OSError(28, "No space left on device")
+        snap._write_meta = full
+    t0 = time.monotonic()
+    try:
+        snap.save_slabs(engine, host_dir, "second", "fp", timeout_s=30)
+        error = None
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+    left = sorted(n for n in os.listdir(sc["dir"]) if n != "host")
+    with open(os.path.join(host_dir, "meta-p0.json")) as f:
+        kept = json.load(f)["snapshot_id"]
+    return {"first": first, "saved": saved, "error": error, "seconds": time.monotonic() - t0, "kept": kept,
+            "left_behind": left}
+
+
 def dp_roundtrip(sc: dict) -> dict:
     """DP attention over the two hosts (rank r = process r's 4 devices): each host stages and stores its own
     rank's chunks into its own partition of the slots, held in its own host memory; a chunk loads into the
@@ -227,7 +261,7 @@ def main():
             time.sleep(sc["seconds"])  # never registers: its peer must give up with an error, not hang
             os._exit(0)
         fn = {"register": register, "stall": register, "roundtrip": roundtrip, "snapshot": snapshot,
-              "dp": dp_roundtrip}.get(sc["kind"])
+              "dp": dp_roundtrip, "snapshot_save": snapshot_save}.get(sc["kind"])
         reply({"scenario": sc.get("name", sc["kind"]), "pid": pid,
                **(fn(sc) if fn else reshard_control())})
     if not any(sc["kind"] == "stall" for sc in scenarios):  # a stalled peer never comes to the barrier

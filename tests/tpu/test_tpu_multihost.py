@@ -45,6 +45,7 @@ SCENARIOS = [
     # (the DMA kernel's TPU interpret mode does not run across JAX processes: it hung here)
     {"name": "dp", "kind": "dp", "kernel": "loop"},
     {"name": "snapshot", "kind": "snapshot"},  # "dir": the test's tmp dir
+    {"name": "snapshot_save", "kind": "snapshot_save"},
     # Host 1 never registers (stuck or dead before it): host 0 gives up after the timeout, naming it.
     {"name": "stall", "kind": "stall", "on": 1, "seconds": 15, "config": {"multihost_timeout_s": 3.0}},
 ]
@@ -59,7 +60,7 @@ def free_port():
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     port = free_port()
-    scenarios = [dict(sc, dir=str(tmp_path_factory.mktemp("snap"))) if sc["kind"] == "snapshot" else sc
+    scenarios = [dict(sc, dir=str(tmp_path_factory.mktemp("snap"))) if sc["kind"].startswith("snapshot") else sc
                  for sc in SCENARIOS]
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     env.pop("XLA_FLAGS", None)
@@ -158,6 +159,20 @@ def test_warm_start_only_if_every_host_has_a_snapshot(results):
     assert a["restored"] is None and b["restored"] is None
     assert a["programs"] == b["programs"] == []
     assert a["slabs_alive"] and b["slabs_alive"]
+
+
+def test_a_snapshot_save_failing_on_one_host_fails_on_every_host(results):
+    """The hosts meet through the coordination service, not a device barrier: host 1 failing to write its
+    part ends the save on both with the same error naming it, quickly, and the earlier snapshot stays."""
+    a, b = both(results, "snapshot_save")
+    assert a["first"] == b["first"] == 0  # nothing valid yet: the slabs and metas all the same
+    assert a["saved"] == b["saved"] == ["meta-p0.json", "meta-p1.json", "slabs"]
+    assert a["error"] and a["error"] == b["error"], (a, b)
+    assert "slab snapshot not saved, on any host" in a["error"] and "process 1 (" in a["error"]
+    assert "process 0 (" not in a["error"] and "No space left on device" in a["error"]
+    assert a["seconds"] < 20 and b["seconds"] < 20
+    assert a["kept"] == b["kept"] == "first"
+    assert a["left_behind"] == [], a["left_behind"]  # the failed save's temporary directory is gone
 
 
 def test_a_peer_that_never_registers_is_an_error_not_a_hang(results):

@@ -633,7 +633,7 @@ class OffloadWorker:
         try:
             t0 = time.perf_counter()
             n = save_slabs(self.engine, os.path.join(cfg.snapshot_path, HOST_DIR), self._snapshot_id,
-                           self._fs_fp.digest().hex(), cfg.fs_secret)
+                           self._fs_fp.digest().hex(), cfg.fs_secret, timeout_s=cfg.multihost_timeout_s)
             log.info("tpu_offload: saved %d host chunks to %s in %.1fs", n, cfg.snapshot_path,
                      time.perf_counter() - t0)
         except Exception:

@@ -69,51 +69,86 @@ def _meta_mac(auth: FsAuth, meta: dict) -> str:
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 
-def save_slabs(engine, host_dir: str, snapshot_id: str, fp_digest: str, secret: bytes | None = None) -> int:
-    """Save the slabs and this process's valid slots; returns the slots saved (signed with ``secret``)."""
+def save_slabs(engine, host_dir: str, snapshot_id: str, fp_digest: str, secret: bytes | None = None,
+               timeout_s: float = 300.0) -> int:
+    """Save the slabs and this process's valid slots; returns the slots saved (signed with ``secret``).
+
+    Several JAX processes meet twice, through the coordination service (``agree.unanimous``, no
+    program, bounded by ``timeout_s``): after process 0 made the temporary directory, and after every
+    process wrote its part. The snapshot is renamed into place only if every process wrote its part;
+    else no host keeps a partial one and every host raises the same error, naming the host that failed
+    (a device barrier there would leave the others waiting on one that had raised)."""
     import orbax.checkpoint as ocp
 
     pidx, nproc = jax.process_index(), jax.process_count()
-    # Never replace a directory at host_dir that is not an earlier slab snapshot.
-    check_replaceable(os.path.abspath(host_dir), lambda p: is_snapshot_json(os.path.join(p, _meta_name(0)), FORMAT))
     valid = [int(s) for s in np.flatnonzero(engine.valid)]
     parent = os.path.dirname(os.path.abspath(host_dir))
     base = os.path.basename(host_dir)
     suffix = snapshot_id if nproc > 1 else f"{snapshot_id}.{os.getpid()}"  # every process must agree
     tmp = os.path.join(parent, f".{base}.tmp-{suffix}")
-    if pidx == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    _sync("tpu_offload_snapshot_mkdir", nproc)
-    try:
-        with ocp.StandardCheckpointer() as ck:
-            ck.save(os.path.join(tmp, SLABS), engine.slabs)
-            ck.wait_until_finished()
-        meta = {
-            "format": FORMAT, "version": VERSION, "snapshot_id": snapshot_id, "fingerprint_digest": fp_digest,
-            "process_count": nproc, "num_slots": engine.num_slots, "rows_per_slab": engine.rows_per_slab,
-            "slabs": _shapes(engine), "valid": valid, "checksums": [_checksum(engine, s) for s in valid],
-        }
-        if secret:
-            auth = FsAuth(secret)
-            meta["macs"] = [_slot_mac(auth, engine, s, snapshot_id, fp_digest) for s in valid]
-            meta["meta_mac"] = _meta_mac(auth, meta)
-        with open(os.path.join(tmp, _meta_name(pidx)), "w") as f:
-            json.dump(meta, f)
-            f.flush()
-            os.fsync(f.fileno())
-        _sync("tpu_offload_snapshot_written", nproc)
+
+    def start():
+        # Never replace a directory at host_dir that is not an earlier slab snapshot.
+        check_replaceable(os.path.abspath(host_dir),
+                          lambda p: is_snapshot_json(os.path.join(p, _meta_name(0)), FORMAT))
         if pidx == 0:
-            old = f"{tmp}.old"
-            if os.path.exists(host_dir):
-                os.rename(host_dir, old)
-            os.rename(tmp, host_dir)
-            shutil.rmtree(old, ignore_errors=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+
+    _agree("snapshot_mkdir", _failed(start), timeout_s)
+    error = _failed(lambda: _write(engine, tmp, snapshot_id, fp_digest, secret, valid, pidx, nproc, ocp))
+    try:
+        _agree("snapshot_written", error, timeout_s)
     except BaseException:
         if pidx == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if pidx == 0:
+        old = f"{tmp}.old"
+        if os.path.exists(host_dir):
+            os.rename(host_dir, old)
+        os.rename(tmp, host_dir)
+        shutil.rmtree(old, ignore_errors=True)
     return len(valid)
+
+
+def _write(engine, tmp: str, snapshot_id: str, fp_digest: str, secret, valid: list, pidx: int, nproc: int, ocp):
+    """This process's part: its shards of the slabs (orbax) and its meta file, synced to disk."""
+    with ocp.StandardCheckpointer() as ck:
+        ck.save(os.path.join(tmp, SLABS), engine.slabs)
+        ck.wait_until_finished()
+    meta = {
+        "format": FORMAT, "version": VERSION, "snapshot_id": snapshot_id, "fingerprint_digest": fp_digest,
+        "process_count": nproc, "num_slots": engine.num_slots, "rows_per_slab": engine.rows_per_slab,
+        "slabs": _shapes(engine), "valid": valid, "checksums": [_checksum(engine, s) for s in valid],
+    }
+    if secret:
+        auth = FsAuth(secret)
+        meta["macs"] = [_slot_mac(auth, engine, s, snapshot_id, fp_digest) for s in valid]
+        meta["meta_mac"] = _meta_mac(auth, meta)
+    _write_meta(os.path.join(tmp, _meta_name(pidx)), meta)
+
+
+def _write_meta(path: str, meta: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(meta, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _failed(step) -> str:
+    """"" if ``step()`` ran, else why it failed (the other hosts are told rather than left waiting)."""
+    try:
+        step()
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return ""
+
+
+def _agree(name: str, error: str, timeout_s: float) -> None:
+    ok, why = agree.unanimous(name, not error, error, timeout_s=timeout_s)
+    if not ok:
+        raise RuntimeError(f"slab snapshot not saved, on any host: {why}")
 
 
 def restore_slabs(engine, host_dir: str, fp_digest: str, secret: bytes | None = None,
@@ -191,10 +226,3 @@ def _read_meta(engine, host_dir: str, fp_digest: str, secret: bytes | None = Non
         log.warning("tpu_offload: slab snapshot %s does not fit this engine (%s); starting cold", file, ", ".join(bad))
         return None
     return meta
-
-
-def _sync(name: str, nproc: int) -> None:
-    if nproc > 1:
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices(name)
