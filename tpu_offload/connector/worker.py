@@ -31,13 +31,10 @@ from tpu_offload.connector.hbm import HbmInFlight
 from tpu_offload.connector.metadata import LoadOp, OffloadMetadata, OffloadReport
 from tpu_offload.core.fs.journal import PUBLISHED, REMOVED
 from tpu_offload.connector.metrics import ConnectorMetrics
+from tpu_offload.connector.registration import build_engine
 from tpu_offload.connector.settings import Settings
-from tpu_offload.connector.sizing import check_chunk_bytes
 from tpu_offload.connector.stats import OffloadStats
-from tpu_offload.core.config import ConfigError
-from tpu_offload.jax_backend import agree, engine as engine_mod, memory
-from tpu_offload.jax_backend.engine import LoadChunk, StoreChunk, TransferEngine, plan_transfers
-from tpu_offload.jax_backend.layout import KVLayout
+from tpu_offload.jax_backend.engine import LoadChunk, StoreChunk, TransferEngine
 
 log = logging.getLogger(__name__)
 
@@ -109,16 +106,11 @@ class OffloadWorker:
         self.runner = runner
         self._pidx = jax.process_index()
         self._report = OffloadReport(process_count=jax.process_count())
-        # Several JAX processes: every host decides from every host's figures (jax_backend/agree.py), in two
-        # rounds (the sizes, then the checks of the agreed plan), so they all allocate and compile the same
-        # programs or all refuse with one message. A host that raised alone would leave its peers hanging.
-        layout, path, plan = self._agree(self._plan_locally, runner, name="sizes")
-        plan = self._agree(self._check_plan, layout, path, plan, name="checks")
-        self.engine = TransferEngine(
-            layout, num_slots=self.s.num_slots, blocks_per_chunk=self.s.blocks_per_chunk,
-            staging_blocks=self.s.staging_blocks, memory_kind=cfg.host_memory_kind,
-            checksums=cfg.verify_checksums, path=path, plan=plan,
-        )
+        self.engine = build_engine(self.s, runner, self._pidx, transfer_path, free_hbm_bytes=self._free_hbm,
+                                   hbm_limit_bytes=self._hbm_limit, free_host_bytes=self._free_host,
+                                   max_slab_bytes=self._max_slab_bytes)
+        self._windowed = self.engine.layout.kv_groups > 1
+        path = self.engine.path
         staging_per_device = self.engine.staging_device_bytes
         self.hbm = HbmInFlight(self.engine.in_flight_device_bytes)
         self.chunk_bytes = self.engine.chunk_bytes  # what one chunk costs on the host and on the wire
@@ -149,85 +141,6 @@ class OffloadWorker:
         log.info("tpu_offload: %d host chunks x %d blocks (%.2f GiB, %s, %s path), staging %d blocks (%.2f GiB "
                  "per device)", self.s.num_slots, self.s.blocks_per_chunk, self.engine.slab_bytes / (1 << 30),
                  cfg.host_memory_kind, path, self.s.staging_blocks, staging_per_device / (1 << 30))
-
-    def _plan_locally(self, runner):
-        """This host's layout, host path and transfer plan, after every check that needs no plan."""
-        cfg = self.s.config
-        classes = self._layer_classes(runner)
-        layout = KVLayout.from_caches(runner.kv_caches, getattr(runner, "mesh", None),
-                                      head_replicas=self.s.kv_replicas, kv_groups=classes)
-        self._windowed = layout.kv_groups > 1
-        layout_name = runner.get_kv_cache_layout() if hasattr(runner, "get_kv_cache_layout") else "NHD"
-        if layout_name not in (None, "NHD"):
-            raise ValueError(f"KV cache layout {layout_name!r}: the offload connector needs NHD")
-        local = [d for d in layout.mesh.devices.flat if d.process_index == self._pidx]
-        check_chunk_bytes(self.s, layout.block_bytes * self.s.blocks_per_chunk)  # before anything is allocated
-        if cfg.shared_storage_path and jax.process_count() > 1:
-            raise ConfigError("shared_storage_path with several JAX processes is not supported yet: "
-                              "each host holds only its own KV heads")
-        local_share = sum(d.process_index == self._pidx for d in layout.mesh.devices.flat) / layout.mesh.devices.size
-        memory.check_memory_kind(cfg.host_memory_kind, local)
-        memory.check_host_fits(int(self.s.num_slots * layout.block_bytes * self.s.blocks_per_chunk * local_share),
-                               self.s.num_slots, available=self._free_host, margin=cfg.host_memory_margin)
-        path = transfer_path(cfg, local)
-        if path == "device_put" and cfg.snapshot_path:
-            raise ConfigError("snapshot_path saves the preallocated host slabs: it needs transfer_path=program "
-                              f"(TPU_OFFLOAD_TRANSFER_PATH), not {cfg.transfer_path!r} (device_put on {local[0].platform})")
-        kw = {} if self._max_slab_bytes is None else {"max_slab_bytes": self._max_slab_bytes}
-        plan = plan_transfers(layout, num_slots=self.s.num_slots, blocks_per_chunk=self.s.blocks_per_chunk,
-                              staging_blocks=self.s.staging_blocks, memory_kind=cfg.host_memory_kind,
-                              kernel=None if cfg.transfer_kernel == "auto" else cfg.transfer_kernel, **kw)
-        return layout, path, plan
-
-    def _check_plan(self, layout, path, plan):
-        """The plan's checks (engine.preflight): host buffers, and staging against free HBM on hosts
-        whose allocator reports it (CPU reports none). Returns the plan."""
-        local = [d for d in layout.mesh.devices.flat if d.process_index == self._pidx]
-
-        def hbm_check(staging: int, scratch: int) -> None:
-            memory.check_staging_fits(staging, scratch, self.s.staging_blocks, local,
-                                      utilization=self.s.hbm_utilization, free_bytes=self._free_hbm,
-                                      limit_bytes=self._hbm_limit)
-
-        known = self._free_hbm is not None or any(memory.device_hbm(d) for d in local)
-        engine_mod.preflight(layout, plan, path, self.s.num_slots, hbm_check if known else None)
-        return plan
-
-    def _agree(self, step, *args, name: str):
-        """Run ``step`` here and settle its outcome with every JAX process (one process: just run it).
-
-        ``sizes`` returns (layout, path, plan): the plan is re-made with the least slab size of all hosts,
-        and the settings every host must share are compared. ``checks`` returns the plan unchanged.
-        A host's error (a refusal or any other) becomes every host's, naming that host."""
-        if jax.process_count() == 1:
-            return step(*args)
-        cfg = self.s.config
-        error, cause, figures, out = None, None, {}, None
-        try:
-            out = step(*args)
-        except Exception as e:
-            error, cause = f"{type(e).__name__}: {e}", e
-        if name == "sizes" and out is not None:
-            layout, path, plan = out
-            figures = dict(num_slots=self.s.num_slots, blocks_per_chunk=self.s.blocks_per_chunk,
-                           staging_blocks=plan.staging_blocks, block_bytes=layout.block_bytes, path=path,
-                           kernel=plan.programs.kernel, memory_kind=cfg.host_memory_kind,
-                           checksums=cfg.verify_checksums, precompile=not cfg.skip_precompile,
-                           rows_per_slab=plan.rows_per_slab)
-        try:
-            agreed = agree.settle(name, figures, error, equal=[k for k in figures if k != "rows_per_slab"],
-                                  minimum=("rows_per_slab",) if figures else (), timeout_s=cfg.multihost_timeout_s)
-        except Exception as e:
-            raise e from cause
-        if name == "sizes" and agreed["rows_per_slab"] != out[2].rows_per_slab:
-            layout, path, plan = out
-            log.info("tpu_offload: host slabs of %d chunks (the least any host sizes; here %d)",
-                     agreed["rows_per_slab"], plan.rows_per_slab)
-            plan = plan_transfers(layout, num_slots=self.s.num_slots, blocks_per_chunk=self.s.blocks_per_chunk,
-                                  staging_blocks=self.s.staging_blocks, memory_kind=cfg.host_memory_kind,
-                                  kernel=plan.programs.kernel, rows_per_slab=agreed["rows_per_slab"])
-            out = (layout, path, plan)
-        return out
 
     # ---- per step ----------------------------------------------------------
     def dispatch_early_stores(self, meta: OffloadMetadata) -> None:
@@ -297,26 +210,6 @@ class OffloadWorker:
                 done = None
         self._flights.append(_Flight(done, "load", list(meta.loads), bad, nbytes, time.perf_counter(), t0,
                                      hbm if done is not None else self._untake(hbm)))
-
-    def _layer_classes(self, runner) -> list[tuple[int, ...]] | None:
-        """Per cache array, the layer classes (``LoadOp.groups`` indices) whose blocks it holds.
-
-        Several vLLM KV-cache groups: each group is a class, and an array is in
-        every group one of its layers belongs to (vLLM lays out layers of
-        different groups in one tensor). Else, in "window" mode, sliding-window
-        arrays are class 1. None: one class, every layer moves every block."""
-        if self.s.hybrid:
-            index = dict(getattr(runner, "layer_name_to_kvcache_index", None) or {})
-            classes: dict[int, set[int]] = {}
-            for g, names in enumerate(self.s.group_layers):
-                for name in names:
-                    if name not in index:
-                        raise ValueError(f"KV-cache group {g} layer {name!r} is not among the runner's caches")
-                    classes.setdefault(int(index[name]), set()).add(g)
-            return [tuple(sorted(classes.get(i, ()))) for i in range(len(runner.kv_caches))]
-        if self.s.windows is not None:
-            return self.s.windows.cache_classes(runner, len(runner.kv_caches))
-        return None
 
     @property
     def sliding_classes(self) -> set[int]:
