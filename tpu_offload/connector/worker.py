@@ -14,18 +14,16 @@ transfer) is reported as invalid blocks so vLLM recomputes them.
 
 from __future__ import annotations
 
-import atexit
 import collections
 import dataclasses
 import logging
 import os
-import sys
-import threading
 import time
 from typing import Any, Sequence
 
 import jax
 
+from tpu_offload.connector.exit_hook import ExitHook, register_at_exit
 from tpu_offload.connector.guard import Guard
 from tpu_offload.connector.hbm import HbmInFlight
 from tpu_offload.connector.metadata import LoadOp, OffloadMetadata, OffloadReport
@@ -131,8 +129,8 @@ class OffloadWorker:
             # tpu-inference never shuts a worker down (TPUWorker has no shutdown; a multi-host replica's
             # Ray workers just exit): at process exit, land queued file writes and save the snapshot.
             # The handler holds the worker until its shutdown: one dropped without a shutdown still flushes.
-            self._at_exit = _ExitHook(self)
-            _register_at_exit(self._at_exit)
+            self._at_exit = ExitHook(self)
+            register_at_exit(self._at_exit)
         if not cfg.skip_precompile:
             t0 = time.perf_counter()
             self.engine.precompile()
@@ -529,48 +527,3 @@ class OffloadWorker:
 
     def pending(self) -> int:
         return len(self._flights)
-
-
-class _ExitHook:
-    """Shuts down, at process exit, a worker nobody shut down (its file writes and snapshot would be lost).
-
-    Holds the worker until its ``shutdown`` (which clears ``worker``), so one
-    dropped without a shutdown still flushes.
-    """
-
-    def __init__(self, worker: "OffloadWorker"):
-        self.worker = worker
-
-    def __call__(self) -> None:
-        worker, self.worker = self.worker, None
-        if worker is None or worker.engine is None:
-            return
-        log.info("tpu_offload: process exiting without a connector shutdown: flushing file writes")
-        if worker._snapshot_id and sys.version_info >= (3, 12):
-            # Python 3.12 starts no thread once the interpreter is exiting, and orbax's writers are threads.
-            log.warning("tpu_offload: the warm-restart slabs cannot be saved at interpreter exit; shut the engine "
-                        "down (the executor's shutdown reaches the workers' connectors first) to keep them")
-            worker._snapshot_id = ""
-        try:
-            worker.shutdown()
-        except Exception:
-            log.exception("tpu_offload: shutdown at exit failed")
-
-
-def _register_at_exit(hook: _ExitHook) -> None:
-    """Run ``hook`` when the interpreter exits, while thread pools still take work.
-
-    ``threading._register_atexit`` hooks run at the start of interpreter
-    shutdown, last registered first, so before ``concurrent.futures`` refuses
-    new work (the snapshot's writers use it) and before any atexit handler
-    (jax's among them); the file tier's I/O threads are daemons, alive until
-    then. Plain ``atexit`` where it is missing.
-    """
-    register = getattr(threading, "_register_atexit", None)
-    try:
-        if register is not None:
-            register(hook)
-            return
-    except RuntimeError:  # already shutting down
-        return
-    atexit.register(hook)
