@@ -9,7 +9,8 @@ Invariants this file keeps (each one a defect of the upstream connector):
   compute at least one); all chunks are still loaded.
 * Every newly full chunk is stored the step it completes (prompt chunks
   always, decode chunks with ``decode_save``), including chunks the request
-  got from the HBM prefix cache that the host tier no longer holds (planned in ``connector/stores.py``).
+  got from the HBM prefix cache that the host tier no longer holds
+  (planned in ``connector/stores.py``).
 * The staging budget (``staging_blocks`` per step and direction) and the load
   budget (bytes per device per step, ``connector/budget.py``) defer work to
   later steps; they never drop a chunk.
