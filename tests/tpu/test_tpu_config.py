@@ -212,6 +212,52 @@ def test_model_free_speculation_is_allowed():
     assert resolve(vc, page(), env={}).num_slots == 4
 
 
+def _tpu_inference_model_free_methods() -> set[str]:
+    """The speculative methods tpu-inference's runner accepts with a host-side vLLM proposer (no draft model),
+    read from its source: the ``method == "..."`` branches of ``_init_speculative_decoding`` whose drafter
+    class is imported from vLLM (the others are tpu-inference's JAX draft models)."""
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec("tpu_inference")  # the source only: importing the runner needs an engine
+    tree = ast.parse((Path(spec.origin).parent / "runner" / "tpu_runner.py").read_text())
+    from_vllm = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+                 and (n.module or "").startswith("vllm.") for a in n.names}
+    init = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "_init_speculative_decoding")
+    raises = [n for n in ast.walk(init) if isinstance(n, ast.Raise)]
+    assert raises, "tpu-inference refuses the methods it does not know"
+    found = set()
+    for node in ast.walk(init):
+        if not (isinstance(node, ast.If) and isinstance(node.test, ast.Compare)
+                and isinstance(node.test.left, ast.Attribute) and node.test.left.attr == "method"):
+            continue
+        (op,), (lit,) = node.test.ops, node.test.comparators
+        assert isinstance(op, ast.Eq) and isinstance(lit, ast.Constant), ast.dump(node.test)
+        made = [c.func.id for c in ast.walk(ast.Module(body=node.body, type_ignores=[]))
+                if isinstance(c, ast.Call) and isinstance(c.func, ast.Name) and c.func.id.endswith("Proposer")]
+        assert made, f"branch {lit.value!r} builds no proposer"
+        if all(name in from_vllm for name in made):
+            found.add(lit.value)
+    return found
+
+
+def test_model_free_spec_methods_are_exactly_those_tpu_inference_runs_without_a_draft_model():
+    from tpu_offload.connector.compat import MODEL_FREE_SPEC_METHODS
+
+    accepted = _tpu_inference_model_free_methods()
+    assert accepted, "the runner's speculative-decoding branches were found"
+    assert set(MODEL_FREE_SPEC_METHODS) == accepted
+    assert len(MODEL_FREE_SPEC_METHODS) == len(accepted)
+
+
+@pytest.mark.parametrize("method", ["ngram_gpu", "suffix"])
+def test_model_free_methods_tpu_inference_cannot_run_are_refused(method):
+    vc = vllm_config({"num_cpu_chunks": 4})
+    vc.speculative_config = SimpleNamespace(method=method)
+    with pytest.raises(ConfigError, match=f"speculative_config.method='{method}'"):
+        resolve(vc, page(), env={})
+
+
 def test_replicated_heads_size_the_tier_by_the_real_kv():
     """Llama-3-8B (8 KV heads) at TP 16: tpu-inference's spec counts 16 padded heads; a chunk
     costs the real 8 heads' bytes, so cpu_bytes buys twice the chunks."""

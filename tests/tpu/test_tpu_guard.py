@@ -34,8 +34,8 @@ INJECT = {  # guard path -> (half, attribute holder, attribute, replacement)
     "take_report": ("worker", None, "take_report", _boom),
     "get_num_new_matched_tokens": ("scheduler", None, "_prefix", _boom),
     "update_state_after_alloc": ("scheduler", "manager", "prepare_load", _boom),
-    "build_connector_meta": ("scheduler", None, "_plan_stores", _boom),
-    "request_finished": ("scheduler", None, "_storable", _boom),
+    "build_connector_meta": ("scheduler", "stores", "plan", _boom),
+    "request_finished": ("scheduler", "stores", "storable", _boom),
 }
 PROMPTS = [prompt(3 * BS + 5, 100 + i) for i in range(6)]
 

@@ -157,7 +157,7 @@ INJECT = {  # guard path -> (which half, attribute holder, attribute, replacemen
     "get_finished": ("worker", None, "_maybe_release", _boom),
     "get_num_new_matched_tokens": ("scheduler", None, "_prefix", _boom),
     "update_state_after_alloc": ("scheduler", "manager", "prepare_load", _boom),
-    "build_connector_meta": ("scheduler", None, "_plan_stores", _boom),
+    "build_connector_meta": ("scheduler", "stores", "plan", _boom),
 }
 
 

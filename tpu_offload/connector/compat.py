@@ -202,8 +202,11 @@ def dp_scheduler_ranks(vllm_config) -> int | None:
     return int(n) if n is not None and int(n) > 1 else None
 
 
-# Speculative methods with no draft model: no draft KV layers in runner.kv_caches.
-MODEL_FREE_SPEC_METHODS = ("ngram", "ngram_gpu", "suffix")
+# Speculative methods with no draft model: no draft KV layers in runner.kv_caches. Exactly those
+# tpu-inference 0.32 runs with a host-side vLLM proposer (runner/tpu_runner.py _init_speculative_decoding
+# builds only NgramProposer without a model and raises NotImplementedError for any other method it does not
+# know; vLLM's "ngram_gpu" and "suffix" are refused there). tests/tpu/test_tpu_config.py reads that source.
+MODEL_FREE_SPEC_METHODS = ("ngram",)
 
 
 def unsupported_runner_mode(vllm_config) -> str | None:

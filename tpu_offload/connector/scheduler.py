@@ -9,7 +9,8 @@ Invariants this file keeps (each one a defect of the upstream connector):
   compute at least one); all chunks are still loaded.
 * Every newly full chunk is stored the step it completes (prompt chunks
   always, decode chunks with ``decode_save``), including chunks the request
-  got from the HBM prefix cache that the host tier no longer holds.
+  got from the HBM prefix cache that the host tier no longer holds
+  (planned in ``connector/stores.py``).
 * The staging budget (``staging_blocks`` per step and direction) and the load
   budget (bytes per device per step, ``connector/budget.py``) defer work to
   later steps; they never drop a chunk.
@@ -47,10 +48,11 @@ from tpu_offload.connector import compat, dp
 from tpu_offload.connector.events import EventTranslator
 from tpu_offload.connector.exclusive import ExclusiveStores
 from tpu_offload.connector.loads import InFlight, LoadPlan, LoadPlanner, Order, settle_store
-from tpu_offload.connector.metadata import OffloadMetadata, OffloadReport, StoreOp
+from tpu_offload.connector.metadata import OffloadMetadata, OffloadReport
 from tpu_offload.connector.metrics import ConnectorMetrics
 from tpu_offload.connector.settings import Settings
 from tpu_offload.connector.stats import OffloadStats
+from tpu_offload.connector.stores import StorePlanner
 from tpu_offload.connector.tails import Tails
 from tpu_offload.core.keys import ChunkKey, make_chunk_key
 from tpu_offload.core.lru import LRUChunkManager
@@ -114,6 +116,7 @@ class OffloadScheduler:
         self._fp = fingerprint
         # store_policy=exclusive: chunks HBM caches are watched, stored when vLLM reuses their blocks
         self.exclusive = ExclusiveStores(self) if cfg.store_policy == "exclusive" else None
+        self.stores = StorePlanner(self)  # which chunks each step stores (connector/stores.py)
         self._start: dict[str, int] = {}  # exclusive: the chunk a request's host lookup started at
         self.shared = None  # DP attention: the other ranks' chunks (connector/dp.py SharedIndex)
         self._fs_lookup = fs  # also when loads are synchronous (it learns resets)
@@ -321,24 +324,7 @@ class OffloadScheduler:
         load_budget = self.loads.emit(meta, load_total, lambda n: self._defer("load", n))
         if self.exclusive is not None:  # chunks whose HBM blocks this step reuses: copied first or lost
             store_budget = self.exclusive.emit(meta, so, store_budget)
-        # Stores: requests whose blocks we hold first, then this step's scheduled ones.
-        for req_id, st in list(self._reqs.items()):
-            if not st.finishing:
-                continue
-            computed = st.request.num_computed_tokens
-            done, store_budget = self._plan_stores(meta, st, computed, st.final_blocks, store_budget, final=True)
-            if done:
-                meta.release.append(req_id)
-                del self._reqs[req_id]
-        scheduled = [(r.req_id, so.num_scheduled_tokens.get(r.req_id, 0)) for r in so.scheduled_new_reqs]
-        cached = so.scheduled_cached_reqs
-        scheduled += [(rid, so.num_scheduled_tokens.get(rid, 0)) for rid in cached.req_ids]
-        for req_id, n_new in scheduled:
-            st = self._reqs.get(req_id)
-            if st is None or st.finishing or store_budget < 0:
-                continue
-            computed = min(st.request.num_computed_tokens + n_new, st.request.num_tokens)
-            _, store_budget = self._plan_stores(meta, st, computed, None, store_budget, final=False)
+        store_budget = self.stores.emit(meta, so, store_budget)
         self._staging_used = max(load_total - load_budget, self.s.staging_blocks - max(store_budget, 0))
         self._sync_blocks_left = self.s.load_budget_blocks  # lookups after this belong to the next step
         if self.fs is not None:
@@ -364,100 +350,9 @@ class OffloadScheduler:
             self._salt_of.update((k, salt) for k in alloc.keys)
         return evict
 
-    def _storable(self, st: _Req, computed_tokens: int) -> int:
-        """Chunks of the request whose KV is complete and whose tokens are known."""
-        req = st.request
-        n = min(computed_tokens // self.chunk_tokens, len(req.block_hashes) // self.bpc)
-        if not self.decode_save:
-            n = min(n, req.num_prompt_tokens // self.chunk_tokens)
-        return n
-
-    def _plan_stores(self, meta, st: _Req, computed: int, block_ids, budget: int, final: bool) -> tuple[bool, int]:
-        """Plan this step's stores for one request. Returns (nothing left to store, budget left)."""
-        if st.stale:
-            return True, budget
-        n = self._storable(st, computed)
-        keys = self._req_keys(st, n)
-        touched, cand = [], []
-        i = st.cursor
-        if self.exclusive is not None and i < n and block_ids is None and self.exclusive.active():
-            block_ids = compat.request_block_ids(self.kv_cache_manager, st.request.request_id)
-        while i < n:
-            state = self.manager.lookup(keys[i])
-            if self.exclusive is not None and state is not Lookup.PENDING and self._watch(st, i, keys[i], n, block_ids):
-                if state is Lookup.HIT:
-                    touched.append(keys[i])
-                i += 1
-                continue
-            if state is Lookup.MISS:
-                self._quarantine.discard(keys[i])  # evicted since it was found bad: storable again
-                if (len(cand) + 1) * self.bpc > budget:
-                    break
-                cand.append(i)
-            elif state is Lookup.HIT and keys[i] not in self._quarantine:  # let bad chunks age out
-                touched.append(keys[i])
-            i += 1
-        if touched:
-            self.manager.touch(touched)
-        if i < n:
-            self._defer("store", (n - i) * self.bpc)
-        if cand:
-            alloc = self.manager.prepare_store([keys[c] for c in cand])
-            while alloc is None and len(cand) > 1:  # store the longest prefix that fits
-                cand = cand[: len(cand) // 2]
-                i = cand[-1] + 1
-                alloc = self.manager.prepare_store([keys[c] for c in cand])
-            if alloc is None:
-                self.metrics.core.record_alloc_failure()
-                self._add("alloc_failures", 1)
-                # Chunks whose stores are in flight become evictable within a step or two: keep the
-                # finished request's blocks until then. Only pins (loads) left: give the blocks back.
-                if final and not self.manager.stats().pending_chunks:
-                    log.warning("request %s: host tier full of pinned chunks; %d final chunks not stored",
-                                st.request.request_id, len(cand))
-                    return True, budget
-                st.cursor = cand[0]
-                return False, budget
-            salt = request_salt(st.request) if self._fs_lookup is not None else b""
-            evict = self._allocated(alloc, salt)
-            slot_of = dict(zip(alloc.keys, (int(x) for x in alloc.slots)))
-            if block_ids is None:  # the ids now: vLLM may have freed a sliding-window group's older blocks
-                block_ids = compat.request_block_ids(self.kv_cache_manager, st.request.request_id)
-            slots, blocks, okeys = [], [], []
-            groups: list[list[int]] = [[] for _ in self.tails.classes()]
-            for c in cand:
-                k = keys[c]
-                if k not in slot_of:
-                    continue
-                slots.append(slot_of[k])
-                okeys.append(k)
-                span = range(c * self.bpc, (c + 1) * self.bpc)
-                blocks.extend(block_ids[self.s.full_group][b] for b in span)
-                if groups:  # sliding-window layers: only the chunks a request continuing this one reads
-                    per_class = self.tails.chunk_ids(block_ids, span, in_tail=self.tails.in_a_tail(c, n))
-                    for lst, ids in zip(groups, per_class):
-                        lst.extend(ids)
-                    self.tails.record(k, per_class)
-                self.events.record(k, st.request, c)
-            if groups:
-                self.tails.prune(lambda k: self.manager.lookup(k) is not Lookup.MISS)
-            if slots:
-                named = self._fs_lookup is not None or self.shared is not None  # files, or DP ranks' index
-                op = StoreOp(next(self._ids), st.request.request_id, slots, blocks,
-                             keys=[bytes(k) for k in okeys] if named else [], evict=evict,
-                             salt=salt, groups=groups)
-                meta.stores.append(op)
-                self._store_orders[op.op_id] = Order(op.req_id, okeys, slots)
-                budget -= len(slots) * self.bpc
-        st.cursor = i
-        return i >= n, budget
-
-    def _watch(self, st: _Req, c: int, key: ChunkKey, n: int, block_ids) -> bool:
-        """exclusive: leave chunk ``c`` in HBM, watched, instead of storing it (False: store it)."""
-        if block_ids is None or key in self._quarantine:
-            return False
-        salt = request_salt(st.request) if self._fs_lookup is not None else b""
-        return self.exclusive.try_watch(st, c, key, n, block_ids, salt)
+    def _store_salt(self, request) -> bytes:
+        """The salt a store order carries: the request's where a file tier names chunks by it, else b""."""
+        return request_salt(request) if self._fs_lookup is not None else b""
 
     # ---- feedback ----------------------------------------------------------
     def update_connector_output(self, output) -> None:
@@ -521,14 +416,7 @@ class OffloadScheduler:
         if st is None:
             return False, None
         st.request = request
-        n = 0 if st.stale else self._storable(st, request.num_computed_tokens)
-        keys = self._req_keys(st, n)
-        if self.exclusive is not None and n > st.cursor:  # its blocks stay cached in HBM: watch, do not hold them
-            ids = compat.block_ids_by_group(block_ids)
-            while st.cursor < n and (self.manager.lookup(keys[st.cursor]) is Lookup.PENDING
-                                     or self._watch(st, st.cursor, keys[st.cursor], n, ids)):
-                st.cursor += 1
-        if any(self.manager.lookup(keys[i]) is Lookup.MISS for i in range(st.cursor, n)):
+        if self.stores.unstored(st, block_ids):
             st.finishing = True
             st.final_blocks = compat.block_ids_by_group(block_ids)
             return True, None

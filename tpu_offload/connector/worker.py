@@ -14,30 +14,25 @@ transfer) is reported as invalid blocks so vLLM recomputes them.
 
 from __future__ import annotations
 
-import atexit
 import collections
 import dataclasses
 import logging
 import os
-import sys
-import threading
 import time
 from typing import Any, Sequence
 
 import jax
 
+from tpu_offload.connector.exit_hook import ExitHook, register_at_exit
 from tpu_offload.connector.guard import Guard
 from tpu_offload.connector.hbm import HbmInFlight
 from tpu_offload.connector.metadata import LoadOp, OffloadMetadata, OffloadReport
 from tpu_offload.core.fs.journal import PUBLISHED, REMOVED
 from tpu_offload.connector.metrics import ConnectorMetrics
+from tpu_offload.connector.registration import build_engine
 from tpu_offload.connector.settings import Settings
-from tpu_offload.connector.sizing import check_chunk_bytes
 from tpu_offload.connector.stats import OffloadStats
-from tpu_offload.core.config import ConfigError
-from tpu_offload.jax_backend import agree, engine as engine_mod, memory
-from tpu_offload.jax_backend.engine import LoadChunk, StoreChunk, TransferEngine, plan_transfers
-from tpu_offload.jax_backend.layout import KVLayout
+from tpu_offload.jax_backend.engine import LoadChunk, StoreChunk, TransferEngine
 
 log = logging.getLogger(__name__)
 
@@ -114,16 +109,11 @@ class OffloadWorker:
         self.runner = runner
         self._pidx = jax.process_index()
         self._report = OffloadReport(process_count=jax.process_count())
-        # Several JAX processes: every host decides from every host's figures (jax_backend/agree.py), in two
-        # rounds (the sizes, then the checks of the agreed plan), so they all allocate and compile the same
-        # programs or all refuse with one message. A host that raised alone would leave its peers hanging.
-        layout, path, plan = self._agree(self._plan_locally, runner, name="sizes")
-        plan = self._agree(self._check_plan, layout, path, plan, name="checks")
-        self.engine = TransferEngine(
-            layout, num_slots=self.s.num_slots, blocks_per_chunk=self.s.blocks_per_chunk,
-            staging_blocks=self.s.staging_blocks, memory_kind=cfg.host_memory_kind,
-            checksums=cfg.verify_checksums, path=path, plan=plan,
-        )
+        self.engine = build_engine(self.s, runner, self._pidx, transfer_path, free_hbm_bytes=self._free_hbm,
+                                   hbm_limit_bytes=self._hbm_limit, free_host_bytes=self._free_host,
+                                   max_slab_bytes=self._max_slab_bytes)
+        self._windowed = self.engine.layout.kv_groups > 1
+        path = self.engine.path
         staging_per_device = self.engine.staging_device_bytes
         self.hbm = HbmInFlight(self.engine.in_flight_device_bytes)
         self.chunk_bytes = self.engine.chunk_bytes  # what one chunk costs on the host and on the wire
@@ -144,8 +134,8 @@ class OffloadWorker:
             # tpu-inference never shuts a worker down (TPUWorker has no shutdown; a multi-host replica's
             # Ray workers just exit): at process exit, land queued file writes and save the snapshot.
             # The handler holds the worker until its shutdown: one dropped without a shutdown still flushes.
-            self._at_exit = _ExitHook(self)
-            _register_at_exit(self._at_exit)
+            self._at_exit = ExitHook(self)
+            register_at_exit(self._at_exit)
         if not cfg.skip_precompile:
             t0 = time.perf_counter()
             self.engine.precompile()
@@ -154,85 +144,6 @@ class OffloadWorker:
         log.info("tpu_offload: %d host chunks x %d blocks (%.2f GiB, %s, %s path), staging %d blocks (%.2f GiB "
                  "per device)", self.s.num_slots, self.s.blocks_per_chunk, self.engine.slab_bytes / (1 << 30),
                  cfg.host_memory_kind, path, self.s.staging_blocks, staging_per_device / (1 << 30))
-
-    def _plan_locally(self, runner):
-        """This host's layout, host path and transfer plan, after every check that needs no plan."""
-        cfg = self.s.config
-        classes = self._layer_classes(runner)
-        layout = KVLayout.from_caches(runner.kv_caches, getattr(runner, "mesh", None),
-                                      head_replicas=self.s.kv_replicas, kv_groups=classes)
-        self._windowed = layout.kv_groups > 1
-        layout_name = runner.get_kv_cache_layout() if hasattr(runner, "get_kv_cache_layout") else "NHD"
-        if layout_name not in (None, "NHD"):
-            raise ValueError(f"KV cache layout {layout_name!r}: the offload connector needs NHD")
-        local = [d for d in layout.mesh.devices.flat if d.process_index == self._pidx]
-        check_chunk_bytes(self.s, layout.block_bytes * self.s.blocks_per_chunk)  # before anything is allocated
-        if cfg.shared_storage_path and jax.process_count() > 1:
-            raise ConfigError("shared_storage_path with several JAX processes is not supported yet: "
-                              "each host holds only its own KV heads")
-        local_share = sum(d.process_index == self._pidx for d in layout.mesh.devices.flat) / layout.mesh.devices.size
-        memory.check_memory_kind(cfg.host_memory_kind, local)
-        memory.check_host_fits(int(self.s.num_slots * layout.block_bytes * self.s.blocks_per_chunk * local_share),
-                               self.s.num_slots, available=self._free_host, margin=cfg.host_memory_margin)
-        path = transfer_path(cfg, local, layout.ranks)
-        if path == "device_put" and cfg.snapshot_path:
-            raise ConfigError("snapshot_path saves the preallocated host slabs: it needs transfer_path=program "
-                              f"(TPU_OFFLOAD_TRANSFER_PATH), not {cfg.transfer_path!r} (device_put on {local[0].platform})")
-        kw = {} if self._max_slab_bytes is None else {"max_slab_bytes": self._max_slab_bytes}
-        plan = plan_transfers(layout, num_slots=self.s.num_slots, blocks_per_chunk=self.s.blocks_per_chunk,
-                              staging_blocks=self.s.staging_blocks, memory_kind=cfg.host_memory_kind,
-                              kernel=None if cfg.transfer_kernel == "auto" else cfg.transfer_kernel, **kw)
-        return layout, path, plan
-
-    def _check_plan(self, layout, path, plan):
-        """The plan's checks (engine.preflight): host buffers, and staging against free HBM on hosts
-        whose allocator reports it (CPU reports none). Returns the plan."""
-        local = [d for d in layout.mesh.devices.flat if d.process_index == self._pidx]
-
-        def hbm_check(staging: int, scratch: int) -> None:
-            memory.check_staging_fits(staging, scratch, self.s.staging_blocks, local,
-                                      utilization=self.s.hbm_utilization, free_bytes=self._free_hbm,
-                                      limit_bytes=self._hbm_limit)
-
-        known = self._free_hbm is not None or any(memory.device_hbm(d) for d in local)
-        engine_mod.preflight(layout, plan, path, self.s.num_slots, hbm_check if known else None)
-        return plan
-
-    def _agree(self, step, *args, name: str):
-        """Run ``step`` here and settle its outcome with every JAX process (one process: just run it).
-
-        ``sizes`` returns (layout, path, plan): the plan is re-made with the least slab size of all hosts,
-        and the settings every host must share are compared. ``checks`` returns the plan unchanged.
-        A host's error (a refusal or any other) becomes every host's, naming that host."""
-        if jax.process_count() == 1:
-            return step(*args)
-        cfg = self.s.config
-        error, cause, figures, out = None, None, {}, None
-        try:
-            out = step(*args)
-        except Exception as e:
-            error, cause = f"{type(e).__name__}: {e}", e
-        if name == "sizes" and out is not None:
-            layout, path, plan = out
-            figures = dict(num_slots=self.s.num_slots, blocks_per_chunk=self.s.blocks_per_chunk,
-                           staging_blocks=plan.staging_blocks, block_bytes=layout.block_bytes, path=path,
-                           kernel=plan.programs.kernel, memory_kind=cfg.host_memory_kind,
-                           checksums=cfg.verify_checksums, precompile=not cfg.skip_precompile,
-                           rows_per_slab=plan.rows_per_slab)
-        try:
-            agreed = agree.settle(name, figures, error, equal=[k for k in figures if k != "rows_per_slab"],
-                                  minimum=("rows_per_slab",) if figures else (), timeout_s=cfg.multihost_timeout_s)
-        except Exception as e:
-            raise e from cause
-        if name == "sizes" and agreed["rows_per_slab"] != out[2].rows_per_slab:
-            layout, path, plan = out
-            log.info("tpu_offload: host slabs of %d chunks (the least any host sizes; here %d)",
-                     agreed["rows_per_slab"], plan.rows_per_slab)
-            plan = plan_transfers(layout, num_slots=self.s.num_slots, blocks_per_chunk=self.s.blocks_per_chunk,
-                                  staging_blocks=self.s.staging_blocks, memory_kind=cfg.host_memory_kind,
-                                  kernel=plan.programs.kernel, rows_per_slab=agreed["rows_per_slab"])
-            out = (layout, path, plan)
-        return out
 
     # ---- per step ----------------------------------------------------------
     def dispatch_early_stores(self, meta: OffloadMetadata) -> None:
@@ -302,26 +213,6 @@ class OffloadWorker:
                 done = None
         self._flights.append(_Flight(done, "load", list(meta.loads), bad, nbytes, time.perf_counter(), t0,
                                      hbm if done is not None else self._untake(hbm)))
-
-    def _layer_classes(self, runner) -> list[tuple[int, ...]] | None:
-        """Per cache array, the layer classes (``LoadOp.groups`` indices) whose blocks it holds.
-
-        Several vLLM KV-cache groups: each group is a class, and an array is in
-        every group one of its layers belongs to (vLLM lays out layers of
-        different groups in one tensor). Else, in "window" mode, sliding-window
-        arrays are class 1. None: one class, every layer moves every block."""
-        if self.s.hybrid:
-            index = dict(getattr(runner, "layer_name_to_kvcache_index", None) or {})
-            classes: dict[int, set[int]] = {}
-            for g, names in enumerate(self.s.group_layers):
-                for name in names:
-                    if name not in index:
-                        raise ValueError(f"KV-cache group {g} layer {name!r} is not among the runner's caches")
-                    classes.setdefault(int(index[name]), set()).add(g)
-            return [tuple(sorted(classes.get(i, ()))) for i in range(len(runner.kv_caches))]
-        if self.s.windows is not None:
-            return self.s.windows.cache_classes(runner, len(runner.kv_caches))
-        return None
 
     @property
     def sliding_classes(self) -> set[int]:
@@ -641,48 +532,3 @@ class OffloadWorker:
 
     def pending(self) -> int:
         return len(self._flights)
-
-
-class _ExitHook:
-    """Shuts down, at process exit, a worker nobody shut down (its file writes and snapshot would be lost).
-
-    Holds the worker until its ``shutdown`` (which clears ``worker``), so one
-    dropped without a shutdown still flushes.
-    """
-
-    def __init__(self, worker: "OffloadWorker"):
-        self.worker = worker
-
-    def __call__(self) -> None:
-        worker, self.worker = self.worker, None
-        if worker is None or worker.engine is None:
-            return
-        log.info("tpu_offload: process exiting without a connector shutdown: flushing file writes")
-        if worker._snapshot_id and sys.version_info >= (3, 12):
-            # Python 3.12 starts no thread once the interpreter is exiting, and orbax's writers are threads.
-            log.warning("tpu_offload: the warm-restart slabs cannot be saved at interpreter exit; shut the engine "
-                        "down (the executor's shutdown reaches the workers' connectors first) to keep them")
-            worker._snapshot_id = ""
-        try:
-            worker.shutdown()
-        except Exception:
-            log.exception("tpu_offload: shutdown at exit failed")
-
-
-def _register_at_exit(hook: _ExitHook) -> None:
-    """Run ``hook`` when the interpreter exits, while thread pools still take work.
-
-    ``threading._register_atexit`` hooks run at the start of interpreter
-    shutdown, last registered first, so before ``concurrent.futures`` refuses
-    new work (the snapshot's writers use it) and before any atexit handler
-    (jax's among them); the file tier's I/O threads are daemons, alive until
-    then. Plain ``atexit`` where it is missing.
-    """
-    register = getattr(threading, "_register_atexit", None)
-    try:
-        if register is not None:
-            register(hook)
-            return
-    except RuntimeError:  # already shutting down
-        return
-    atexit.register(hook)

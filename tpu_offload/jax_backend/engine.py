@@ -156,7 +156,7 @@ class TransferEngine:
         """``hbm_check(staging_bytes, scratch_bytes)``, per device, runs before anything is allocated.
         ``kernel``: how gather/scatter move blocks (programs.KERNELS; default by platform).
         ``plan``: sizes the caller planned and already checked with ``preflight`` (the hosts' agreed
-        plan, connector/worker.py); nothing is checked again."""
+        plan, connector/registration.py); nothing is checked again."""
         checked = plan is not None
         plan = plan or plan_transfers(layout, num_slots=num_slots, blocks_per_chunk=blocks_per_chunk,
                                       staging_blocks=staging_blocks, memory_kind=memory_kind,
