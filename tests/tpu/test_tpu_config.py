@@ -282,6 +282,10 @@ def test_transfer_path_auto_is_device_put_on_tpu_only_and_bad_values_are_named()
     assert transfer_path(OffloadConfig(), tpu) == "device_put"
     assert transfer_path(OffloadConfig(), cpu) == "program"
     assert transfer_path(OffloadConfig(transfer_path="program"), tpu) == "program"
+    # under DP attention a chunk lives on one rank's devices: only the program path holds it there
+    assert transfer_path(OffloadConfig(), tpu, ranks=2) == "program"
+    with pytest.raises(ConfigError, match="transfer_path='device_put' with 2 attention-DP ranks.*'program' or 'auto'"):
+        transfer_path(OffloadConfig(transfer_path="device_put"), tpu, ranks=2)
     assert OffloadConfig.from_sources({}, env={"TPU_OFFLOAD_TRANSFER_PATH": "device_put"}).transfer_path == "device_put"
     with pytest.raises(ConfigError, match="'transfer_path': value 'dma' is not allowed; allowed: one of 'auto', 'program', 'device_put'"):
         OffloadConfig.from_sources({"transfer_path": "dma"}, env={})
