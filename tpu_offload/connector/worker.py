@@ -32,6 +32,7 @@ from tpu_offload.connector.metrics import ConnectorMetrics
 from tpu_offload.connector.registration import build_engine
 from tpu_offload.connector.settings import Settings
 from tpu_offload.connector.stats import OffloadStats
+from tpu_offload.core.config import ConfigError
 from tpu_offload.jax_backend.engine import LoadChunk, StoreChunk, TransferEngine
 
 log = logging.getLogger(__name__)
