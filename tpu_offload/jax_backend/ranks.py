@@ -46,7 +46,7 @@ def store_operands(programs, k: int, rows, pos) -> tuple:
     d, sc = programs.ranks, programs.share_chunks
     local = programs.slab_rows[k] // d
     rows, pos = np.asarray(rows, dtype=np.int64), np.asarray(pos, dtype=np.int64)
-    rank, src = _rank_of(pos, sc), rows // local
+    rank, src = pos // sc, rows // local  # whose share of staging, whose partition of the slab
     bad = np.flatnonzero(src != rank)
     if bad.size:
         i = bad[0]
@@ -56,9 +56,9 @@ def store_operands(programs, k: int, rows, pos) -> tuple:
     count = np.zeros((d, 1), np.int32)
     for r in range(d):
         m = rank == r
-        count[r, 0] = m.sum()
-        out_rows[r, : m.sum()] = rows[m] - r * local
-        out_pos[r, : m.sum()] = pos[m] - r * sc
+        n = count[r, 0] = m.sum()
+        out_rows[r, :n] = rows[m] - r * local
+        out_pos[r, :n] = pos[m] - r * sc
     return out_rows, out_pos, count
 
 
@@ -69,7 +69,7 @@ def load_operands(programs, k: int, rows, pos) -> tuple[tuple, bool]:
     d, sc = programs.ranks, programs.share_chunks
     local = programs.slab_rows[k] // d
     rows, pos = np.asarray(rows, dtype=np.int64), np.asarray(pos, dtype=np.int64)
-    dst, src = _rank_of(pos, sc), rows // local
+    dst, src = pos // sc, rows // local
     shift = (dst - src) % d
     for r in range(d):
         for s in range(1, d):
@@ -88,11 +88,6 @@ def load_operands(programs, k: int, rows, pos) -> tuple[tuple, bool]:
     return (out_rows, out_pos, counts), bool((shift > 0).any())
 
 
-def _rank_of(pos: np.ndarray, share: int) -> np.ndarray:
-    """The rank whose share of staging holds each staging chunk."""
-    return np.asarray(pos, dtype=np.int64) // share
-
-
 def build_store(programs, rows: int):
     """(slabs, staging, rows, positions, count) -> (slabs, count): each device copies its rank's staged
     chunks into its rows of the slab, in place; nothing crosses devices."""
@@ -109,8 +104,7 @@ def build_store(programs, rows: int):
             out.append(lax.fori_loop(0, count[gi][0, 0], body, sl))
         return tuple(out), jnp.concatenate([c[0] for c in count])
 
-    rp = tuple(P(block_entry(g)) for g in groups)
-    slab_specs = tuple(P(*_slab_spec(layout, g)) for g in groups)
+    rp, slab_specs = programs._gp(), _slab_specs(layout)
     body = programs._local(store_local, (slab_specs, programs._staging_specs(), rp, rp, rp),
                            (slab_specs, P(block_entry(groups[0]))))
     jitted = jax.jit(body, donate_argnums=(0,), out_shardings=(tuple(programs._slab_sh), _rows(programs)))
@@ -153,8 +147,7 @@ def build_load(programs, rows: int, cross: bool):
             out.append(st)
         return tuple(out), jnp.concatenate([c[0, :, 0] for c in n])
 
-    rp = tuple(P(block_entry(g)) for g in groups)
-    slab_specs = tuple(P(*_slab_spec(layout, g)) for g in groups)
+    rp, slab_specs = programs._gp(), _slab_specs(layout)
     body = programs._local(load_local, (programs._staging_specs(), slab_specs, rp, rp, rp),
                            (programs._staging_specs(), P(block_entry(groups[0]))))
     jitted = jax.jit(body, donate_argnums=(0,), out_shardings=(programs._staging_sh, _rows(programs)))
@@ -163,8 +156,9 @@ def build_load(programs, rows: int, cross: bool):
                         tuple(_per_rank(programs, d, 2) for _ in groups)).compile()
 
 
-def _slab_spec(layout, g) -> tuple:
-    return tuple(layout.slab_sharding(g, "device").spec)
+def _slab_specs(layout) -> tuple:
+    """Per group, the slabs' spec inside ``shard_map`` (rows over the ranks)."""
+    return tuple(layout.slab_sharding(g, "device").spec for g in layout.groups)
 
 
 def _per_rank(programs, *shape):
