@@ -14,12 +14,26 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(os.environ.get("BENCH_RESULTS_DIR") or Path(__file__).resolve().parent / "results")
+
+
+def commit() -> str | None:
+    """The commit measured: ``BENCH_COMMIT`` (a copy of the tree without .git), else git's HEAD."""
+    if os.environ.get("BENCH_COMMIT"):
+        return os.environ["BENCH_COMMIT"]
+    try:
+        import subprocess
+
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parent,
+                              capture_output=True, text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
 
 
 def machine() -> dict[str, Any]:
     """What the numbers were measured on, stored next to them."""
     return {
+        "commit": commit(),
         "python": platform.python_version(),
         "platform": platform.platform(),
         "cpus": os.cpu_count(),

@@ -8,8 +8,10 @@ For each page size (bytes of one engine block in one layer) the engine moves
 the same total bytes: ``layers`` KV tensors, scattered engine blocks, host
 slots as the LRU hands them out (consecutive; ``--scatter-slots`` for
 random). Store = device -> host slots, load = host slots -> device, timed from
-submit to ``wait()``. The baseline is one ``copy_`` of the same number of
-bytes between a contiguous device buffer and a pinned host buffer (on CPU:
+submit to ``wait()``; "both" submits a store and a load of other blocks at
+once (each lane has its own streams). The baseline is one ``copy_`` of the
+same number of bytes between a contiguous device buffer and a pinned host
+buffer, and for "both" one D2H and one H2D on two streams at once (on CPU:
 ``np.copyto`` between two host buffers). Every load is checked bit-exact.
 
 On CUDA the host slab is pinned with ``cudaHostRegister`` and transfers run
@@ -65,29 +67,42 @@ def timed(fn, device: torch.device, reps: int) -> float:
     return statistics.median(out)
 
 
-def memcpy_baseline(nbytes: int, device: torch.device, reps: int) -> tuple[float, float]:
-    """(device->host, host->device) seconds for one contiguous copy of ``nbytes``."""
+def memcpy_baseline(nbytes: int, device: torch.device, reps: int) -> tuple[float, float, float]:
+    """(device->host, host->device, both at once on two streams) seconds for contiguous copies of ``nbytes``."""
     if device.type == "cuda":
         dev = torch.full((nbytes,), 1, dtype=torch.int8, device=device)
+        dev2 = torch.full((nbytes,), 3, dtype=torch.int8, device=device)
         host = torch.full((nbytes,), 2, dtype=torch.int8, pin_memory=True)
+        host2 = torch.full((nbytes,), 4, dtype=torch.int8, pin_memory=True)
         d2h = timed(lambda: host.copy_(dev, non_blocking=True), device, reps)
         h2d = timed(lambda: dev.copy_(host, non_blocking=True), device, reps)
-        return d2h, h2d
+        s1, s2 = torch.cuda.Stream(device), torch.cuda.Stream(device)
+
+        def both():
+            with torch.cuda.stream(s1):
+                host.copy_(dev, non_blocking=True)
+            with torch.cuda.stream(s2):
+                dev2.copy_(host2, non_blocking=True)
+
+        return d2h, h2d, timed(both, device, reps)
     a, b = np.full(nbytes, 1, np.int8), np.full(nbytes, 2, np.int8)  # CPU: a plain memcpy
-    return timed(lambda: np.copyto(b, a), device, reps), timed(lambda: np.copyto(a, b), device, reps)
+    c, d = a.copy(), b.copy()
+    d2h, h2d = timed(lambda: np.copyto(b, a), device, reps), timed(lambda: np.copyto(a, b), device, reps)
+    return d2h, h2d, timed(lambda: (np.copyto(b, a), np.copyto(c, d)), device, reps)
 
 
 def bench_page(page: int, args, device: torch.device, rng) -> dict:
     layers, k = args.layers, args.blocks_per_chunk
     n = max(k, args.total_mib * 2**20 // (layers * page) // k * k)  # blocks per transfer, whole chunks
-    num_blocks = 2 * n
+    num_blocks = 3 * n
     tensors = [torch.randint(-128, 128, (num_blocks, page), dtype=torch.int8, device=device) for _ in range(layers)]
     n_chunks = n // k
     engine = HostTransferEngine(tensors, [page] * layers, [tuple(range(layers))], 2 * n_chunks, k,
                                 staging_blocks=args.staging_blocks, strategy=args.strategy)
     perm = rng.permutation(num_blocks)
-    blocks, dst = perm[:n], perm[n:]  # stored from `blocks`, loaded into the disjoint `dst`
-    slots = rng.permutation(2 * n_chunks)[:n_chunks] if args.scatter_slots else np.arange(n_chunks)
+    blocks, dst, more = perm[:n], perm[n:2 * n], perm[2 * n:]  # stored from `blocks`, loaded into disjoint `dst`
+    order = rng.permutation(2 * n_chunks) if args.scatter_slots else np.arange(2 * n_chunks)
+    slots, other = order[:n_chunks], order[n_chunks:]  # `other`: the slots the "both" store writes
     job = iter(range(1 << 30))
 
     def store():
@@ -103,12 +118,21 @@ def bench_page(page: int, args, device: torch.device, rng) -> dict:
         engine.get_finished()
         assert not engine.take_load_error_blocks(), "load error"
 
+    def both():
+        js, jl = next(job), next(job)
+        engine.submit_store(js, gpu_spec(more), host_spec(other))
+        engine.submit_load(jl, host_spec(slots), gpu_spec(dst))
+        engine.wait({js, jl})
+        engine.get_finished()
+        assert not engine.take_load_error_blocks(), "load error"
+
     t_store = timed(store, device, args.reps)
     t_load = timed(load, device, args.reps)
+    t_both = timed(both, device, args.reps)
     for t in tensors[:2]:  # bit-exact: the loaded blocks equal the stored ones
         assert torch.equal(t[torch.as_tensor(dst, device=device)], t[torch.as_tensor(blocks, device=device)])
     nbytes = n * layers * page
-    d2h, h2d = memcpy_baseline(nbytes, device, args.reps)
+    d2h, h2d, two = memcpy_baseline(nbytes, device, args.reps)
     engine.shutdown()
     gb = nbytes / 1e9
     return {
@@ -120,8 +144,11 @@ def bench_page(page: int, args, device: torch.device, rng) -> dict:
         "load GB/s": gb / t_load,
         "memcpy D2H GB/s": gb / d2h,
         "memcpy H2D GB/s": gb / h2d,
+        "both GB/s": 2 * gb / t_both,
+        "memcpy both GB/s": 2 * gb / two,
         "store % memcpy": 100 * d2h / t_store,
         "load % memcpy": 100 * h2d / t_load,
+        "both % memcpy": 100 * two / t_both,
     }
 
 
@@ -129,6 +156,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     ap.add_argument("--page-kib", type=int, nargs="+", default=[16, 64, 256, 1024, 2048])
+    ap.add_argument("--out", default=None, help="result name (default gpu_transfer_<device>)")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--blocks-per-chunk", type=int, default=1)
     ap.add_argument("--total-mib", type=int, default=0, help="bytes per transfer (default 512 cuda, 32 cpu)")
@@ -151,7 +179,8 @@ def main() -> int:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print_table(rows, title=f"transfer engine vs contiguous memcpy ({name}, {args.layers} layers, "
                             f"{args.blocks_per_chunk} blocks/chunk, median of {args.reps})")
-    path = write_json(f"gpu_transfer_{device.type}", {"device_name": name, "args": vars(args), "rows": rows})
+    out = args.out or f"gpu_transfer_{device.type}"
+    path = write_json(out, {"device_name": name, "torch": torch.__version__, "args": vars(args), "rows": rows})
     plt = pyplot()
     if plt is not None:
         fig, ax = plt.subplots(figsize=(6, 3.5))
@@ -164,7 +193,7 @@ def main() -> int:
         ax.set_ylabel("GB/s")
         ax.set_title(f"host tier transfers ({name})")
         ax.legend(fontsize=8)
-        save_figure(fig, f"gpu_transfer_{device.type}")
+        save_figure(fig, out)
     print(f"wrote {path}")
     return 0
 

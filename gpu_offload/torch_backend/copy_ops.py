@@ -9,15 +9,19 @@ instead of a Python loop per block.
 device into a staging buffer shaped like host slots (same layout and row
 stride), so each run of consecutive host slots crosses the bus as one large
 memcpy; partially covered chunks copy only the sub-block spans they own.
-Loads copy whole rows in and scatter on the device. The staging buffer holds
-``capacity`` slots; longer transfers are cut into pieces that reuse it in
-stream order. Row runs are also cut at multiples of ``piece_rows`` (the host
-slab's registration pieces), so no memcpy straddles two registrations. The
-same code runs on CPU tensors, which is how CI checks it.
+Loads copy whole rows in and scatter on the device. The staging buffer is
+split into ``buffers`` halves that take turns: while the bus moves one, the
+device gathers (or scatters) the other, so the copy engine never waits for a
+gather (``pipe`` orders them; on CUDA two streams and per-half events). A
+transfer longer than the staging buffer is cut into half-sized pieces. Row
+runs are also cut at multiples of ``piece_rows`` (the host slab's
+registration pieces), so no memcpy straddles two registrations. The same code
+runs on CPU tensors, which is how CI checks it.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import numpy as np
@@ -84,6 +88,18 @@ class DirectCopier:
         return m * page
 
 
+class SerialPipe:
+    """Orders nothing: every step runs in call order (CPU, or one stream)."""
+
+    def device(self, buf: int):
+        return contextlib.nullcontext()
+
+    bus = device
+
+    def join(self) -> None:
+        pass
+
+
 class StagedCopier:
     def __init__(
         self,
@@ -93,12 +109,18 @@ class StagedCopier:
         upload: Callable[[np.ndarray], torch.Tensor],
         non_blocking: bool,
         piece_rows: int | None = None,
+        buffers: int = 1,
+        pipe=None,
     ):
         self.engine = engine
         self.host_rows = host_rows  # (num_slots, stride) int8 on the CPU
-        self.staging = staging
         self.layout: HostLayout = staging.layout
-        self.capacity = staging.rows.shape[0]
+        rows = staging.rows.shape[0]
+        self.buffers = max(1, min(buffers, rows))
+        self.capacity = rows // self.buffers  # rows per piece: one staging half
+        self.halves = [PagedRows(staging.rows[i * self.capacity:(i + 1) * self.capacity], self.layout)
+                       for i in range(self.buffers)] if self.buffers > 1 else [staging]
+        self.pipe = pipe or SerialPipe()
         self.upload = upload
         self.nb = non_blocking
         self.piece_rows = piece_rows
@@ -128,7 +150,7 @@ class StagedCopier:
                 rel, sub = g.pos[lo:hi] - p0, g.sub[lo:hi]
                 idx: dict = {"gpu": add(g.gpu[lo:hi])}
                 for t in g.tensors:
-                    rps = self.staging.rows_per_slot[t]
+                    rps = self.halves[0].rows_per_slot[t]
                     if rps not in idx:
                         idx[rps] = add(rel * rps + sub) if rps is not None else (add(rel), add(sub))
                 work.append((g, int(lo), int(hi), idx))
@@ -140,21 +162,27 @@ class StagedCopier:
     def copy(self, plan: TransferPlan, to_host: bool) -> int:
         pieces, dev = self._index_pieces(plan)
         nbytes = 0
-        for p0, p1, work in pieces:
+        for i, (p0, p1, work) in enumerate(pieces):
+            b = i % self.buffers
+            stg = self.halves[b]
             if not to_host:
-                self._rows_from_host(plan, p0, work)
-            for g, lo, hi, idx in work:
-                gpu = dev[idx["gpu"]]
-                for t in g.tensors:
-                    rps = self.staging.rows_per_slot[t]
-                    nbytes += (hi - lo) * self.layout.page_bytes[t]
-                    self._move(t, gpu, idx[rps], dev, rps, to_host)
+                with self.pipe.bus(b):
+                    self._rows_from_host(plan, p0, work, stg)
+            with self.pipe.device(b):
+                for g, lo, hi, idx in work:
+                    gpu = dev[idx["gpu"]]
+                    for t in g.tensors:
+                        rps = stg.rows_per_slot[t]
+                        nbytes += (hi - lo) * self.layout.page_bytes[t]
+                        self._move(stg, t, gpu, idx[rps], dev, rps, to_host)
             if to_host:
-                self._rows_to_host(plan, p0, work)
+                with self.pipe.bus(b):
+                    self._rows_to_host(plan, p0, work, stg)
+        self.pipe.join()
         return nbytes
 
-    def _move(self, t: int, gpu: torch.Tensor, ix, dev: torch.Tensor, rps, to_host: bool) -> None:
-        eng, view = self.engine[t], self.staging.view(t)
+    def _move(self, stg: PagedRows, t: int, gpu: torch.Tensor, ix, dev: torch.Tensor, rps, to_host: bool) -> None:
+        eng, view = self.engine[t], stg.view(t)
         if rps is None:
             key = (dev[ix[0]], dev[ix[1]])
             if to_host:
@@ -166,16 +194,16 @@ class StagedCopier:
         else:
             eng.index_copy_(0, gpu, view.index_select(0, dev[ix]))
 
-    def _rows_from_host(self, plan: TransferPlan, p0: int, work) -> None:
+    def _rows_from_host(self, plan: TransferPlan, p0: int, work, stg: PagedRows) -> None:
         """Whole rows in: bytes a load does not scatter are simply never read."""
         pos = np.concatenate([np.unique(g.pos[lo:hi]) for g, lo, hi, _ in work]) if work else []
         if len(pos) == 0:
             return
         slots = plan.slots[pos]
         for s, n in zip(*(x.tolist() for x in runs(pos, slots))):
-            self._copy_rows(int(pos[s]) - p0, int(slots[s]), n, to_host=False)
+            self._copy_rows(stg, int(pos[s]) - p0, int(slots[s]), n, to_host=False)
 
-    def _rows_to_host(self, plan: TransferPlan, p0: int, work) -> None:
+    def _rows_to_host(self, plan: TransferPlan, p0: int, work, stg: PagedRows) -> None:
         """Full chunks go out as whole rows; partial ones only as their own spans."""
         k = self.layout.blocks_per_chunk
         for g, lo, hi, _ in work:
@@ -185,19 +213,19 @@ class StagedCopier:
             if len(fpos):
                 fslots = plan.slots[fpos]
                 for s, n in zip(*(x.tolist() for x in runs(fpos, fslots))):
-                    self._copy_rows(int(fpos[s]) - p0, int(fslots[s]), n, to_host=True)
+                    self._copy_rows(stg, int(fpos[s]) - p0, int(fslots[s]), n, to_host=True)
             for j in np.flatnonzero(~full).tolist():
                 i, slot = int(pos[j]) - p0, int(plan.slots[pos[j]])
                 j0 = int(g.sub[lo + first[j]])
                 for t in g.tensors:
                     a, b = self.layout.tensor_span(t, j0, j0 + int(count[j]))
-                    self.host_rows[slot, a:b].copy_(self.staging.rows[i, a:b], non_blocking=self.nb)
+                    self.host_rows[slot, a:b].copy_(stg.rows[i, a:b], non_blocking=self.nb)
 
-    def _copy_rows(self, i0: int, s0: int, n: int, to_host: bool) -> None:
+    def _copy_rows(self, stg: PagedRows, i0: int, s0: int, n: int, to_host: bool) -> None:
         """Staging rows [i0, i0+n) <-> host rows [s0, s0+n), one memcpy per registration piece."""
         for off, m in piece_spans(s0, n, self.piece_rows):
             host = self.host_rows[s0 + off : s0 + off + m]
-            staged = self.staging.rows[i0 + off : i0 + off + m]
+            staged = stg.rows[i0 + off : i0 + off + m]
             if to_host:
                 host.copy_(staged, non_blocking=self.nb)
             else:

@@ -8,10 +8,13 @@ the engine's KV tensors are CUDA tensors and ``torch.cuda.is_available()``.
   too (``piece_rows``), so no DMA straddles two registrations. Failure
   leaves the slab pageable (slower, still correct) and clears the CUDA error
   it left behind, which the next kernel launch would otherwise raise.
-* One stream per lane (store, load, expedited load). A transfer first waits
-  for the current compute stream: a store must read KV the model finished
-  writing, a load must land after pending writes (zeroing) to its blocks.
-  Within a lane transfers run in submission order.
+* Two streams per lane (store, load, expedited load): the lane stream
+  gathers and scatters on the device, its copy stream moves staging halves
+  over the bus (``CudaPipe``), so one half's memcpy overlaps the other
+  half's gather. A transfer first waits for the current compute stream: a
+  store must read KV the model finished writing, a load must land after
+  pending writes (zeroing) to its blocks. Within a lane transfers run in
+  submission order; the job's end event is recorded after both streams.
 * Completion is polled with ``event.query()``; the host never blocks on the
   hot path. ``wait`` synchronizes only the events it is asked for.
 * Index arrays go to the device through a pool of pinned + device buffer
@@ -28,6 +31,7 @@ the engine's KV tensors are CUDA tensors and ``torch.cuda.is_available()``.
 from __future__ import annotations
 
 import collections
+import contextlib
 from typing import Any, Callable
 
 import numpy as np
@@ -166,6 +170,38 @@ class IndexRing:
         return dev[:n]
 
 
+class CudaPipe:
+    """Orders the staging halves between the lane stream (device side) and the copy stream (bus side).
+
+    Before a side touches half ``b`` it waits for the other side's last use of ``b``; per-half events,
+    never a host sync. A never-recorded event is already complete, so the first use waits for nothing.
+    """
+
+    def __init__(self, lane: torch.cuda.Stream, buffers: int, priority: int = 0):
+        self.lane = lane
+        self.copy = torch.cuda.Stream(device=lane.device, priority=priority)
+        self._dev_done = [torch.cuda.Event() for _ in range(buffers)]
+        self._bus_done = [torch.cuda.Event() for _ in range(buffers)]
+
+    @contextlib.contextmanager
+    def device(self, buf: int):
+        self.lane.wait_event(self._bus_done[buf])
+        with torch.cuda.stream(self.lane):
+            yield
+        self._dev_done[buf].record(self.lane)
+
+    @contextlib.contextmanager
+    def bus(self, buf: int):
+        self.copy.wait_event(self._dev_done[buf])
+        with torch.cuda.stream(self.copy):
+            yield
+        self._bus_done[buf].record(self.copy)
+
+    def join(self) -> None:
+        """The lane stream continues only after every memcpy queued so far (the job's end event follows)."""
+        self.lane.wait_stream(self.copy)
+
+
 class CudaLane:
     """One direction of traffic: its own stream, staging buffer and FIFO of jobs."""
 
@@ -183,9 +219,11 @@ class CudaLane:
         self.stream = torch.cuda.Stream(device=self.device, priority=priority)
         staging = torch.empty((staging_slots, host_rows.shape[1]), dtype=torch.int8, device=self.device)
         self._ring = IndexRing(self.stream, index_capacity)
+        buffers = 2 if staging_slots >= 2 else 1
         self.copier = StagedCopier(
             engine, host_rows, PagedRows(staging, layout),
             upload=self._ring.upload, non_blocking=True, piece_rows=piece_rows,
+            buffers=buffers, pipe=CudaPipe(self.stream, buffers, priority),
         )
         self.staging_bytes = staging.numel()
         self.inflight: collections.deque = collections.deque()
@@ -236,4 +274,5 @@ class CudaLane:
                     logger.exception("waiting for transfer job %d failed", job.job_id)
 
     def drain(self) -> None:
+        self.copier.pipe.copy.synchronize()
         self.stream.synchronize()

@@ -397,7 +397,8 @@ class HostTransferEngine:
         else:
             staging = torch.empty((staging_slots, self.pool.stride), dtype=torch.int8, device=self.device)
             copier = StagedCopier(self.engine, self.host_rows, PagedRows(staging, self.layout),
-                                  upload=torch.from_numpy, non_blocking=False, piece_rows=self._piece_rows)
+                                  upload=torch.from_numpy, non_blocking=False, piece_rows=self._piece_rows,
+                                  buffers=2)  # the halves as on CUDA, in call order
         sync = _SyncLane(copier)
         return sync, sync, lambda: sync
 

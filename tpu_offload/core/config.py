@@ -255,7 +255,7 @@ _SETTINGS: tuple[_Setting, ...] = (
     _Setting("host_memory_margin", _margin, "TPU_OFFLOAD_HOST_MEMORY_MARGIN", ("host_memory_margin",)),
     _Setting("transfer_path", _choice("auto", "program", "device_put"), "TPU_OFFLOAD_TRANSFER_PATH",
              ("transfer_path",)),
-    _Setting("transfer_kernel", _choice("auto", "dma", "loop"), "TPU_OFFLOAD_TRANSFER_KERNEL", ("transfer_kernel",)),
+    _Setting("transfer_kernel", _choice("auto", "dma", "loop", "xla"), "TPU_OFFLOAD_TRANSFER_KERNEL", ("transfer_kernel",)),
     _Setting("sliding_window", _choice("auto", "window", "all"), "TPU_OFFLOAD_SLIDING_WINDOW", ("sliding_window",)),
     _Setting("window_every_chunks", _int(0), "TPU_OFFLOAD_WINDOW_EVERY_CHUNKS", ("window_every_chunks",)),
     _Setting("skip_precompile", _bool, "TPU_OFFLOAD_SKIP_JAX_PRECOMPILE", ("skip_precompile",)),
@@ -334,7 +334,8 @@ class OffloadConfig:
     # host arrays sent by the runtime, overlapping compute), "auto" (device_put on TPU, program elsewhere)
     transfer_path: str = "auto"
     # How gather/scatter move blocks: "dma" (a Pallas kernel of DMAs, no TensorCore loop over blocks; on CPU
-    # it runs in TPU interpret mode), "loop" (XLA ops, one block per trip), "auto" (dma on TPU, loop elsewhere)
+    # it runs in TPU interpret mode), "loop" (XLA ops, one block per trip), "xla" (one XLA gather/scatter per
+    # layer over a bucket of the pass's size: for GPUs), "auto" (dma on TPU, xla on GPU, loop elsewhere)
     transfer_kernel: str = "auto"
     # Sliding-window layers: "window" stores and loads only the blocks a later request can attend to (the
     # window before a prefix's end); "all" moves every block; "auto": "window" where that is safe (see

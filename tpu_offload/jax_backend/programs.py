@@ -38,11 +38,11 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from tpu_offload.jax_backend import dma, ranks
+from tpu_offload.jax_backend import dma, ranks, xla_kernel
 from tpu_offload.jax_backend.collectives import bits, collectives_as_bits, ring
 from tpu_offload.jax_backend.layout import KVLayout, _divided
 
-KERNELS = ("dma", "loop")
+KERNELS = ("dma", "loop", "xla")
 
 
 class Programs:
@@ -63,6 +63,9 @@ class Programs:
             kernel = default_kernel(self.platform, layout)
         if kernel not in KERNELS:
             raise ValueError(f"transfer kernel {kernel!r}: expected one of {', '.join(KERNELS)}")
+        if kernel == "xla" and not xla_kernel.supported(layout):
+            raise ValueError("transfer kernel 'xla': needs every block whole on each device (no replica "
+                             "slices, no attention-DP ranks); use 'loop' (TPU_OFFLOAD_TRANSFER_KERNEL=loop)")
         if kernel == "dma" and self.platform == "tpu" and not dma_sliceable(layout):
             raise ValueError("transfer kernel 'dma': a replica's slice of a block lies along a tiled dimension "
                              f"(block shapes {[g.block_shape for g in layout.groups]}), which a TPU DMA cannot "
@@ -122,12 +125,16 @@ class Programs:
     def gather(self) -> Callable:
         """(caches, staging, *block_args(moves, "gather")) -> staging: per group g, block ids[g][i]
         to staging position pos[g][i]."""
+        if self.kernel == "xla":
+            return self._get(("gather",), xla_kernel.build_gather, self)
         build = self._build_gather_dma if self.kernel == "dma" else self._build_gather
         return self._get(("gather",), build)
 
     def scatter(self) -> Callable:
         """(caches, staging, *block_args(moves, "scatter")) -> (caches, done): per group g,
         staging[pos[g][i]] to block ids[g][i]."""
+        if self.kernel == "xla":
+            return self._get(("scatter",), xla_kernel.build_scatter, self)
         build = self._build_scatter_dma if self.kernel == "dma" else self._build_scatter
         return self._get(("scatter",), build)
 
@@ -135,6 +142,8 @@ class Programs:
         """The index operands of ``gather``/``scatter`` (``name``) for ``moves``: per group, (cache
         block ids, staging positions) of the blocks it moves. Under DP attention, one row per rank, on
         its devices: its own blocks in its own numbering (ranks.py)."""
+        if self.kernel == "xla":
+            return xla_kernel.block_args(self, moves, name)
         if self.kernel == "loop":
             per = [self._loop_operands(g, ids, pos) for g, (ids, pos) in zip(self.layout.groups, moves)]
             return tuple(tuple(o[k] for o in per) for k in range(3))
@@ -590,9 +599,14 @@ def _scatter_replicas(write, staging, layers, g, as_bits: bool, mesh_shape):
 
 
 def default_kernel(platform: str, layout: KVLayout | None = None) -> str:
-    """``dma`` where a TPU runs it; ``loop`` elsewhere (the DMA kernel is interpreted on CPU, slowly)
-    and where a TPU DMA cannot address a replica's slice (``dma_sliceable``)."""
-    return "dma" if platform == "tpu" and (layout is None or dma_sliceable(layout)) else "loop"
+    """``dma`` where a TPU runs it; ``xla`` on a GPU (one gather per layer, xla_kernel.py); ``loop``
+    elsewhere (the DMA kernel is interpreted on CPU, slowly) and where neither can address a
+    replica's slice (``dma_sliceable``, ``xla_kernel.supported``)."""
+    if platform == "tpu" and (layout is None or dma_sliceable(layout)):
+        return "dma"
+    if platform == "gpu" and (layout is None or xla_kernel.supported(layout)):
+        return "xla"
+    return "loop"
 
 
 def dma_sliceable(layout: KVLayout) -> bool:
