@@ -27,7 +27,7 @@ export TOKENIZERS_PARALLELISM := false
 export VLLM_PLUGINS :=
 export PYTHONPATH := $(CURDIR)
 
-.PHONY: setup setup-tpu demo test bench bench-tpu-aot bench-manager bench-ttft bench-jax bench-fs bench-fs-rescan bench-tpu-engine bench-serving clean
+.PHONY: setup setup-tpu demo test bench bench-tpu-aot bench-manager bench-ttft bench-jax bench-fs bench-fs-rescan bench-tpu-engine bench-serving bench-device clean
 
 setup: $(STAMP)
 
@@ -109,6 +109,10 @@ bench-fs-rescan: $(STAMP)
 # Ours and tpu-inference 0.32's own offload programs, compiled by the TPU compiler (no TPU needed).
 bench-tpu-aot: $(STAMP_TPU)
 	$(TPU_BIN)/python benchmarks/bench_tpu_aot.py
+
+# The GPU check (an H100/H200 with torch and JAX-CUDA; no set-up here, it uses that machine's python3).
+bench-device:
+	bash benchmarks/bench_device.sh
 
 bench-tpu-engine: $(STAMP_TPU)
 	$(TPU_BIN)/python benchmarks/bench_tpu_engine.py

@@ -90,7 +90,9 @@ def save_figure(fig: Any, name: str) -> Path:
 
 
 def pyplot():
-    """matplotlib.pyplot with a headless backend, or None if not installed."""
+    """matplotlib.pyplot with a headless backend, or None if not installed (or ``BENCH_NO_PLOT`` is set)."""
+    if os.environ.get("BENCH_NO_PLOT"):
+        return None
     try:
         import matplotlib
 

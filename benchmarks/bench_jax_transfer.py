@@ -10,6 +10,9 @@ One run, same bytes per step for every path, swept over engine block sizes:
             (the TPU default: the DMA overlaps the next forward there).
 * raw       one ``jax.device_put`` of the step's bytes, already contiguous
             (the ceiling any batched path can reach; it does no gather).
+* one program, new host array  a single jitted gather whose output lives in
+            host memory (and its reverse): what one program per direction
+            reaches when it need not write a preallocated slab in place.
 * tpu-inf   tpu-inference 0.32's own functions (``tpu_inference.offload.utils``):
             its bucketed cross-layer gather, then one ``device_put`` to host
             per block (store); one ``device_put`` per block, then its scatter
@@ -69,11 +72,11 @@ def decompose(n: int) -> list[int]:
 
 
 class Case:
-    def __init__(self, mesh, memory_kind, dtype, layers, kv_heads, head_dim, block_tokens, step_bytes):
+    def __init__(self, mesh, memory_kind, dtype, layers, kv_heads, head_dim, block_tokens, step_bytes, blocks=None):
         self.mesh, self.kind = mesh, memory_kind
         heads = 2 * kv_heads
         self.block_bytes = layers * block_tokens * heads * head_dim * jnp.dtype(dtype).itemsize
-        self.n = max(1, step_bytes // self.block_bytes)  # blocks per step
+        self.n = blocks or max(1, step_bytes // self.block_bytes)  # blocks per step
         self.nbytes = self.n * self.block_bytes
         nb = 2 * self.n + 8
         self.cache_sh = NamedSharding(mesh, P(None, None, "model", None))
@@ -84,11 +87,12 @@ class Case:
         self.src = rng.permutation(nb // 2)[: self.n].tolist()
         self.dst = (nb // 2 + rng.permutation(nb // 2 - 4)[: self.n]).tolist()
         self.layers, self.heads, self.dim, self.bt, self.dtype = layers, heads, head_dim, block_tokens, dtype
+        self.kernel = None  # the platform's default (programs.default_kernel)
 
     # ---- ours -------------------------------------------------------------
     def ours(self, reps, path="program"):
         eng = TransferEngine(KVLayout.from_caches(self.kv), num_slots=self.n, blocks_per_chunk=1,
-                             staging_blocks=self.n, memory_kind=self.kind, path=path)
+                             staging_blocks=self.n, memory_kind=self.kind, path=path, kernel=self.kernel)
         eng.precompile()
         store = [StoreChunk(i, [b]) for i, b in enumerate(self.src)]
         load = [LoadChunk(i, [b]) for i, b in enumerate(self.dst)]
@@ -103,20 +107,17 @@ class Case:
         ok = all(np.array_equal(np.asarray(c)[self.dst].view(np.uint8), np.asarray(c)[self.src].view(np.uint8))
                  for c in self.kv)
         if path == "program":  # the batched host-copy programs alone: the part that crosses PCIe on an accelerator
-            c = eng.staging_chunks
-            idx = np.zeros(c, np.int32)
-            idx[: self.n] = np.arange(self.n)
-            groups = len(eng.layout.groups)
-            idx, cnt = (idx,) * groups, np.full(groups, self.n, np.int32)
+            every = [np.arange(self.n)] * len(eng.layout.groups)  # slots 0..n-1 from staging chunks 0..n-1
+            args = eng.programs.store_args(0, every, every)
             store_prog, load_prog = eng.programs.store(), eng.programs.load()
 
             def xfer_store():
-                new, done = store_prog(tuple(g[0] for g in eng.slabs), eng.staging, idx, idx, cnt)
+                new, done = store_prog(tuple(g[0] for g in eng.slabs), eng.staging, *args)
                 eng._set_slab(0, new)
                 done.block_until_ready()
 
             def xfer_load():
-                eng.staging, done = load_prog(eng.staging, tuple(g[0] for g in eng.slabs), idx, idx, cnt)
+                eng.staging, done = load_prog(eng.staging, tuple(g[0] for g in eng.slabs), *args)
                 done.block_until_ready()
 
             self.xfer = (timed(xfer_store, reps), timed(xfer_load, reps), 1, 1, True)
@@ -132,6 +133,20 @@ class Case:
         on_host = jax.device_put(staged, host_sh)
         ld = timed(lambda: jax.device_put(on_host, sh).block_until_ready(), reps)
         return st, ld, 1, 1, True
+
+    # ---- one program per direction, output not in place ----------------------------
+    def one_program(self, reps):
+        cache_sh = self.cache_sh
+        sh = NamedSharding(self.mesh, P(None, None, None, "model", None))
+        host_sh, src, dst = sh.with_memory_kind(self.kind), jnp.asarray(self.src), jnp.asarray(self.dst)
+        gather = jax.jit(lambda kv, ids: jnp.stack([c[ids] for c in kv], axis=1), out_shardings=host_sh)
+        to_dev = jax.jit(lambda x: x, out_shardings=sh)
+        st = timed(lambda: gather(self.kv, src).block_until_ready(), reps)
+        on_host = gather(self.kv, src)
+        ld = timed(lambda: to_dev(on_host).block_until_ready(), reps)
+        ok = np.array_equal(np.asarray(on_host)[:, 0].view(np.uint8), np.asarray(self.kv[0])[self.src].view(np.uint8))
+        del cache_sh, dst
+        return st, ld, 1, 1, ok
 
     # ---- tpu-inference ----------------------------------------------------
     def tpu_inference(self, reps, utils):
@@ -195,6 +210,11 @@ def main():
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--cpu-devices", type=int, default=8, help="emulated devices when running on CPU")
     ap.add_argument("--quick", action="store_true", help="2 block sizes, 16 MiB steps, 3 reps")
+    ap.add_argument("--pass-blocks", type=int, nargs="*", default=[],
+                    help="passes of exactly these many blocks (scattered), instead of --step-mib")
+    ap.add_argument("--skip-device-put-path", action="store_true", help="leave out the per-chunk device_put path")
+    ap.add_argument("--out", default="jax_transfer", help="result name under benchmarks/results")
+    ap.add_argument("--kernel", default=None, choices=["dma", "loop", "xla"], help="default: the platform's")
     args = ap.parse_args()
     if args.quick:
         args.block_tokens, args.step_mib, args.reps = [16, 128], 16, 3
@@ -204,11 +224,15 @@ def main():
     mesh = jax.make_mesh((1, len(devices)), ("data", "model"))
     utils = load_tpu_inference()
     rows, records = [], []
-    for bt in args.block_tokens:
-        case = Case(mesh, args.memory_kind, dtype, args.layers, args.kv_heads, args.head_dim, bt, args.step_mib << 20)
+    for bt, blocks in [(bt, b) for bt in args.block_tokens for b in (args.pass_blocks or [None])]:
+        case = Case(mesh, args.memory_kind, dtype, args.layers, args.kv_heads, args.head_dim, bt, args.step_mib << 20,
+                    blocks)
+        case.kernel = args.kernel
         results = {"raw": case.raw(args.reps), "ours": case.ours(args.reps)}
         results["ours (copy stage)"] = case.xfer
-        results["ours, device_put path"] = case.ours(args.reps, path="device_put")
+        if not args.skip_device_put_path:
+            results["ours, device_put path"] = case.ours(args.reps, path="device_put")
+        results["one program, new host array"] = case.one_program(args.reps)
         if utils is not None:
             results["tpu-inference"] = case.tpu_inference(args.reps, utils)
         med = {k: (statistics.median(v[0]), statistics.median(v[1])) for k, v in results.items()}
@@ -222,7 +246,7 @@ def main():
                 row["x tpu-inf H2D"] = med["tpu-inference"][1] / ld
             rows.append(row)
         records.append({
-            "block_tokens": bt, "blocks_per_step": case.n, "bytes_per_step": case.nbytes,
+            "block_tokens": bt, "blocks_per_step": case.n, "pass_blocks": blocks, "bytes_per_step": case.nbytes,
             "paths": {k: {"store_s": v[0], "load_s": v[1], "dispatches_store": v[2], "dispatches_load": v[3],
                           "bit_exact": v[4],
                           "d2h_gbps_median": case.nbytes / statistics.median(v[0]) / 1e9,
@@ -234,8 +258,9 @@ def main():
     title = (f"{backend}, {len(devices)} devices, {dtype.name}, {args.layers} layers x {2 * args.kv_heads} heads x "
              f"{args.head_dim}, {args.memory_kind}, median of {args.reps}")
     print_table(rows, title=title + f"; {args.step_mib} MiB per step and direction")
-    path = write_json("jax_transfer", {
-        "backend": backend, "devices": len(devices), "dtype": dtype.name, "memory_kind": args.memory_kind,
+    path = write_json(args.out, {
+        "backend": backend, "devices": len(devices), "device_kind": devices[0].device_kind,
+        "jax": jax.__version__, "kernel": args.kernel or "the platform's default", "dtype": dtype.name, "memory_kind": args.memory_kind,
         "layers": args.layers, "kv_heads": args.kv_heads, "head_dim": args.head_dim, "reps": args.reps,
         "targets": {"ours_over_raw": 0.9, "ours_over_tpu_inference_at_16": 3.0}, "results": records,
     })
@@ -244,8 +269,9 @@ def main():
     if plt is not None:
         fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
         for ax, d, key in ((axes[0], "D2H (store)", "d2h_gbps_median"), (axes[1], "H2D (load)", "h2d_gbps_median")):
-            for name in records[0]["paths"]:
-                ax.plot([r["block_tokens"] for r in records], [r["paths"][name][key] for r in records], marker="o",
+            recs = [r for r in records if r["pass_blocks"] is None] or records
+            for name in recs[0]["paths"]:
+                ax.plot([r["block_tokens"] for r in recs], [r["paths"][name][key] for r in recs], marker="o",
                         label=name)
             ax.set_xscale("log", base=2)
             ax.set_xlabel("block size (tokens)")
@@ -254,7 +280,7 @@ def main():
         axes[0].set_ylabel("GB/s (median)")
         axes[0].legend()
         fig.suptitle(title, fontsize=9)
-        print(f"wrote {save_figure(fig, 'jax_transfer')}")
+        print(f"wrote {save_figure(fig, args.out)}")
 
 
 if __name__ == "__main__":

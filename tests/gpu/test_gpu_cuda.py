@@ -93,3 +93,27 @@ def test_many_stores_in_one_step_never_wait_on_index_uploads():
         for i in range(2):
             assert np.array_equal(w.pool.slab[2 * j + i, :PAGE], tensors[0][4 * j + i].cpu().numpy().view(np.uint8))
     w.shutdown()
+
+
+def test_both_directions_at_once_through_many_staging_halves():
+    """60-block store and load in flight together, each through an 8-slot staging buffer (4-slot halves:
+    15 pieces per job, the copy stream and the lane stream taking turns), behind a busy compute stream."""
+    dev = torch.device("cuda")
+    tensors = [torch.randint(-128, 128, (NUM_BLOCKS, PAGE), dtype=torch.int8, device=dev) for _ in range(LAYERS)]
+    w = HostTransferEngine(tensors, [PAGE] * LAYERS, [tuple(range(LAYERS))], 128, 1, staging_blocks=8)
+    a, b, c = np.arange(0, 60), np.arange(60, 120), np.arange(120, 180)
+    w.submit_store(1, spec(a), slots(range(60)))
+    poll(w, {1})
+    want_a = [t[torch.as_tensor(a, device=dev)].clone() for t in tensors]
+    torch.cuda._sleep(50_000_000)
+    w.submit_store(2, spec(b), slots(range(60, 120)))
+    w.submit_load(3, slots(range(60)), spec(c))
+    poll(w, {2, 3})
+    for t, x in zip(tensors, want_a):
+        assert torch.equal(t[torch.as_tensor(c, device=dev)], x)
+    for i, blk in enumerate(b):
+        for layer, t in enumerate(tensors):
+            got = w.pool.slab[60 + i, layer * PAGE:(layer + 1) * PAGE]
+            assert np.array_equal(got, t[int(blk)].cpu().numpy().view(np.uint8)), (i, layer)
+    assert w.take_load_error_blocks() == set()
+    w.shutdown()

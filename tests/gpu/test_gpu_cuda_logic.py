@@ -128,3 +128,56 @@ def test_failed_host_register_clears_the_sticky_error_and_unpins_what_it_pinned(
 def test_the_cuda_runtime_is_found_among_loaded_libraries():
     assert cuda_rt.find_loaded_library("libc.so") or cuda_rt.find_loaded_library("libc-")
     assert cuda_rt.find_loaded_library("libdoes_not_exist") is None
+
+
+class RecordingPipe:
+    """Stands in for CudaPipe on CPU: records which side touched which staging half, in order."""
+
+    def __init__(self):
+        self.log = []
+
+    def _side(self, name, buf):
+        import contextlib
+
+        @contextlib.contextmanager
+        def ctx():
+            self.log.append((name, buf))
+            yield
+
+        return ctx()
+
+    def device(self, buf):
+        return self._side("device", buf)
+
+    def bus(self, buf):
+        return self._side("bus", buf)
+
+    def join(self):
+        self.log.append(("join", None))
+
+
+@pytest.mark.parametrize("to_host", [True, False])
+def test_staging_halves_alternate_and_each_side_follows_the_other(to_host):
+    """A 7-slot transfer through 4 staging slots: halves of 2, pieces 0,1,0,1; a store gathers a half on
+    the device before the bus moves it, a load moves it over the bus before the device scatters it."""
+    import torch
+
+    from gpu_offload.torch_backend.copy_ops import StagedCopier
+    from gpu_offload.torch_backend.layout import HostLayout, PagedRows
+    from gpu_offload.torch_backend.plan import TransferPlanner
+
+    page, n = 64, 7
+    layout = HostLayout.build([page], 1)
+    engine = [torch.randint(-128, 128, (16, page), dtype=torch.int8)]
+    host = torch.zeros((8, page), dtype=torch.int8)
+    pipe = RecordingPipe()
+    copier = StagedCopier(engine, host, PagedRows(torch.zeros((4, page), dtype=torch.int8), layout),
+                          upload=torch.from_numpy, non_blocking=False, buffers=2, pipe=pipe)
+    assert copier.capacity == 2
+    blocks, slots = np.arange(3, 3 + n), np.arange(n)
+    plan = TransferPlanner(1, [(0,)], 16, 8).plan(blocks, [n], [0], slots)
+    copier.copy(plan, to_host)
+    first, second = ("device", "bus") if to_host else ("bus", "device")
+    assert pipe.log == [(s, b) for b in (0, 1, 0, 1) for s in (first, second)] + [("join", None)]
+    if to_host:
+        assert torch.equal(host[:n], engine[0][3:3 + n])

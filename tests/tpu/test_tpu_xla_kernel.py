@@ -78,3 +78,35 @@ def test_default_on_gpu_only_for_whole_blocks():
     assert default_kernel("gpu") == "xla"
     assert default_kernel("cpu") == "loop"
     assert default_kernel("tpu") == "dma"
+
+
+def test_split_runs_into_power_of_two_pieces():
+    sizes = (8, 4, 2, 1)
+    # rows 10..20 from staging 0..10 (one run of 11 = 8 + 2 + 1), then row 3 from staging 11 alone
+    got = xla_kernel.split_runs(list(range(10, 21)) + [3], list(range(11)) + [11], sizes)
+    assert got == [([10], [0]), ([], []), ([18], [8]), ([20, 3], [10, 11])]
+    # adjacent in the slab but not in staging: no run
+    assert xla_kernel.split_runs([5, 6], [0, 2], sizes) == [([], []), ([], []), ([], []), ([5, 6], [0, 2])]
+
+
+@pytest.mark.parametrize("adjacent", [True, False])
+def test_host_copies_by_runs_bit_exact(adjacent):
+    mesh = make_mesh("auto", (1, 2))
+    caches = make_caches(mesh, jnp.float32)
+    ref = [bits(c) for c in caches]
+    eng = TransferEngine(KVLayout.from_caches(caches), num_slots=24, blocks_per_chunk=1, staging_blocks=16,
+                         kernel="xla")
+    assert xla_kernel.run_sizes(eng.programs) == (16, 8, 4, 2, 1)
+    src = [[b] for b in range(14)]
+    dst = [[20 + b] for b in range(14)]
+    slots = list(range(5, 19)) if adjacent else np.random.default_rng(1).permutation(24)[:14].tolist()
+    eng.store(caches, [StoreChunk(s, b) for s, b in zip(slots, src)]).block_until_ready()
+    eng.complete_store(slots, True)
+    caches, done = eng.load(caches, [LoadChunk(s, b) for s, b in zip(slots, dst)])
+    done.block_until_ready()
+    check(ref, caches, src, dst)
+    # a second load of part of them, into other blocks
+    caches, done = eng.load(caches, [LoadChunk(s, [30 + i]) for i, s in enumerate(slots[3:9])])
+    done.block_until_ready()
+    got = bits(caches[0])
+    assert all(np.array_equal(got[30 + i], ref[0][3 + i]) for i in range(6))

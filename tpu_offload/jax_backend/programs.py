@@ -206,6 +206,8 @@ class Programs:
         rows = self.slab_rows[0] if rows is None else rows
         if self.ranks > 1:
             return self._get(("store", rows), lambda r: ranks.build_store(self, r), rows)
+        if self.kernel == "xla":
+            return self._get(("store", rows), lambda r: xla_kernel.build_store(self, r), rows)
         return self._get(("store", rows), self._build_store, rows)
 
     def load(self, rows: int | None = None, cross: bool = False) -> Callable:
@@ -214,6 +216,8 @@ class Programs:
         rows = self.slab_rows[0] if rows is None else rows
         if self.ranks > 1:
             return self._get(("load", rows, cross), lambda r: ranks.build_load(self, r, cross), rows)
+        if self.kernel == "xla":
+            return self._get(("load", rows, False), lambda r: xla_kernel.build_load(self, r), rows)
         return self._get(("load", rows, False), self._build_load, rows)
 
     def store_args(self, k: int, rows: list, pos: list) -> tuple:
@@ -222,6 +226,8 @@ class Programs:
         if self.ranks > 1:
             per = [ranks.store_operands(self, k, r, p) for r, p in zip(rows, pos)]
             return tuple(tuple(o[i] for o in per) for i in range(3))
+        if self.kernel == "xla":
+            return xla_kernel.host_args(self, rows, pos)
         c = self.staging_chunks
         return (tuple(ints(r, c, 0) for r in rows), tuple(ints(p, c, 0) for p in pos),
                 ints([len(r) for r in rows], len(rows), 0))

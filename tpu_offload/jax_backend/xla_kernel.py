@@ -1,4 +1,4 @@
-"""Gather and scatter as one XLA gather/scatter per layer: the kernel for GPUs.
+"""Gather and scatter as one XLA gather/scatter per layer, host copies by runs: the kernel for GPUs.
 
 The Pallas DMA kernel needs a TPU, and the ``loop`` kernel moves one block per
 trip of a device-side loop: on a GPU every trip is a kernel per layer plus a
@@ -135,3 +135,95 @@ def build_scatter(programs) -> Bucketed:
         return jitted.lower(programs._caches_aval(), programs._staging_aval(), ints, ints).compile()
 
     return Bucketed(build, buckets(programs.staging_blocks))
+
+
+# ---- host copies: runs of chunks, one DMA per piece -----------------------------------------------
+# The loop programs copy one chunk per trip; on a GPU a trip also costs a round trip to the host to test
+# the loop's condition. Chunks adjacent in both staging and the slab (the LRU hands out free slots in
+# order) go as one piece of a power-of-two chunk count, up to PIECE_BYTES per device: one loop per
+# piece size, so a pass of 1,000 adjacent chunks is a few dozen DMAs, and scattered ones one each.
+PIECE_BYTES = 32 << 20
+
+
+def run_sizes(programs) -> tuple[int, ...]:
+    """Chunk counts of a piece, largest first: powers of two, at most PIECE_BYTES of the largest group."""
+    chunk = max(g.piece_bytes for g in programs.layout.groups) * programs.bpc
+    cap = max(1, min(PIECE_BYTES // chunk, programs.staging_chunks))
+    sizes, s = [], 1
+    while s <= cap:
+        sizes.append(s)
+        s *= 2
+    return tuple(reversed(sizes))
+
+
+def split_runs(rows, pos, sizes: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
+    """Per piece size, the (slab rows, staging chunks) where pieces of that size start."""
+    rows, pos = np.asarray(rows, dtype=np.int64), np.asarray(pos, dtype=np.int64)
+    order = np.argsort(pos, kind="stable")
+    rows, pos = rows[order], pos[order]
+    out: list[tuple[list[int], list[int]]] = [([], []) for _ in sizes]
+    brk = np.flatnonzero((np.diff(rows) != 1) | (np.diff(pos) != 1)) + 1
+    for r, p in zip(np.split(rows, brk), np.split(pos, brk)):
+        i, n = 0, len(r)
+        while i < n:
+            k = next(k for k, s in enumerate(sizes) if s <= n - i)
+            out[k][0].append(int(r[i]))
+            out[k][1].append(int(p[i]))
+            i += sizes[k]
+    return out
+
+
+def host_args(programs, rows: list, pos: list) -> tuple:
+    """(rows[g][size], staging chunks[g][size], count[g * sizes + size]) for ``store``/``load``."""
+    sizes, c = run_sizes(programs), programs.staging_chunks
+    per = [split_runs(r, p, sizes) for r, p in zip(rows, pos)]
+    return (tuple(tuple(_padded(rr, c, 0) for rr, _ in g) for g in per),
+            tuple(tuple(_padded(pp, c, 0) for _, pp in g) for g in per),
+            np.array([len(rr) for g in per for rr, _ in g], dtype=np.int32))
+
+
+def _host_avals(programs):
+    sizes, c = run_sizes(programs), programs.staging_chunks
+    per = tuple(tuple(programs._ints(c) for _ in sizes) for _ in programs.layout.groups)
+    return per, per, programs._ints(len(sizes) * len(programs.layout.groups))
+
+
+def build_store(programs, rows: int):
+    sizes, bpc, slab_sh = run_sizes(programs), programs.bpc, programs._slab_sh
+
+    def store(slabs, staging, row, src, count):
+        out = []
+        for gi, sl in enumerate(slabs):
+            for k, s in enumerate(sizes):
+                def body(j, sl, gi=gi, k=k, s=s):
+                    piece = lax.dynamic_slice_in_dim(staging[gi], src[gi][k][j] * bpc, s * bpc, axis=0)
+                    piece = jax.device_put(piece.reshape((s, bpc) + piece.shape[1:]), slab_sh[gi])
+                    return lax.dynamic_update_slice_in_dim(sl, piece, row[gi][k][j], axis=0)
+
+                sl = lax.fori_loop(0, count[gi * len(sizes) + k], body, sl)
+            out.append(sl)
+        return tuple(out), count
+
+    jitted = jax.jit(store, donate_argnums=(0,), out_shardings=(tuple(slab_sh), programs._rep))
+    return jitted.lower(programs._slab_aval(rows), programs._staging_aval(), *_host_avals(programs)).compile()
+
+
+def build_load(programs, rows: int):
+    sizes, bpc = run_sizes(programs), programs.bpc
+    st_sh, dev_sh = programs._staging_sh, programs._slab_dev_sh
+
+    def load(staging, slabs, row, dst, count):
+        out = []
+        for gi, (st, sl) in enumerate(zip(staging, slabs)):
+            for k, s in enumerate(sizes):
+                def body(j, st, gi=gi, k=k, s=s, sl=sl):
+                    piece = jax.device_put(lax.dynamic_slice_in_dim(sl, row[gi][k][j], s, axis=0), dev_sh[gi])
+                    piece = piece.reshape((s * bpc,) + piece.shape[2:])
+                    return lax.dynamic_update_slice_in_dim(st, piece, dst[gi][k][j] * bpc, axis=0)
+
+                st = lax.fori_loop(0, count[gi * len(sizes) + k], body, st)
+            out.append(st)
+        return tuple(out), count
+
+    jitted = jax.jit(load, donate_argnums=(0,), out_shardings=(st_sh, programs._rep))
+    return jitted.lower(programs._staging_aval(), programs._slab_aval(rows), *_host_avals(programs)).compile()
