@@ -4,7 +4,8 @@
 #   2. bench_gpu_transfer.py: the torch backend vs a pinned memcpy at 16, 64, 256 and 2,048 KiB pages, one way
 #      and both ways at once (vs a two-stream memcpy), with 128 and with 1,024 staging blocks;
 #   3. bench_jax_transfer.py at the Qwen3-32B per-device shape (64 layers, 1 KV head x 128, bf16): 128 MiB
-#      steps at 128- and 256-token blocks, and passes of 16 and 1,000 scattered blocks, vs a raw device_put.
+#      steps at 128- and 256-token blocks, and passes of 16 and 1,000 scattered blocks, vs a raw device_put
+#      (and the per-block loop kernel at 16 blocks, for comparison).
 # Every result is JSON (with the device name) under $BENCH_RESULTS_DIR (default benchmarks/results).
 # Runs every step even if one fails; exits non-zero if any did.
 set -uo pipefail
@@ -22,4 +23,7 @@ step timeout 150 $PY benchmarks/bench_jax_transfer.py "${QWEN[@]}" --block-token
 step timeout 120 $PY benchmarks/bench_gpu_transfer.py --device cuda --page-kib 16 64 256 2048 --staging-blocks 1024 \
     --out gpu_transfer_cuda_staging1024
 step timeout 150 $PY benchmarks/bench_jax_transfer.py "${QWEN[@]}" --step-mib 128 --block-tokens 128 256 --out jax_transfer_cuda
+# The per-block loop kernel (the CPU default) on the same device, for comparison.
+step timeout 120 $PY benchmarks/bench_jax_transfer.py "${QWEN[@]}" --block-tokens 128 --pass-blocks 16 --kernel loop \
+    --out jax_transfer_cuda_loop
 exit $rc

@@ -13,7 +13,7 @@ Loads copy whole rows in and scatter on the device. The staging buffer is
 split into ``buffers`` halves that take turns: while the bus moves one, the
 device gathers (or scatters) the other, so the copy engine never waits for a
 gather (``pipe`` orders them; on CUDA two streams and per-half events). A
-transfer longer than the staging buffer is cut into half-sized pieces. Row
+transfer is cut into pieces of at most a half and at most ``piece_bytes``. Row
 runs are also cut at multiples of ``piece_rows`` (the host slab's
 registration pieces), so no memcpy straddles two registrations. The same code
 runs on CPU tensors, which is how CI checks it.
@@ -111,15 +111,20 @@ class StagedCopier:
         piece_rows: int | None = None,
         buffers: int = 1,
         pipe=None,
+        piece_bytes: int | None = None,
     ):
         self.engine = engine
         self.host_rows = host_rows  # (num_slots, stride) int8 on the CPU
         self.layout: HostLayout = staging.layout
         rows = staging.rows.shape[0]
         self.buffers = max(1, min(buffers, rows))
-        self.capacity = rows // self.buffers  # rows per piece: one staging half
-        self.halves = [PagedRows(staging.rows[i * self.capacity:(i + 1) * self.capacity], self.layout)
+        half = rows // self.buffers
+        self.halves = [PagedRows(staging.rows[i * half:(i + 1) * half], self.layout)
                        for i in range(self.buffers)] if self.buffers > 1 else [staging]
+        # Rows per piece: a staging half, at most ``piece_bytes`` (a transfer of a few large rows still
+        # goes in several pieces, so its memcpys overlap its gathers).
+        cap = half if piece_bytes is None else max(1, piece_bytes // staging.stride)
+        self.capacity = min(half, cap)
         self.pipe = pipe or SerialPipe()
         self.upload = upload
         self.nb = non_blocking

@@ -22,7 +22,8 @@ the engine's KV tensors are CUDA tensors and ``torch.cuda.is_available()``.
   finished; when every pair is still queued (many jobs in one step) the pool
   grows instead of waiting, so the engine thread never blocks on it.
 * Device memory: each lane holds a staging buffer (``staging_blocks /
-  blocks_per_chunk`` host rows) and its index buffers. vLLM sizes its KV
+  blocks_per_chunk`` host rows, at least two ``PIECE_BYTES`` pieces) and
+  its index buffers. vLLM sizes its KV
   cache before the connector exists, so this is outside
   ``gpu_memory_utilization``; ``CudaLane.device_bytes`` reports it and the
   engine logs the headroom to leave.
@@ -45,6 +46,9 @@ from gpu_offload.torch_backend.layout import HostLayout, PagedRows
 logger = get_logger(__name__)
 
 MAX_REGISTER_BYTES = 64 << 30
+# Bytes per memcpy piece: large enough that the Python work of one piece (a gather per KV tensor) takes
+# less than its memcpy, small enough that a transfer of a few large rows still goes in several pieces.
+PIECE_BYTES = 32 << 20
 _HOST_REGISTER_PORTABLE = 1
 
 
@@ -217,13 +221,15 @@ class CudaLane:
     ):
         self.device = engine[0].device
         self.stream = torch.cuda.Stream(device=self.device, priority=priority)
+        # At least two full pieces, so small rows still pipeline in pieces worth their Python work.
+        staging_slots = max(staging_slots, 2 * max(1, PIECE_BYTES // host_rows.shape[1]))
         staging = torch.empty((staging_slots, host_rows.shape[1]), dtype=torch.int8, device=self.device)
         self._ring = IndexRing(self.stream, index_capacity)
         buffers = 2 if staging_slots >= 2 else 1
         self.copier = StagedCopier(
             engine, host_rows, PagedRows(staging, layout),
             upload=self._ring.upload, non_blocking=True, piece_rows=piece_rows,
-            buffers=buffers, pipe=CudaPipe(self.stream, buffers, priority),
+            buffers=buffers, pipe=CudaPipe(self.stream, buffers, priority), piece_bytes=PIECE_BYTES,
         )
         self.staging_bytes = staging.numel()
         self.inflight: collections.deque = collections.deque()

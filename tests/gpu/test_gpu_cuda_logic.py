@@ -181,3 +181,19 @@ def test_staging_halves_alternate_and_each_side_follows_the_other(to_host):
     assert pipe.log == [(s, b) for b in (0, 1, 0, 1) for s in (first, second)] + [("join", None)]
     if to_host:
         assert torch.equal(host[:n], engine[0][3:3 + n])
+
+
+def test_pieces_are_capped_by_bytes_as_well_as_by_the_staging_half():
+    import torch
+
+    from gpu_offload.torch_backend.copy_ops import StagedCopier
+    from gpu_offload.torch_backend.layout import HostLayout, PagedRows
+
+    layout = HostLayout.build([64], 1)
+    staging = PagedRows(torch.zeros((16, 64), dtype=torch.int8), layout)
+    engine, host = [torch.zeros((4, 64), dtype=torch.int8)], torch.zeros((4, 64), dtype=torch.int8)
+    make = lambda **kw: StagedCopier(engine, host, staging, upload=torch.from_numpy, non_blocking=False, **kw)
+    assert make(buffers=2).capacity == 8
+    assert make(buffers=2, piece_bytes=3 * 64).capacity == 3
+    assert make(buffers=2, piece_bytes=10).capacity == 1  # a row larger than a piece: one row each
+    assert make(buffers=2, piece_bytes=1 << 30).capacity == 8
