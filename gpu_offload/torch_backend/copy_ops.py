@@ -176,28 +176,29 @@ class StagedCopier:
             with self.pipe.device(b):
                 for g, lo, hi, idx in work:
                     gpu = dev[idx["gpu"]]
+                    rows = {r: (dev[ix[0]], dev[ix[1]]) if r is None else dev[ix]  # one slice per row stride
+                            for r, ix in idx.items() if r != "gpu"}
                     for t in g.tensors:
                         rps = stg.rows_per_slot[t]
                         nbytes += (hi - lo) * self.layout.page_bytes[t]
-                        self._move(stg, t, gpu, idx[rps], dev, rps, to_host)
+                        self._move(stg, t, gpu, rows[rps], rps, to_host)
             if to_host:
                 with self.pipe.bus(b):
                     self._rows_to_host(plan, p0, work, stg)
         self.pipe.join()
         return nbytes
 
-    def _move(self, stg: PagedRows, t: int, gpu: torch.Tensor, ix, dev: torch.Tensor, rps, to_host: bool) -> None:
+    def _move(self, stg: PagedRows, t: int, gpu: torch.Tensor, rows, rps, to_host: bool) -> None:
         eng, view = self.engine[t], stg.view(t)
-        if rps is None:
-            key = (dev[ix[0]], dev[ix[1]])
+        if rps is None:  # rows: (staging rows, sub-blocks)
             if to_host:
-                view.index_put_(key, eng.index_select(0, gpu))
+                view.index_put_(rows, eng.index_select(0, gpu))
             else:
-                eng.index_copy_(0, gpu, view[key])
+                eng.index_copy_(0, gpu, view[rows])
         elif to_host:
-            view.index_copy_(0, dev[ix], eng.index_select(0, gpu))
+            view.index_copy_(0, rows, eng.index_select(0, gpu))
         else:
-            eng.index_copy_(0, gpu, view.index_select(0, dev[ix]))
+            eng.index_copy_(0, gpu, view.index_select(0, rows))
 
     def _rows_from_host(self, plan: TransferPlan, p0: int, work, stg: PagedRows) -> None:
         """Whole rows in: bytes a load does not scatter are simply never read."""

@@ -22,7 +22,7 @@ the engine's KV tensors are CUDA tensors and ``torch.cuda.is_available()``.
   finished; when every pair is still queued (many jobs in one step) the pool
   grows instead of waiting, so the engine thread never blocks on it.
 * Device memory: each lane holds a staging buffer (``staging_blocks /
-  blocks_per_chunk`` host rows, at least two ``PIECE_BYTES`` pieces) and
+  blocks_per_chunk`` host rows, at least two pieces of ``piece_bytes_for``) and
   its index buffers. vLLM sizes its KV
   cache before the connector exists, so this is outside
   ``gpu_memory_utilization``; ``CudaLane.device_bytes`` reports it and the
@@ -46,9 +46,15 @@ from gpu_offload.torch_backend.layout import HostLayout, PagedRows
 logger = get_logger(__name__)
 
 MAX_REGISTER_BYTES = 64 << 30
-# Bytes per memcpy piece: large enough that the Python work of one piece (a gather per KV tensor) takes
-# less than its memcpy, small enough that a transfer of a few large rows still goes in several pieces.
+# Bytes per memcpy piece: large enough that the Python work of one piece (a gather per KV tensor, about
+# 20 us each) takes less than its memcpy (2 MiB per tensor is ~40 us at 50 GB/s), small enough that a
+# transfer of a few large rows still goes in several pieces.
 PIECE_BYTES = 32 << 20
+PIECE_BYTES_PER_TENSOR = 2 << 20
+
+
+def piece_bytes_for(num_tensors: int) -> int:
+    return max(PIECE_BYTES, num_tensors * PIECE_BYTES_PER_TENSOR)
 _HOST_REGISTER_PORTABLE = 1
 
 
@@ -222,14 +228,15 @@ class CudaLane:
         self.device = engine[0].device
         self.stream = torch.cuda.Stream(device=self.device, priority=priority)
         # At least two full pieces, so small rows still pipeline in pieces worth their Python work.
-        staging_slots = max(staging_slots, 2 * max(1, PIECE_BYTES // host_rows.shape[1]))
+        piece_bytes = piece_bytes_for(layout.num_tensors)
+        staging_slots = max(staging_slots, 2 * max(1, piece_bytes // host_rows.shape[1]))
         staging = torch.empty((staging_slots, host_rows.shape[1]), dtype=torch.int8, device=self.device)
         self._ring = IndexRing(self.stream, index_capacity)
         buffers = 2 if staging_slots >= 2 else 1
         self.copier = StagedCopier(
             engine, host_rows, PagedRows(staging, layout),
             upload=self._ring.upload, non_blocking=True, piece_rows=piece_rows,
-            buffers=buffers, pipe=CudaPipe(self.stream, buffers, priority), piece_bytes=PIECE_BYTES,
+            buffers=buffers, pipe=CudaPipe(self.stream, buffers, priority), piece_bytes=piece_bytes,
         )
         self.staging_bytes = staging.numel()
         self.inflight: collections.deque = collections.deque()
