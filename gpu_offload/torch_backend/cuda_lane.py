@@ -49,7 +49,7 @@ MAX_REGISTER_BYTES = 64 << 30
 # Bytes per memcpy piece: large enough that the Python work of one piece (a gather per KV tensor, about
 # 20 us each) takes less than its memcpy (2 MiB per tensor is ~40 us at 50 GB/s), small enough that a
 # transfer of a few large rows still goes in several pieces.
-PIECE_BYTES = 32 << 20
+PIECE_BYTES = 64 << 20
 PIECE_BYTES_PER_TENSOR = 2 << 20
 
 
