@@ -121,6 +121,22 @@ class Case:
                 done.block_until_ready()
 
             self.xfer = (timed(xfer_store, reps), timed(xfer_load, reps), 1, 1, True)
+            # ... and the gather and scatter alone: the part that stays on the device
+            groups = len(eng.layout.groups)
+            gather, scatter = eng.programs.gather(), eng.programs.scatter()
+            gargs = eng.programs.block_args([(np.asarray(self.src), np.arange(self.n))] * groups, "gather")
+            sargs = eng.programs.block_args([(np.asarray(self.dst), np.arange(self.n))] * groups, "scatter")
+
+            def dev_store():
+                eng.staging = gather(tuple(self.kv), eng.staging, *gargs)
+                jax.block_until_ready(eng.staging)
+
+            def dev_load():
+                caches, done = scatter(tuple(self.kv), eng.staging, *sargs)
+                self.kv = list(caches)
+                done.block_until_ready()
+
+            self.dev_stage = (timed(dev_store, reps), timed(dev_load, reps), 1, 1, True)
         del eng
         return (st, ld, 2, 2, ok) if path == "program" else (st, ld, 1 + 2 * self.n, 2 * self.n + 1, ok)
 
@@ -230,6 +246,7 @@ def main():
         case.kernel = args.kernel
         results = {"raw": case.raw(args.reps), "ours": case.ours(args.reps)}
         results["ours (copy stage)"] = case.xfer
+        results["ours (device stage)"] = case.dev_stage
         if not args.skip_device_put_path:
             results["ours, device_put path"] = case.ours(args.reps, path="device_put")
         results["one program, new host array"] = case.one_program(args.reps)
