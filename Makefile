@@ -27,7 +27,7 @@ export TOKENIZERS_PARALLELISM := false
 export VLLM_PLUGINS :=
 export PYTHONPATH := $(CURDIR)
 
-.PHONY: setup setup-tpu demo test bench bench-tpu-aot bench-manager bench-ttft bench-jax bench-fs bench-fs-rescan bench-tpu-engine bench-serving clean
+.PHONY: setup setup-tpu demo test docs bench bench-tpu-aot bench-manager bench-ttft bench-jax bench-fs bench-fs-rescan bench-tpu-engine bench-serving clean
 
 setup: $(STAMP)
 
@@ -99,6 +99,11 @@ TPU_BENCH_ARGS ?=
 bench-serving: $(STAMP) $(STAMP_TPU) $(STAMP_BENCH)
 	$(BIN)/python benchmarks/bench_serving_vllm.py $(VLLM_BENCH_ARGS)
 	$(BIN)/python benchmarks/bench_serving_tpu.py $(TPU_BENCH_ARGS)
+
+# The reference pages (docs/reference/*.md) and benchmark results page, regenerated from the code and
+# benchmarks/results/*.json; tests/docs/test_reference_pages.py fails when a committed page differs.
+docs: $(STAMP)
+	$(BIN)/python tools/gen_reference.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
