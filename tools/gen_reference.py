@@ -360,8 +360,6 @@ def render_results(results_dir: Path | None = None) -> str:
                                                                           "commit not recorded", "machine not recorded")
         out.append(f"## {path.stem}\n\n- file: `benchmarks/results/{path.name}`\n- date: {when}\n- commit: {commit}\n"
                    f"- machine: {machine}\n")
-        if isinstance(d, dict) and d.get("label"):
-            out.append(f"- label: {_cell(d['label'])}\n")
         if isinstance(d, dict) and d.get("verdict"):
             out.append(f"- verdict: {_cell(d['verdict'])}\n")
         rows = next((d[k] for k in _ROW_KEYS if isinstance(d, dict) and isinstance(d.get(k), list)
