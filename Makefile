@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-v1
 # Second environment: the real tpu-inference 0.32.0 engine on JAX CPU. It pins jax 0.11.2,
-# which needs Python >= 3.12; first set-up about 6-8 minutes and 8 GB (see README).
+# which needs Python >= 3.12; about 8 GB (set-up time: docs/try.md).
 # python3.12 on PATH, else one that pyenv installed (its shim answers only when 3.12 is selected).
 PY312 ?= $(shell for p in python3.12 $$(pyenv root 2>/dev/null)/versions/3.12*/bin/python3.12; do \
 	"$$p" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && { echo "$$p"; break; }; done)

@@ -25,6 +25,6 @@ if [ -n "$free_kb" ] && [ "$gb" -gt 0 ] && [ "$free_kb" -lt $((gb * 1024 * 1024)
 fi
 if [ -n "$missing" ]; then
   echo "make setup needs, before it downloads anything:$missing" >&2
-  echo "Set-up then takes about 10 minutes on a 2-core machine (more on a slow network); see docs/try.md." >&2
+  echo "Set-up then takes about 10.5 minutes on a 2-core machine (more on a slow network); see docs/try.md." >&2
   exit 1
 fi
