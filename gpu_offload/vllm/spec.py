@@ -48,7 +48,7 @@ import dataclasses
 import weakref
 from typing import Any
 
-from tpu_offload.core.config import ConfigError, OffloadConfig
+from tpu_offload.core.config import VLLM, ConfigError, OffloadConfig, warn_ignored
 from tpu_offload.core.pool import PAGE
 
 from gpu_offload._log import get_logger
@@ -60,8 +60,6 @@ logger = get_logger(__name__)
 
 hooks.install()
 
-# Settings the TPU connector honours and this spec does not.
-_TPU_ONLY = ("snapshot_path", "host_memory_kind", "skip_precompile", "block_buckets", "verify_checksums", "sync_load")
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(OffloadConfig)}
 
 
@@ -84,6 +82,11 @@ class HostOffloadSpec(HostSpecBase):
     def __init__(self, config):
         OffloadingSpec.__init__(self, config)  # not CPUOffloadingSpec's: no vLLM host buffer
         hooks.install()
+        if "chunk_tokens" in self.extra_config:  # vLLM sized its chunks before this spec exists
+            raise ConfigError(
+                f"kv_connector_extra_config key 'chunk_tokens' (value {self.extra_config['chunk_tokens']!r}) is "
+                "not read by vLLM, which sizes chunks itself; allowed on vLLM: 'block_size' (tokens per chunk, "
+                "vLLM's name for chunk_tokens) or 'blocks_per_chunk'")
         self.offload_config = OffloadConfig.from_sources(dict(self.extra_config))
         oc = self.offload_config
         self.tokens_per_block_0 = config.groups[0].tokens_per_block if config.groups else 0
@@ -120,12 +123,7 @@ class HostOffloadSpec(HostSpecBase):
         if oc.fs_write_mode == "write_through" and oc.fs_write_back_lag_s != _DEFAULTS["fs_write_back_lag_s"]:
             logger.warning("fs_write_back_lag_s=%g is ignored: fs_write_mode is write_through (every chunk "
                            "is written as soon as it is stored)", oc.fs_write_back_lag_s)
-        ignored = [f for f in _TPU_ONLY if getattr(self.offload_config, f) != _DEFAULTS[f]]
-        if ignored:
-            logger.warning(
-                "%s only apply to the TPU connector and are ignored here (for warm restarts on "
-                "vLLM use shared_storage_path: its files survive restarts)", ", ".join(ignored),
-            )
+        warn_ignored(oc, VLLM, logger)  # every TPU-only setting given, in one line
 
     def _check_sized(self) -> None:
         if self.num_chunks < 1:

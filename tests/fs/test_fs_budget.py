@@ -1,6 +1,6 @@
 """One budget shared by several writers: rescans by bytes written, temps in the budget, dead writers' temps.
 
-The guarantee (docs/fs-tier.md): a writer rescans after ``rescan_bytes``
+The guarantee (docs/file-tier/README.md): a writer rescans after ``rescan_bytes``
 (default: a 16th of its budget) as well as every ``rescan_interval_s``, so N
 writers sharing one directory stay within budget + N x rescan_bytes, plus
 writes in flight. Temp files count in the budget, and the temp of a writer

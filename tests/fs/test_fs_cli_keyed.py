@@ -1,6 +1,6 @@
 """``tpu-offload-fs`` with the secret: only files signed with it are ours.
 
-The attack this suite replays (issue 19): another tenant with write access
+The attack this suite replays: another tenant with write access
 to our keyed namespace (same uid) keeps magic-prefixed junk fresh under
 names like ours. Without the key the CLI counted it against our budget and
 kept it while ``evict --budget`` deleted our authenticated chunks, once a
@@ -154,7 +154,7 @@ def test_verify_with_the_key_reports_forged_files_and_exits_1(capsys, volume):
         os.unlink(p)
     code, out, _ = _cli(capsys, "verify", root, "--secret-file", sf, "--json")
     assert code == 0 and out["ok"] == 4 and out["checked"] == 4, out  # the other tenant's namespace is not ours
-    _plant_random_mac(ours.path_of(key(1)))  # the issue's forgery: verify used to pass it
+    _plant_random_mac(ours.path_of(key(1)))  # a forged header MAC: verify must not pass it
     _swap_payload_keep_header(ours.path_of(key(2)))  # payload replaced, checksum fixed: breaks the header MAC
     code, out, _ = _cli(capsys, "verify", root, "--secret-file", sf, "--json", "--delete")
     assert code == 1 and out["forged"] == 2 and out["ok"] == 2, out

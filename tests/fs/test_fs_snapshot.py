@@ -248,7 +248,7 @@ def test_the_tpu_index_rejects_malformed_and_unsigned_indexes(tmp_path):
     assert load_index(path, layout(), 8) is None
 
 
-# ---- rows are authenticated one by one (issue 19) ----
+# ---- rows are authenticated one by one ----
 
 SECRET = b"Zr4kT9wQ2mV7xN1pL6sB3hD8fJ0cY5gA"
 

@@ -78,10 +78,18 @@ def test_tpu_only_settings_are_named_not_silently_ignored(monkeypatch):
     seen = []
     monkeypatch.setattr(spec_mod.logger, "warning", lambda msg, *a: seen.append(msg % a))
     HostOffloadSpec(offloading_config({"num_cpu_chunks": 4}))
-    assert not any("TPU connector" in m for m in seen)
-    HostOffloadSpec(offloading_config({"num_cpu_chunks": 4, "snapshot_path": "/tmp/snap", "verify_checksums": True}))
-    (msg,) = [m for m in seen if "TPU connector" in m]
-    assert "snapshot_path" in msg and "verify_checksums" in msg and "host_memory_kind" not in msg
+    assert not any("no effect" in m for m in seen)
+    tpu_only = {"snapshot_path": "/tmp/snap", "verify_checksums": True, "store_policy": "exclusive",
+                "transfer_path": "program", "sliding_window": "all", "decode_save": True, "load_bandwidth_gbps": 9,
+                "host_memory_margin": "8GiB"}
+    HostOffloadSpec(offloading_config({"num_cpu_chunks": 4, **tpu_only}))
+    (msg,) = [m for m in seen if "no effect with vLLM" in m]
+    assert all(f"{k}=" in msg for k in tpu_only) and "host_memory_kind" not in msg, msg
+
+
+def test_chunk_tokens_is_refused_where_vllm_reads_block_size():
+    with pytest.raises(ConfigError, match="'chunk_tokens'.*allowed on vLLM: 'block_size'"):
+        HostOffloadSpec(offloading_config({"num_cpu_chunks": 4, "chunk_tokens": 256}))
 
 
 def test_a_write_back_lag_without_write_back_is_named(monkeypatch):

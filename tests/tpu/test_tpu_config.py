@@ -72,6 +72,18 @@ def test_parallelism_guards():
         resolve(vllm_config({"num_cpu_chunks": 4}, dp=2), page(), env={})
 
 
+def test_names_what_the_tpu_connector_does_not_read(monkeypatch):
+    """llm-d's tpu-inference variables and vLLM's own keys are accepted, and named once as having no effect."""
+    import tpu_offload.connector.settings as settings_mod
+
+    seen = []
+    monkeypatch.setattr(settings_mod.log, "warning", lambda msg, *a: seen.append(msg % a))
+    resolve(vllm_config({"eviction_policy": "lru"}), page(), env=LLMD_ENV)
+    (msg,) = [m for m in seen if "no effect with the TPU connector" in m]
+    assert "TPU_OFFLOAD_BATCHED_SAVE" in msg and "TPU_OFFLOAD_SAVE_THREADS" in msg and "'eviction_policy'" in msg, msg
+    assert "TPU_OFFLOAD_NUM_STAGING_BLOCKS" not in msg and "DECODE_SAVE" not in msg
+
+
 def test_unpinned_host_env():
     s = resolve(vllm_config({"num_cpu_chunks": 4}), page(), env={"TPU_OFFLOAD_USE_UNPINNED_HOST": "1"})
     assert s.config.host_memory_kind == "unpinned_host"

@@ -125,6 +125,7 @@ def test_a_chunk_stored_by_one_rank_is_loaded_by_the_other_from_its_slot():
     late = un(_merge([dp.wrap(OffloadMetadata()),
                       dp.wrap(OffloadMetadata(loads=[LoadOp((1 << 40) + 1, "d", [ref], [4], True, True)]))]))
     assert late.loads[0].slots == [-1] and un.stale == 1
+    assert un.foreign == 1
     report = un.localize(OffloadReport(stores=[(8, 0, [])], loads=[((1 << 40) + 1, 0, [-1])]))
     assert report.loads == [((1 << 40) + 1, 0, [-1])]
     rank1.apply(report)
@@ -137,3 +138,28 @@ def test_a_reset_drops_publications_of_earlier_stores():
                dp.wrap(OffloadMetadata())]))
     un(_merge([dp.wrap(OffloadMetadata(reset_salt="r0")), dp.wrap(OffloadMetadata(reset_salt="r1"))]))
     assert un.localize(OffloadReport(stores=[(7, 0, [])])).published == []
+
+
+def test_cross_rank_loads_are_exported():
+    """The worker's counts of chunks loaded from another rank's slots reach Prometheus, by outcome."""
+    from prometheus_client import CollectorRegistry
+
+    from tpu_offload.connector.metrics import ConnectorMetrics
+
+    registry = CollectorRegistry()
+    un = dp.Unwrapper(2, 2 * BLOCKS_PER_RANK, SLOTS)
+    un.metrics = ConnectorMetrics(registry)
+    un(_merge([dp.wrap(OffloadMetadata(stores=[StoreOp(7, "a", [2], [3], keys=[b"k" * 16])])),
+               dp.wrap(OffloadMetadata())]))
+    ref = dp.foreign_ref(2, 1, SLOTS)
+    un(_merge([dp.wrap(OffloadMetadata()),
+               dp.wrap(OffloadMetadata(loads=[LoadOp(1 << 40, "b", [ref], [4], True, True)]))]))
+    un(_merge([dp.wrap(OffloadMetadata(stores=[StoreOp(8, "c", [2], [5], keys=[b"n" * 16])])),
+               dp.wrap(OffloadMetadata())]))
+    un(_merge([dp.wrap(OffloadMetadata()),
+               dp.wrap(OffloadMetadata(loads=[LoadOp((1 << 40) + 1, "d", [ref], [4], True, True)]))]))
+
+    def value(outcome):
+        return registry.get_sample_value("tpu_offload_cross_rank_loads_total", {"outcome": outcome})
+
+    assert (un.foreign, un.stale) == (1, 1) and (value("loaded"), value("stale")) == (1.0, 1.0)

@@ -85,7 +85,7 @@ def test_tenants_files_are_their_own_and_forgeries_are_misses(make, tmp_path, mo
 
     # B forges A's chunks: files for A's keys under the names A uses (it lists them), with a payload of
     # its choice, signed with its own keys (first two) or the deployment's (last two); and valid files
-    # for A's keys under the deployment's names (where the TPU connector used to look).
+    # for A's keys under the deployment's names (where a connector without per-deployment keys would look).
     forger = b.wrk.fs.tier
     evil = np.random.default_rng(666).integers(0, 256, forger.chunk_bytes, dtype=np.uint8)
     for i, k in enumerate(keys_a):

@@ -159,7 +159,7 @@ def test_engine_shutdown_saves_both_halves(make, tmp_path):
 
 
 
-# ---- signed slabs (issue 19): a signed meta and a MAC per slot ----
+# ---- signed slabs: a signed meta and a MAC per slot ----
 
 
 def _same_xxh3(monkeypatch):

@@ -278,7 +278,7 @@ def test_dense_under_dp_attention_keeps_heads_per_rank(llama70b_dp2):
 @pytest.mark.parametrize("shape", ["deepseek_dp8", "llama70b_dp2"])
 def test_dp_attention_is_no_block_loop_within_the_budgets(shape, request):
     """Under DP attention each device DMAs its own rank's blocks (its local ids) into its own share of
-    staging and back: no while loop, no collective at all (the last stop's all-to-all relaid
+    staging and back: no while loop, no collective at all (an all-to-all kernel relaid
     DeepSeek-V3's blocks: 2.0x scratch, 11x accessed; the loop kernel all-reduced every block per layer
     and trip: 61,000 all-reduces per pass), the same handful of TensorCore ops at 16, 64 and 1,000
     blocks, within the 1.1x scratch / 3x accessed budgets. Only a load into another rank crosses

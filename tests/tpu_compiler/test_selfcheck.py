@@ -70,7 +70,7 @@ def test_default_map_count_fails_the_device_put_path(tmp_path, monkeypatch):
 
 
 def test_slow_round_trip_fails_on_an_accelerator():
-    """Below half a raw device_put's GB/s on a TPU the round trip FAILs (it used to warn); CPU figures
+    """Below half a raw device_put's GB/s on a TPU the round trip FAILs (not a warning); CPU figures
     say nothing about a TPU's host link and never fail."""
     r = {"store_vs_raw": 0.3, "load_vs_raw": 0.9}
     assert selfcheck.too_slow(r, accel=True) == ("our store/load reach only store_vs_raw 0.3x the GB/s of a raw "

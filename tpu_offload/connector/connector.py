@@ -157,6 +157,7 @@ class TPUOffloadConnector(KVConnectorBase_V1, compat.SupportsHMA):
         self.worker.register_runner(runner)
         if self.settings.dp > 1:
             self._dp = dp.Unwrapper(self.settings.dp, self.worker.engine.layout.num_blocks, self.settings.num_slots)
+            self._dp.metrics = self.worker.metrics
 
     def _worker_meta(self):
         meta = self._get_connector_metadata()

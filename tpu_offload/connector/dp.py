@@ -154,6 +154,7 @@ class Unwrapper:
         self._retired: list[int] = []
         self.foreign = 0  # chunks loaded from another rank's slots
         self.stale = 0  # loads of another rank's chunk that its owner had overwritten since the lookup
+        self.metrics = None  # ConnectorMetrics: both counts exported as tpu_offload_cross_rank_loads
         self._salts: dict[int, str] = {}  # per rank, its last cache reset (OffloadScheduler.reset_cache)
         self._last = self._out = None
 
@@ -211,9 +212,15 @@ class Unwrapper:
         slot, gen = parse_ref(ref, self.num_slots)
         if slot < self.num_slots and self._gen[slot] == gen:
             self.foreign += 1
+            self._count("loaded")
             return slot
         self.stale += 1
+        self._count("stale")
         return -1
+
+    def _count(self, outcome: str) -> None:
+        if self.metrics is not None:
+            self.metrics.cross_rank.labels(outcome=outcome).inc()
 
     def localize(self, report: OffloadReport | None) -> OffloadReport | None:
         """Failed slots back in each rank's own numbering (every rank sees every entry; op ids tell whose),

@@ -64,6 +64,11 @@ class ConnectorMetrics:
                               registry=r)
         self.dropped_stores = Counter("tpu_offload_dropped_store_chunks",
                                       "Chunks whose store was dropped by a caught connector error", registry=r)
+        # DP attention (connector/dp.py): hits one rank serves from another rank's host slots
+        self.cross_rank = Counter("tpu_offload_cross_rank_loads",
+                                  "DP attention: chunks a rank loaded from another rank's host slots, by outcome "
+                                  "(loaded; stale: overwritten by their owner since the lookup, recomputed)",
+                                  ["outcome"], registry=r)
 
     @classmethod
     def get(cls, registry: CollectorRegistry | None = None) -> "ConnectorMetrics":

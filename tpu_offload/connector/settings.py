@@ -16,7 +16,7 @@ import os
 from typing import Mapping
 
 from tpu_offload.connector import budget, compat, models, sizing, windows as sliding
-from tpu_offload.core.config import ConfigError, OffloadConfig
+from tpu_offload.core.config import TPU, ConfigError, OffloadConfig, warn_ignored
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +82,7 @@ def resolve(vllm_config, kv_cache_config, env: Mapping[str, str] | None = None) 
     ktc = vllm_config.kv_transfer_config
     extra = dict(getattr(ktc, "kv_connector_extra_config", None) or {})
     cfg = OffloadConfig.from_sources(extra, os.environ if env is None else env)
+    warn_ignored(cfg, TPU, log)  # vLLM's own keys and tpu-inference's variables given here, in one line
     parallel = vllm_config.parallel_config
     if getattr(parallel, "pipeline_parallel_size", 1) > 1:
         raise ConfigError(f"pipeline_parallel_size={parallel.pipeline_parallel_size}: KV offloading supports PP=1 only")

@@ -4,6 +4,11 @@ Precedence: ``kv_connector_extra_config`` > ``TPU_OFFLOAD_*`` env > defaults,
 so the llm-d overlays' environment works unchanged and a JSON key overrides
 it. Every bad value, unknown key and contradiction raises one ``ConfigError``
 naming the key, the value and what is allowed (with a "did you mean").
+
+Each setting declares its scope (TPU, VLLM or BOTH) and its meaning in
+``_SETTINGS``; docs/reference/settings.md is generated from that table
+(``make docs``), and a non-default setting the running engine ignores is
+named in one warning at start (``warn_ignored``).
 """
 
 from __future__ import annotations
@@ -25,8 +30,13 @@ class ConfigError(ValueError):
 # ---- value parsers: each returns the typed value or raises ValueError(allowed) ----
 
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-_SIZE_ALLOWED = "a byte count or a size such as '512MiB', '64GiB', '1.5TiB'"
+# As dd and Kubernetes read them: K/M/G/T and KiB..TiB are powers of 1024, KB..TB powers of 1000.
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40,
+          "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30, "ti": 1 << 40,
+          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+_SIZE_ALLOWED = ("a byte count or a size such as '512MiB', '64GiB', '1.5TiB' (KiB..TiB and K..T are powers "
+                 "of 1024; KB..TB powers of 1000)")
 
 
 def _bytes(v: Any) -> int:
@@ -42,7 +52,7 @@ def _bytes(v: Any) -> int:
         m = _SIZE_RE.match(v)
         if not m:
             raise ValueError(_SIZE_ALLOWED)
-        number, unit = m.group(1), _UNITS[(m.group(2) or "").lower()[:1]]
+        number, unit = m.group(1), _UNITS[(m.group(2) or "").lower()]
         if "." in number:
             f = float(number) * unit
             if not math.isfinite(f):
@@ -204,6 +214,10 @@ def _margin(v: Any) -> int | float:
     if f is not None:
         if not math.isfinite(f) or f < 0 or (f >= 1 and (not f.is_integer() or str(text).endswith("%"))):
             raise ValueError(allowed)
+        if 1 <= f <= 100:  # 5 bytes or 5%? Neither is what a bare 5 should silently mean.
+            share = f"{f / 100:g} for {f:g}% of host memory, or " if f < 100 else ""
+            raise ValueError(allowed + f"; a bare {f:g} is ambiguous ({f:g} bytes? {f:g}%?): write {share}a size "
+                             f"with a unit such as '{f:g}GiB'")
         if f < 1:
             return float(f)
     try:
@@ -226,6 +240,12 @@ parse_number = _float
 # ---- the settings table ---------------------------------------------------
 
 
+# Scopes: which engine honours a setting. Each _Setting names its scope and one line of meaning,
+# from which docs/reference/settings.md is generated (tools/gen_reference.py); a setting the running
+# engine ignores is named in one warning at start (ignored_settings_warning).
+TPU, VLLM, BOTH = "tpu", "vllm", "both"
+
+
 @dataclasses.dataclass(frozen=True)
 class _Setting:
     field: str
@@ -233,78 +253,150 @@ class _Setting:
     env: str | None = None
     keys: tuple[str, ...] = ()  # extra_config keys; the first is the canonical one
     secret: bool = False  # its value never appears in a message
+    scope: str | None = None  # TPU, VLLM or BOTH
+    doc: str = ""  # its meaning, one sentence, for the reference page
+    env_aliases: tuple[str, ...] = ()  # older variable names still read (tpu-inference's own names)
 
 
 _SETTINGS: tuple[_Setting, ...] = (
     # host tier size: exactly one of these per source
-    _Setting("num_cpu_chunks", _int(1), "TPU_OFFLOAD_NUM_CPU_CHUNKS", ("num_cpu_chunks",)),
-    _Setting("cpu_bytes", _bytes, "TPU_OFFLOAD_CPU_BYTES", ("cpu_bytes", "cpu_bytes_to_use")),
-    _Setting("cpu_bytes", _gib, "TPU_OFFLOAD_CPU_GIB", ("cpu_gib",)),
+    _Setting("num_cpu_chunks", _int(1), "TPU_OFFLOAD_NUM_CPU_CHUNKS", ("num_cpu_chunks",), scope=BOTH,
+             doc="Host-tier capacity in chunks (instead of a size in bytes)."),
+    _Setting("cpu_bytes", _bytes, "TPU_OFFLOAD_CPU_BYTES", ("cpu_bytes", "cpu_bytes_to_use"), scope=BOTH,
+             doc="Host-tier size of the whole engine (all workers or hosts together); 'cpu_bytes_to_use' is "
+                 "vLLM's name."),
+    _Setting("cpu_bytes", _gib, "TPU_OFFLOAD_CPU_GIB", ("cpu_gib",), scope=BOTH,
+             doc="Host-tier size in GiB (a number); the same setting as cpu_bytes."),
     # chunking and staging
-    _Setting("blocks_per_chunk", _int(1, 4096), "TPU_OFFLOAD_BLOCKS_PER_CHUNK", ("blocks_per_chunk",)),
-    _Setting("chunk_tokens", _int(1), None, ("block_size",)),  # vLLM's key: tokens per chunk
-    _Setting("staging_blocks", _int(1), "TPU_OFFLOAD_NUM_STAGING_BLOCKS", ("staging_blocks",)),
-    # load budget per step (issue 18): host-to-device bandwidth per chip x the stall a step may take
-    _Setting("load_bandwidth_gbps", _float(0.001), "TPU_OFFLOAD_LOAD_BANDWIDTH_GBPS", ("load_bandwidth_gbps",)),
-    _Setting("load_stall_ms", _float(0.001), "TPU_OFFLOAD_LOAD_STALL_MS", ("load_stall_ms",)),
-    _Setting("decode_save", _bool, "TPU_OFFLOAD_DECODE_SAVE", ("decode_save",)),
-    _Setting("store_policy", _choice("write_through", "exclusive"), "TPU_OFFLOAD_STORE_POLICY", ("store_policy",)),
-    _Setting("sync_load", _bool, "TPU_OFFLOAD_SYNC_LOAD", ("sync_load",)),
-    _Setting("host_memory_kind", _choice("pinned_host", "unpinned_host"), None, ("host_memory_kind",)),
-    _Setting("use_unpinned_host", _bool, "TPU_OFFLOAD_USE_UNPINNED_HOST", ()),
-    _Setting("host_memory_margin", _margin, "TPU_OFFLOAD_HOST_MEMORY_MARGIN", ("host_memory_margin",)),
+    _Setting("blocks_per_chunk", _int(1, 4096), "TPU_OFFLOAD_BLOCKS_PER_CHUNK", ("blocks_per_chunk",), scope=BOTH,
+             doc="Engine blocks per chunk, the unit the tier stores, looks up and evicts."),
+    _Setting("chunk_tokens", _int(1), None, ("chunk_tokens", "block_size"), scope=BOTH,
+             doc="Tokens per chunk, a multiple of the engine's block size (instead of blocks_per_chunk). "
+                 "'block_size' is vLLM's name for it; on vLLM only 'block_size' is read (vLLM sizes chunks "
+                 "itself)."),
+    _Setting("staging_blocks", _int(1), "TPU_OFFLOAD_STAGING_BLOCKS", ("staging_blocks",), scope=BOTH,
+             env_aliases=("TPU_OFFLOAD_NUM_STAGING_BLOCKS",),
+             doc="Device staging buffer in blocks; also the most blocks moved per step in each direction."),
+    # load budget per step: host-to-device bandwidth per chip x the stall a step may take
+    _Setting("load_bandwidth_gbps", _float(0.001), "TPU_OFFLOAD_LOAD_BANDWIDTH_GBPS", ("load_bandwidth_gbps",),
+             scope=TPU, doc="Host-to-device GB/s per chip assumed when pacing loads (TPU7x measured about 47)."),
+    _Setting("load_stall_ms", _float(0.001), "TPU_OFFLOAD_LOAD_STALL_MS", ("load_stall_ms",), scope=TPU,
+             doc="Stall one step may take for loads; a larger hit spreads over several steps."),
+    _Setting("decode_save", _bool, "TPU_OFFLOAD_DECODE_SAVE", ("decode_save",), scope=TPU,
+             doc="Also store chunks that decoding fills (vLLM: its own key 'offload_prompt_only': false)."),
+    _Setting("store_policy", _choice("write_through", "exclusive"), "TPU_OFFLOAD_STORE_POLICY", ("store_policy",),
+             scope=TPU, doc="write_through: every computed chunk goes to host memory at once; exclusive: a chunk "
+                            "the device still caches is copied only when its blocks are reused. Refused under "
+                            "DP attention."),
+    _Setting("sync_load", _bool, "TPU_OFFLOAD_SYNC_LOAD", ("sync_load",), scope=TPU,
+             doc="Load hits before the step that needs them instead of overlapping them with compute. Refused "
+                 "under DP attention."),
+    _Setting("host_memory_kind", _choice("pinned_host", "unpinned_host"), "TPU_OFFLOAD_HOST_MEMORY_KIND",
+             ("host_memory_kind",), scope=TPU,
+             doc="JAX memory kind of the host tier; every local device must offer it (checked at start)."),
+    _Setting("use_unpinned_host", _bool, "TPU_OFFLOAD_USE_UNPINNED_HOST", (), scope=TPU,
+             doc="tpu-inference's variable: true means host_memory_kind unpinned_host."),
+    _Setting("host_memory_margin", _margin, "TPU_OFFLOAD_HOST_MEMORY_MARGIN", ("host_memory_margin",), scope=TPU,
+             doc="Host memory the tier leaves free: a fraction (0.05 or '5%') of the host's or cgroup's memory, "
+                 "or a size ('16GiB'); a bare number from 1 to 100 is refused as ambiguous."),
     _Setting("transfer_path", _choice("auto", "program", "device_put"), "TPU_OFFLOAD_TRANSFER_PATH",
-             ("transfer_path",)),
-    _Setting("transfer_kernel", _choice("auto", "dma", "loop", "xla"), "TPU_OFFLOAD_TRANSFER_KERNEL", ("transfer_kernel",)),
-    _Setting("sliding_window", _choice("auto", "window", "all"), "TPU_OFFLOAD_SLIDING_WINDOW", ("sliding_window",)),
-    _Setting("window_every_chunks", _int(0), "TPU_OFFLOAD_WINDOW_EVERY_CHUNKS", ("window_every_chunks",)),
-    _Setting("skip_precompile", _bool, "TPU_OFFLOAD_SKIP_JAX_PRECOMPILE", ("skip_precompile",)),
-    _Setting("multihost_timeout_s", _float(1.0), "TPU_OFFLOAD_MULTIHOST_TIMEOUT_S", ("multihost_timeout_s",)),
-    _Setting("block_buckets", _int_list, "TPU_OFFLOAD_BLOCK_SIZE_BUCKETS", ("block_buckets",)),  # accepted; no effect
-    _Setting("save_threads", _int(1, 256), "TPU_OFFLOAD_SAVE_THREADS", ("save_threads",)),
-    _Setting("batched_save", _bool, "TPU_OFFLOAD_BATCHED_SAVE", ()),  # always batched; accepted
-    _Setting("metrics_interval_s", _float(0.1), "TPU_OFFLOAD_METRICS_LOG_INTERVAL", ("metrics_interval_s",)),
-    _Setting("enable_events", _bool, "TPU_OFFLOAD_ENABLE_EVENTS", ("enable_events",)),
-    _Setting("verify_checksums", _bool, "TPU_OFFLOAD_VERIFY_CHECKSUMS", ("verify_checksums",)),
+             ("transfer_path",), scope=TPU,
+             doc="program: preallocated host slabs written by compiled programs; device_put: per-slot host "
+                 "arrays the runtime sends, overlapping compute; auto: device_put on TPU, program elsewhere."),
+    _Setting("transfer_kernel", _choice("auto", "dma", "loop", "xla"), "TPU_OFFLOAD_TRANSFER_KERNEL",
+             ("transfer_kernel",), scope=TPU,
+             doc="How gather/scatter move blocks: dma (a Pallas kernel of DMAs), loop (XLA ops, one block per "
+                 "trip), xla (one XLA gather/scatter per layer over a bucket of the pass's size, for GPUs), "
+                 "auto (dma on TPU, xla on GPU, loop elsewhere)."),
+    _Setting("sliding_window", _choice("auto", "window", "all"), "TPU_OFFLOAD_SLIDING_WINDOW", ("sliding_window",),
+             scope=TPU, doc="Sliding-window layers: window moves only the blocks a later request can attend to, "
+                            "all moves every block, auto picks window where that is safe."),
+    _Setting("window_every_chunks", _int(0), "TPU_OFFLOAD_WINDOW_EVERY_CHUNKS", ("window_every_chunks",), scope=TPU,
+             doc="With window: also keep the window before every N-th chunk boundary, so a shared system "
+                 "prompt can hit; 0: only at the end of each step's stores."),
+    _Setting("skip_precompile", _bool, "TPU_OFFLOAD_SKIP_PRECOMPILE", ("skip_precompile",), scope=TPU,
+             env_aliases=("TPU_OFFLOAD_SKIP_JAX_PRECOMPILE",),
+             doc="Compile the transfer programs on first use instead of at start."),
+    _Setting("multihost_timeout_s", _float(1.0), "TPU_OFFLOAD_MULTIHOST_TIMEOUT_S", ("multihost_timeout_s",),
+             scope=TPU, doc="Several JAX processes: how long start-up waits for every host's figures before "
+                            "failing with the hosts that sent none."),
+    _Setting("enable_events", _bool, "TPU_OFFLOAD_ENABLE_EVENTS", ("enable_events",), scope=BOTH,
+             doc="Publish KV events for host-tier (and file-tier) stores and evictions, when the engine's KV "
+                 "events are on."),
+    _Setting("verify_checksums", _bool, "TPU_OFFLOAD_VERIFY_CHECKSUMS", ("verify_checksums",), scope=TPU,
+             doc="Keep an xxhash of each host chunk and check it before each load."),
     # shared-filesystem tier
     _Setting("shared_storage_path", _abs_path("shared_storage_path"), "TPU_OFFLOAD_SHARED_STORAGE_PATH",
-             ("shared_storage_path",)),
-    _Setting("fs_write_mode", _choice("write_back", "write_through"), "TPU_OFFLOAD_FS_WRITE_MODE", ("fs_write_mode",)),
-    _Setting("fs_write_back_lag_s", _float(0.0), "TPU_OFFLOAD_FS_WRITE_BACK_LAG_S", ("fs_write_back_lag_s",)),
-    _Setting("fs_capacity_bytes", _bytes, "TPU_OFFLOAD_FS_CAPACITY", ("fs_capacity_bytes", "fs_capacity")),
-    _Setting("fs_threads", _int(1, 256), "TPU_OFFLOAD_FS_THREADS", ("fs_threads",)),
-    _Setting("fs_queue_depth", _int(1), "TPU_OFFLOAD_FS_QUEUE_DEPTH", ("fs_queue_depth",)),
-    _Setting("fs_fsync", _bool, "TPU_OFFLOAD_FS_FSYNC", ("fs_fsync",)),
-    _Setting("fs_o_direct", _bool, "TPU_OFFLOAD_FS_O_DIRECT", ("fs_o_direct",)),
-    _Setting("snapshot_path", _abs_path("snapshot_path"), "TPU_OFFLOAD_SNAPSHOT_PATH", ("snapshot_path",)),
-    _Setting("fs_dir_mode", _dir_mode, "TPU_OFFLOAD_FS_DIR_MODE", ("fs_dir_mode",)),
-    _Setting("fs_encrypt", _bool, "TPU_OFFLOAD_FS_ENCRYPT", ("fs_encrypt",)),
-    _Setting("fs_mac", _choice("hmac-sha256", "gmac"), "TPU_OFFLOAD_FS_MAC", ("fs_mac",)),
+             ("shared_storage_path",), scope=BOTH,
+             doc="Directory of the file tier, shared by replicas and surviving restarts; unset: no file tier."),
+    _Setting("fs_write_mode", _choice("write_back", "write_through"), "TPU_OFFLOAD_FS_WRITE_MODE", ("fs_write_mode",),
+             scope=BOTH, doc="write_through: a stored chunk is queued for its file at once; write_back: within "
+                             "fs_write_back_lag_s, on eviction and at shutdown."),
+    _Setting("fs_write_back_lag_s", _float(0.0), "TPU_OFFLOAD_FS_WRITE_BACK_LAG_S", ("fs_write_back_lag_s",),
+             scope=BOTH, doc="write_back: the longest a stored chunk waits for its file."),
+    _Setting("fs_capacity_bytes", _bytes, "TPU_OFFLOAD_FS_CAPACITY_BYTES", ("fs_capacity_bytes", "fs_capacity"),
+             scope=BOTH, env_aliases=("TPU_OFFLOAD_FS_CAPACITY",),
+             doc="Most bytes of chunk files this engine keeps; unset: no limit but the disk."),
+    _Setting("fs_threads", _int(1, 256), "TPU_OFFLOAD_FS_THREADS", ("fs_threads",), scope=BOTH,
+             doc="File-tier I/O threads per worker."),
+    _Setting("fs_queue_depth", _int(1), "TPU_OFFLOAD_FS_QUEUE_DEPTH", ("fs_queue_depth",), scope=BOTH,
+             doc="Most file writes queued; past it a write is dropped (the chunk stays in host memory)."),
+    _Setting("fs_fsync", _bool, "TPU_OFFLOAD_FS_FSYNC", ("fs_fsync",), scope=BOTH,
+             doc="fsync each chunk file before publishing it."),
+    _Setting("fs_o_direct", _bool, "TPU_OFFLOAD_FS_O_DIRECT", ("fs_o_direct",), scope=BOTH,
+             doc="Read and write chunk files with O_DIRECT, bypassing the page cache."),
+    _Setting("snapshot_path", _abs_path("snapshot_path"), "TPU_OFFLOAD_SNAPSHOT_PATH", ("snapshot_path",), scope=TPU,
+             doc="Save the host tier here at shutdown and load it at start (warm restart). On vLLM a "
+                 "shared_storage_path survives restarts instead."),
+    _Setting("fs_dir_mode", _dir_mode, "TPU_OFFLOAD_FS_DIR_MODE", ("fs_dir_mode",), scope=BOTH,
+             doc="Mode of the directories the file tier creates: 0700 (files 0600) or 0750 (files 0640)."),
+    _Setting("fs_encrypt", _bool, "TPU_OFFLOAD_FS_ENCRYPT", ("fs_encrypt",), scope=BOTH,
+             doc="AES-256-GCM chunk payloads, keys derived from the secret (needs 'cryptography')."),
+    _Setting("fs_mac", _choice("hmac-sha256", "gmac"), "TPU_OFFLOAD_FS_MAC", ("fs_mac",), scope=BOTH,
+             doc="With a secret: how chunks are signed, HMAC-SHA256 (stdlib) or GMAC (faster; needs "
+                 "'cryptography')."),
     _Setting("fs_reset_epoch_file", _abs_path("fs_reset_epoch_file"), "TPU_OFFLOAD_FS_RESET_EPOCH_FILE",
-             ("fs_reset_epoch_file",)),
+             ("fs_reset_epoch_file",), scope=BOTH,
+             doc="A file the operator rewrites before each reset_prefix_cache: replicas that reset together "
+                 "derive the same file-tier namespace from it and keep sharing."),
     # the file tier's secret: a path in JSON or env, the secret itself only in env (never in a JSON)
-    _Setting("fs_secret_file", _abs_path("fs_secret_file"), "TPU_OFFLOAD_FS_SECRET_FILE", ("fs_secret_file",)),
-    _Setting("fs_secret", _secret_env, "TPU_OFFLOAD_FS_SECRET", (), secret=True),
-    # shared tier, round 2 (issue 19): secure by default, bounded I/O
-    _Setting("fs_allow_unauthenticated", _bool, "TPU_OFFLOAD_FS_ALLOW_UNAUTHENTICATED", ("fs_allow_unauthenticated",)),
-    _Setting("fs_io_timeout_s", _float(0.001), "TPU_OFFLOAD_FS_IO_TIMEOUT_S", ("fs_io_timeout_s",)),
+    _Setting("fs_secret_file", _abs_path("fs_secret_file"), "TPU_OFFLOAD_FS_SECRET_FILE", ("fs_secret_file",),
+             scope=BOTH, doc="File holding the file tier's secret (32 random bytes, e.g. a mounted Kubernetes "
+                             "Secret): chunks are signed and names hidden."),
+    _Setting("fs_secret", _secret_env, "TPU_OFFLOAD_FS_SECRET", (), secret=True, scope=BOTH,
+             doc="The file tier's secret itself; only from the environment, never in a config JSON."),
+    # file tier: secure by default, bounded I/O
+    _Setting("fs_allow_unauthenticated", _bool, "TPU_OFFLOAD_FS_ALLOW_UNAUTHENTICATED", ("fs_allow_unauthenticated",),
+             scope=BOTH, doc="Let a file tier start without a secret (anyone who can write the directory could "
+                             "then publish KV this engine serves)."),
+    _Setting("fs_io_timeout_s", _float(0.001), "TPU_OFFLOAD_FS_IO_TIMEOUT_S", ("fs_io_timeout_s",), scope=BOTH,
+             doc="Deadline of each file-tier read and write: past it a load fails (the request recomputes) "
+                 "and a write is dropped."),
 )
 # Keys that would put the secret itself into a config JSON (logged, stored, shown in pod specs).
 _SECRET_KEYS = frozenset({"fs_secret", "secret", "fs_key", "fs_secret_key", "fs_hmac_key"})
 
 # vLLM's own OffloadingConnector keys travel in the same dict; we accept them
 # without interpreting them (vLLM does), so a strict check does not reject them.
+# The TPU connector reads none of them: one given there is named in the start-up warning.
 ENGINE_KEYS = frozenset({
     "spec_name", "spec_module_path", "eviction_policy", "cache_policy_module_path",
     "store_threshold", "max_tracker_size", "offload_prompt_only",
     "self_describing_kv_events", "canonical_layout", "secondary_tiers", "backpressure",
     "tier_poll_interval_s", "sync_load_budget_bytes",
 })
-# Env vars the upstream connector reads that have no meaning for us.
-_IGNORED_ENV = frozenset({"TPU_OFFLOAD_LMCACHE"})
+# Variables tpu-inference's own offload connector reads that mean nothing to ours: accepted (the llm-d
+# overlays' environment works unchanged), named in the start-up warning, and why.
+UPSTREAM_ENV = {
+    "TPU_OFFLOAD_LMCACHE": "there is no LMCache path",
+    "TPU_OFFLOAD_BATCHED_SAVE": "stores are always batched",
+    "TPU_OFFLOAD_SAVE_THREADS": "stores are dispatched after the forward, not by threads",
+    "TPU_OFFLOAD_BLOCK_SIZE_BUCKETS": "each transfer program compiles once for any block count",
+    "TPU_OFFLOAD_METRICS_LOG_INTERVAL": "metrics are Prometheus series, not log lines",
+}
 
 _BY_KEY = {k: s for s in _SETTINGS for k in s.keys}
-_BY_ENV = {s.env: s for s in _SETTINGS if s.env}
+_BY_ENV = {e: s for s in _SETTINGS for e in ((s.env,) if s.env else ()) + s.env_aliases}
 _SIZE_FIELDS = ("num_cpu_chunks", "cpu_bytes")
 
 
@@ -348,9 +440,6 @@ class OffloadConfig:
     # Several JAX processes: how long registration waits for every host's start-up figures
     # (jax_backend/agree.py) before it fails naming the hosts that sent none.
     multihost_timeout_s: float = 300.0
-    block_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
-    save_threads: int = 1
-    metrics_interval_s: float = 10.0
     enable_events: bool = True
     verify_checksums: bool = False  # per-chunk xxhash of host bytes, checked before each load
     shared_storage_path: str | None = None
@@ -377,12 +466,16 @@ class OffloadConfig:
     # A file the operator rewrites before each reset_prefix_cache (e.g. with the weights version): replicas
     # that reset together derive the same file-tier namespace from it and keep sharing.
     fs_reset_epoch_file: str | None = None
-    # shared tier, round 2 (issue 19). A shared tier without a secret refuses to start unless this says
+    # A shared tier without a secret refuses to start unless this says
     # so: anyone who can write the directory could then publish KV this engine serves.
     fs_allow_unauthenticated: bool = False
     # Deadline of every file-tier read and write: past it a load fails (the request recomputes) and a
     # write is dropped; no engine thread ever waits longer on the mount.
     fs_io_timeout_s: float = 5.0
+    # Where each explicitly set field came from ((field, "kv_connector_extra_config key 'x'"), ...), and what
+    # was given that no setting of ours reads (vLLM's own keys, tpu-inference's variables): for the warning.
+    set_by: tuple[tuple[str, str], ...] = dataclasses.field(default=(), repr=False, compare=False)
+    unread: tuple[tuple[str, str], ...] = dataclasses.field(default=(), repr=False, compare=False)
 
     @property
     def load_budget_bytes(self) -> int:
@@ -397,8 +490,10 @@ class OffloadConfig:
         env: Mapping[str, str] | None = None,
     ) -> "OffloadConfig":
         env = os.environ if env is None else env
-        from_env = _parse_env(env)
-        from_json = _parse_extra(extra_config or {})
+        env_names: dict[str, str] = {}
+        json_names: dict[str, str] = {}
+        from_env = _parse_env(env, env_names)
+        from_json = _parse_extra(extra_config or {}, json_names)
         # A JSON size replaces the env size wholesale (not merged with it).
         if any(f in from_json for f in _SIZE_FIELDS):
             for f in _SIZE_FIELDS:
@@ -406,10 +501,19 @@ class OffloadConfig:
         if from_json.get("blocks_per_chunk") is not None or from_json.get("chunk_tokens") is not None:
             from_env.pop("blocks_per_chunk", None)
         values = {**from_env, **from_json}
+        names = {**{f: f"environment variable {n}" for f, n in env_names.items() if f in from_env},
+                 **{f: f"kv_connector_extra_config key {n!r}" for f, n in json_names.items()}}
         unpinned = values.pop("use_unpinned_host", None)
         if unpinned is not None and "host_memory_kind" not in values:
             values["host_memory_kind"] = "unpinned_host" if unpinned else "pinned_host"
-        values.pop("batched_save", None)
+            names["host_memory_kind"] = names.pop("use_unpinned_host")
+        names.pop("use_unpinned_host", None)
+        unread = tuple(sorted((BOTH, f"environment variable {n} ({why})") for n, why in UPSTREAM_ENV.items()
+                              if n in env))
+        unread += tuple((TPU, f"kv_connector_extra_config key {k!r} (read by vLLM's OffloadingConnector)")
+                        for k in (extra_config or {}) if k in ENGINE_KEYS)
+        values["set_by"] = tuple(sorted(names.items()))
+        values["unread"] = unread
         _resolve_secret(values, from_env, from_json)
         _check_authenticated(values)
         if values.get("fs_encrypt"):
@@ -447,6 +551,37 @@ class OffloadConfig:
                 f"allowed; allowed: a multiple of the engine block size {engine_block_size}"
             )
         return self.chunk_tokens // engine_block_size
+
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(OffloadConfig)}
+_ENGINE_NAMES = {TPU: "the TPU connector (tpu-inference)", VLLM: "vLLM"}
+_WARNED: set[str] = set()
+
+
+def ignored_settings(cfg: OffloadConfig, engine: str) -> list[str]:
+    """What the config sets that ``engine`` (TPU or VLLM) ignores: each a non-default setting of the other
+    engine's scope, or a name only another connector reads, as ``name=value (where it was set)``."""
+    by_field = {s.field: s for s in _SETTINGS}
+    out = []
+    for field, where in cfg.set_by:
+        s = by_field[field]
+        if s.scope in (engine, BOTH) or getattr(cfg, field) == _DEFAULTS[field]:
+            continue
+        out.append(f"{field}={'<hidden>' if s.secret else getattr(cfg, field)!r} ({where})")
+    return out + [text for who, text in cfg.unread if who in (engine, BOTH)]
+
+
+def warn_ignored(cfg: OffloadConfig, engine: str, logger) -> str | None:
+    """Log one warning naming every ignored setting (once per process and message); returns it."""
+    items = ignored_settings(cfg, engine)
+    if not items:
+        return None
+    msg = (f"{len(items)} setting(s) have no effect with {_ENGINE_NAMES[engine]}: " + "; ".join(items)
+           + ". Each setting's scope is in docs/reference/settings.md")
+    if msg not in _WARNED:
+        _WARNED.add(msg)
+        logger.warning("%s", msg)
+    return msg
 
 
 def _resolve_secret(values: dict[str, Any], from_env: dict[str, Any], from_json: dict[str, Any]) -> None:
@@ -507,7 +642,7 @@ def _did_you_mean(name: Any, candidates) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-def _parse_extra(extra: Mapping[str, Any]) -> dict[str, Any]:
+def _parse_extra(extra: Mapping[str, Any], names: dict[str, str]) -> dict[str, Any]:
     if not isinstance(extra, Mapping):
         raise ConfigError(f"kv_connector_extra_config must be a JSON object, got {type(extra).__name__}")
     out: dict[str, Any] = {}
@@ -535,6 +670,7 @@ def _parse_extra(extra: Mapping[str, Any]) -> dict[str, Any]:
             raise _fail(f"kv_connector_extra_config key {key!r}", value, str(e)) from None
         _claim(seen, setting.field, key, value, "kv_connector_extra_config")
         out[setting.field] = parsed
+        names[setting.field] = key
     _check_contradictions(seen, "kv_connector_extra_config")
     if extra.get("offload_prompt_only") is not None and out.get("decode_save") is not None:
         try:
@@ -549,11 +685,11 @@ def _parse_extra(extra: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _parse_env(env: Mapping[str, str]) -> dict[str, Any]:
+def _parse_env(env: Mapping[str, str], names: dict[str, str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     seen: dict[str, str] = {}
     for name, value in env.items():
-        if not name.startswith("TPU_OFFLOAD_") or name in _IGNORED_ENV:
+        if not name.startswith("TPU_OFFLOAD_") or name in UPSTREAM_ENV:
             continue
         setting = _BY_ENV.get(name)
         if setting is None:
@@ -569,6 +705,7 @@ def _parse_env(env: Mapping[str, str]) -> dict[str, Any]:
             raise ConfigError(msg) from None
         _claim(seen, setting.field, name, "<hidden>" if setting.secret else value, "environment")
         out[setting.field] = parsed
+        names[setting.field] = name
     _check_contradictions(seen, "environment")
     return out
 

@@ -1,7 +1,7 @@
 """Shared-filesystem tier under the host tier: host chunk bytes <-> files.
 
 numpy, xxhash and prometheus-client only (no jax, no torch), like the rest
-of ``tpu_offload.core``. See docs/fs-tier.md.
+of ``tpu_offload.core``. See docs/file-tier/README.md.
 """
 
 from tpu_offload.core.fs.format import HEADER_SIZE, MAGIC, VERSION, HeaderError

@@ -1,8 +1,8 @@
 """What ``tpu-offload-fs`` knows with the secret: which files are ours.
 
-Why: "ours" used to mean "starts with the 8 public magic bytes", so another
-tenant's magic-prefixed junk was counted against our budget and kept, while
-``evict`` deleted our chunks (and once a file of that tenant). With the
+Why: if "ours" meant "starts with the 8 public magic bytes", another
+tenant's magic-prefixed junk would be counted against our budget and kept,
+while ``evict`` deleted our chunks (or a file of that tenant). With the
 secret the CLI derives, from a keyed namespace's name alone (``kv-<tag>``),
 the header key every writer of that namespace signs headers with (salt-free,
 ``FsAuth.head_key``): a file is ours only if its header MAC verifies, its

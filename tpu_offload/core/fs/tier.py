@@ -138,7 +138,7 @@ class FileTier(WritePath, ReadPath):
         self.quarantine = quarantine
         self.rescan_interval_s = rescan_interval_s
         # Rescan also after this many bytes written: N writers sharing one budget then stay within
-        # budget + N * rescan_bytes (plus writes in flight) between rescans; see docs/fs-tier.md.
+        # budget + N * rescan_bytes (plus writes in flight) between rescans; see docs/file-tier/README.md.
         if rescan_bytes is None and capacity_bytes is not None:
             rescan_bytes = max(HEADER_SIZE + chunk_bytes, capacity_bytes // 16)
         self.rescan_bytes = rescan_bytes
