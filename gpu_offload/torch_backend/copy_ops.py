@@ -131,6 +131,11 @@ class StagedCopier:
         self.piece_rows = piece_rows
         self.row_copies: list[tuple[int, int]] | None = None  # tests: (first host row, rows) per memcpy
         self._all_tensors = tuple(range(self.layout.num_tensors))
+        # Gathers and scatters move the widest words every page allows: an index kernel copies an
+        # element per thread step, so int8 elements run it at a fraction of what int64 ones do.
+        n = self.layout.num_tensors
+        self.word, (self._eng, self._views) = _widest(
+            lambda dt: ([e.view(dt) for e in engine], [[h.view(t).view(dt) for t in range(n)] for h in self.halves]))
 
     # ---- planning: one packed index upload per transfer ------------------------
     def _index_pieces(self, plan: TransferPlan):
@@ -169,7 +174,7 @@ class StagedCopier:
         nbytes = 0
         for i, (p0, p1, work) in enumerate(pieces):
             b = i % self.buffers
-            stg = self.halves[b]
+            stg, words = self.halves[b], self._views[b]
             if not to_host:
                 with self.pipe.bus(b):
                     self._rows_from_host(plan, p0, work, stg)
@@ -181,15 +186,15 @@ class StagedCopier:
                     for t in g.tensors:
                         rps = stg.rows_per_slot[t]
                         nbytes += (hi - lo) * self.layout.page_bytes[t]
-                        self._move(stg, t, gpu, rows[rps], rps, to_host)
+                        self._move(words[t], t, gpu, rows[rps], rps, to_host)
             if to_host:
                 with self.pipe.bus(b):
                     self._rows_to_host(plan, p0, work, stg)
         self.pipe.join()
         return nbytes
 
-    def _move(self, stg: PagedRows, t: int, gpu: torch.Tensor, rows, rps, to_host: bool) -> None:
-        eng, view = self.engine[t], stg.view(t)
+    def _move(self, view: torch.Tensor, t: int, gpu: torch.Tensor, rows, rps, to_host: bool) -> None:
+        eng = self._eng[t]
         if rps is None:  # rows: (staging rows, sub-blocks)
             if to_host:
                 view.index_put_(rows, eng.index_select(0, gpu))
@@ -238,3 +243,13 @@ class StagedCopier:
                 staged.copy_(host, non_blocking=self.nb)
             if self.row_copies is not None:
                 self.row_copies.append((s0 + off, m))
+
+
+def _widest(make: Callable[[torch.dtype], tuple]):
+    """(dtype, make(dtype)) for the widest integer dtype every view of ``make`` accepts (int8 always does)."""
+    for dt in (torch.int64, torch.int32, torch.int16):
+        try:
+            return dt, make(dt)
+        except RuntimeError:  # a page size, stride or offset not a multiple of the word
+            continue
+    return torch.int8, make(torch.int8)

@@ -197,3 +197,31 @@ def test_pieces_are_capped_by_bytes_as_well_as_by_the_staging_half():
     assert make(buffers=2, piece_bytes=3 * 64).capacity == 3
     assert make(buffers=2, piece_bytes=10).capacity == 1  # a row larger than a piece: one row each
     assert make(buffers=2, piece_bytes=1 << 30).capacity == 8
+
+
+@pytest.mark.parametrize("pages,word", [((64, 32), torch.int64), ((12, 20), torch.int32), ((6, 10), torch.int16),
+                                        ((5, 64), torch.int8)])
+def test_gathers_use_the_widest_word_the_pages_allow_and_move_the_same_bytes(pages, word):
+    from gpu_offload.torch_backend.copy_ops import StagedCopier
+    from gpu_offload.torch_backend.layout import HostLayout, PagedRows
+    from gpu_offload.torch_backend.plan import TransferPlanner
+
+    layout = HostLayout.build(list(pages), 2)
+    stride = -(-layout.chunk_bytes // 8) * 8
+    engine = [torch.randint(-128, 128, (12, p), dtype=torch.int8) for p in pages]
+    host = torch.zeros((6, stride), dtype=torch.int8)
+    copier = StagedCopier(engine, host, PagedRows(torch.zeros((4, stride), dtype=torch.int8), layout),
+                          upload=torch.from_numpy, non_blocking=False, buffers=2)
+    assert copier.word == word
+    planner = TransferPlanner(2, [(0, 1)], 12, 6)
+    blocks, slots = np.array([7, 2, 9, 4, 0]), np.array([5, 1, 3])
+    copier.copy(planner.plan(blocks, [5], [0], slots), True)
+    for t, p in enumerate(pages):
+        for i, b in enumerate(blocks):
+            row, sub = slots[i // 2], i % 2
+            a = layout.offsets[t] + sub * p
+            assert torch.equal(host[row, a:a + p], engine[t][b]), (t, i)
+    dst = np.array([1, 3, 5, 8, 10])
+    copier.copy(planner.plan(dst, [5], [0], slots), False)
+    for t in range(len(pages)):
+        assert torch.equal(engine[t][torch.as_tensor(dst)], engine[t][torch.as_tensor(blocks)])
