@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import struct
+import time
 
 import numpy as np
 import pytest
@@ -421,12 +422,16 @@ def test_a_file_we_did_not_verify_is_never_restamped(root, make_tier):
         _plant_random_mac(t.path_of(key(i)))
         os.utime(t.path_of(key(i)), (1_000_000, 1_000_000))
     t.touch(key(1))  # the index still has it: once ours, now swapped
-    assert t.submit_write(key(2), filled(2)).wait(30)  # "already there": kept, not restamped
+    ino2 = os.stat(t.path_of(key(2))).st_ino
+    assert t.submit_write(key(2), filled(2)).wait(30)  # not the file we wrote: published over, never kept
     assert t.flush(timeout=30)
     assert os.stat(t.path_of(key(1))).st_mtime == 1_000_000, "a swapped-in file was kept alive"
-    assert os.stat(t.path_of(key(2))).st_mtime == 1_000_000, "an unverified file was restamped by a write"
+    assert os.stat(t.path_of(key(2))).st_ino != ino2, "a file we did not write blocked our write"
+    out = aligned()
+    assert t.read_into(key(2), out) and np.array_equal(out, payload(2))
     write_all(t, 3)
-    os.utime(t.path_of(key(3)), (1_000_000, 1_000_000))
+    before = os.stat(t.path_of(key(3))).st_mtime_ns
+    time.sleep(0.02)
     t.touch(key(3))  # ours, verified by writing it: restamped
     assert t.flush(timeout=30)
-    assert os.stat(t.path_of(key(3))).st_mtime > 1_000_000
+    assert os.stat(t.path_of(key(3))).st_mtime_ns > before
