@@ -111,6 +111,7 @@ class FileView:
         self.ns_dirs = [n.ns_dir for n in self.names]
         self.file_bytes = HEADER_SIZE + chunk_bytes
         self.stats = 0  # stat calls made (tests, tuning)
+        self.ranks_off = 0  # workers whose file tier is off (their reports): no file hits meanwhile
         # the scheduler thread never waits longer than fs_io_timeout_s on a hung mount: a miss instead
         self._bounded = BoundedCalls(io_timeout_s, name="fs-view-stat") if io_timeout_s else None
 
@@ -119,8 +120,18 @@ class FileView:
         self.names = [Names(self.root, salted(fp, epoch), self._auth) for fp in self._fps]
         self.ns_dirs = [n.ns_dir for n in self.names]
 
+    def note(self, meta) -> None:
+        """A step's worker reports (``FileTierWorkerMetadata``): which ranks' tiers turned off or came back."""
+        self.ranks_off = max(0, self.ranks_off + getattr(meta, "fs_off_delta", 0))
+
     def contains(self, key: bytes, salt: bytes = b"") -> bool:
-        """``salt``: the request's ``cache_salt`` (names differ per tenant with a secret)."""
+        """``salt``: the request's ``cache_salt`` (names differ per tenant with a secret).
+
+        False while any rank's tier is off: that rank cannot load its shard,
+        so a file hit would only fail the load and recompute.
+        """
+        if self.ranks_off:
+            return False
         for names in self.names:
             try:
                 khex = names.file_id(key, salt).hex()

@@ -136,7 +136,8 @@ class FsMover:
         nbytes = sum(v.size for v in engine.row_views(0))  # this process's bytes of one chunk
         self._cfg, self._fp, self._nbytes, self._metrics = cfg, fp, nbytes, metrics
         self.tier = FileTier.from_config(cfg, fp, nbytes, metrics)
-        self.tier.journal = FileJournal() if cfg.enable_events else None  # reported to the scheduler
+        # Reported to the scheduler, also without KV events: a published file clears its "failed to load" mark.
+        self.tier.journal = FileJournal()
         n = buffers if buffers is not None else buffer_count(cfg, nbytes)
         self._bufs = [np.empty(nbytes, dtype=np.uint8) for _ in range(n)]
         self._free = list(range(n))

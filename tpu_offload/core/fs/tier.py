@@ -173,7 +173,7 @@ class FileTier(WritePath, ReadPath):
         self.fs_metrics = fs_metrics
         self._m = fs_metrics.for_tier(name)
         self._workers: IOWorkers | None = None
-        self.journal: FileJournal | None = None  # set by an adapter that publishes KV events
+        self._journal: FileJournal | None = None  # set by an adapter that reports to its scheduler
         self._probe_error: OSError | None = None
         self._warn_unauthenticated()
         self._workers = IOWorkers(threads, name=f"{name}-io")  # also when off: the retries run on it
@@ -214,6 +214,17 @@ class FileTier(WritePath, ReadPath):
     @property
     def state(self) -> TierState:
         return self._state
+
+    @property
+    def journal(self) -> FileJournal | None:
+        return self._journal
+
+    @journal.setter
+    def journal(self, j: FileJournal | None) -> None:
+        """Outcomes for the scheduler; an off tier says so at once (no file hits are offered meanwhile)."""
+        self._journal = j
+        if j is not None and self._state is TierState.OFF:
+            j.tier_state(off=True)
 
     @property
     def authenticated(self) -> bool:
@@ -374,7 +385,10 @@ class FileTier(WritePath, ReadPath):
             self._to_off(err)
             return
         with self._lock:
+            was_off = self._state is TierState.OFF
             self._state, self._retry_at = TierState.RW, None
+        if was_off and self._journal is not None:
+            self._journal.tier_state(off=False)
         if err is not None:
             self._to_read_only(err)
         try:
@@ -459,6 +473,8 @@ class FileTier(WritePath, ReadPath):
         with self._lock:
             if self._state is TierState.CLOSED:
                 return
+            if self._state is not TierState.OFF and self._journal is not None:
+                self._journal.tier_state(off=True)
             self._state = TierState.OFF
             self._retry_at = time.monotonic() + self.readonly_retry_s
             self._announce(f"fs tier {self.name} at {self.ns_dir} is off ({e.strerror or e}); every lookup "
