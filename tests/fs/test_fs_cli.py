@@ -184,3 +184,25 @@ def test_exit_codes_and_module_entry_point(capsys, root, make_tier):
     r = subprocess.run([sys.executable, "-m", "tpu_offload.core.fs.cli", "verify", root],
                        capture_output=True, text=True, env=child_env(), cwd=REPO, timeout=60)
     assert r.returncode == 0 and "2 ok" in r.stdout, r.stderr
+
+
+@pytest.mark.parametrize("cmd", ["inspect", "verify", "evict"])
+def test_a_directory_that_holds_no_tier_exits_5(capsys, tmp_path, make_tier, cmd):
+    """A mistyped path in a cron job must be noticed: not 0."""
+    (tmp_path / "etc").mkdir()
+    (tmp_path / "notes.txt").write_text("x")
+    code = main([cmd, str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 5 and "holds no file tier" in err
+    t = make_tier(str(tmp_path))
+    assert t.submit_write(key(1), aligned()).wait(10)
+    assert main([cmd, str(tmp_path)]) == 0
+    assert main([cmd, str(tmp_path), "--namespace", "nope-" + "0" * 32]) == 5
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    import tpu_offload
+
+    assert e.value.code == 0 and capsys.readouterr().out.strip().endswith(tpu_offload.__version__)

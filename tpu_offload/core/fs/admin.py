@@ -101,6 +101,20 @@ class EvictReport:
         return not self.triggered or not self.short_of_low
 
 
+def is_tier_namespace(name: str) -> bool:
+    """A namespace directory's name: ``<model>-<32 hex digits>`` (no secret) or ``kv-<32 hex digits>``."""
+    head, _, digest = name.rpartition("-")
+    return bool(head) and len(digest) == 32 and all(c in "0123456789abcdef" for c in digest)
+
+
+def tier_namespaces(root: str, namespace: str | None = None) -> list[str]:
+    """Namespace directories of a file tier under ``root`` (none: the path holds no tier)."""
+    try:
+        return [p for p in layout.iter_namespaces(root, namespace) if is_tier_namespace(os.path.basename(p))]
+    except OSError:
+        return []
+
+
 def scan_root(root: str, namespace: str | None = None) -> list[NamespaceScan]:
     """Every namespace under ``root``; one that cannot be listed is reported, not raised."""
     out = []
