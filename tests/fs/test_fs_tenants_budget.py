@@ -238,3 +238,17 @@ def test_restamp_only_the_very_file_we_wrote(tmpfs, make_tier):
     t.touch(key(1))
     assert t.flush(10)
     assert os.stat(path).st_mtime == 1_000_000
+
+
+def test_a_tier_without_a_budget_says_so_at_start(tmpfs, make_tier, caplog, monkeypatch):
+    import logging
+
+    from tpu_offload.core.fs import tier as tier_mod
+
+    monkeypatch.setattr(tier_mod, "_NO_BUDGET_WARNED", False)
+    with caplog.at_level(logging.WARNING, logger="tpu_offload.fs"):
+        make_tier(tmpfs, capacity_bytes=N * FILE)
+        assert not [r for r in caplog.records if "no budget" in r.getMessage()]
+        make_tier(tmpfs)
+        make_tier(tmpfs)
+    assert len([r for r in caplog.records if "no budget" in r.getMessage()]) == 1

@@ -64,6 +64,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("tpu_offload.fs")
 
 _UNAUTH_WARNED = False  # once per process
+_NO_BUDGET_WARNED = False  # once per process
 
 
 class CapacityError(ValueError):
@@ -176,6 +177,7 @@ class FileTier(WritePath, ReadPath):
         self._journal: FileJournal | None = None  # set by an adapter that reports to its scheduler
         self._probe_error: OSError | None = None
         self._warn_unauthenticated()
+        self._warn_no_budget()
         self._workers = IOWorkers(threads, name=f"{name}-io")  # also when off: the retries run on it
         self._open_namespace()
         fs_metrics.add_tier(name, self.usage)
@@ -265,6 +267,15 @@ class FileTier(WritePath, ReadPath):
         if not h.flags & FLAG_HEAD or h.digest != self.names.digest or (name is not None and h.key.hex() != name):
             return False
         return hmac.compare_digest(self._tk.head_mac(memoryview(hdr)[:HEAD_MAC_OFF]), h.head_mac)
+
+    def _warn_no_budget(self) -> None:
+        global _NO_BUDGET_WARNED
+        if self.capacity_bytes is None and not _NO_BUDGET_WARNED:
+            _NO_BUDGET_WARNED = True
+            log.warning("fs tier %s at %s has no budget (fs_capacity_bytes is not set): nothing but "
+                        "`tpu-offload-fs evict` removes its files, and a full volume turns it read-only. Set "
+                        "fs_capacity_bytes to what every replica writing this namespace may keep together",
+                        self.name, self.root)
 
     def _warn_unauthenticated(self) -> None:
         global _UNAUTH_WARNED
