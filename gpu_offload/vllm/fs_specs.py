@@ -30,7 +30,7 @@ from tpu_offload.core.fs.format import HEADER_SIZE
 from tpu_offload.core.fs.auth import FsAuth, Names
 from tpu_offload.core.fs.deadline import BoundedCalls
 from tpu_offload.core.fs.layout import published_stat
-from tpu_offload.core.fs.reset import salted
+from tpu_offload.core.fs.reset import bind_weights, salted
 from tpu_offload.core.keys import LayoutFingerprint
 
 from gpu_offload.vllm.compat import CPULoadStoreSpec
@@ -77,7 +77,7 @@ def fingerprint(config, rank: int) -> LayoutFingerprint:
         f"kv_layout={getattr(config, 'kv_cache_layout', None)};"
         f"groups={','.join(str(g.tokens_per_block) for g in groups)}"
     )
-    return LayoutFingerprint(
+    fp = LayoutFingerprint(
         model=getattr(model, "name", "") or "model",
         dtype=getattr(model, "dtype", "") or "",
         block_size=groups[0].tokens_per_block if groups else 0,
@@ -89,6 +89,11 @@ def fingerprint(config, rank: int) -> LayoutFingerprint:
         tp_size=max(1, config.parallel.world_size),
         engine=engine,
     )
+    # Bound to the weights (fs_reset_epoch_file's content) at start: files of older weights under the same model
+    # name are never found. The scheduler and every worker read the same config, so they agree.
+    extra = getattr(config, "extra_config", None) or {}
+    epoch_file = extra.get("fs_reset_epoch_file") or os.environ.get("TPU_OFFLOAD_FS_RESET_EPOCH_FILE") or None
+    return bind_weights(fp, epoch_file)
 
 
 class FileView:
