@@ -46,7 +46,7 @@ def test_no_file_hits_while_the_workers_tier_is_off(make):
     b.sch.fs.contains = real
     os.chown(ns, os.geteuid(), os.getegid())  # put back: the tier comes back within its retry delay
     b.wrk.fs.tier._retry_at = time.monotonic()  # (the delay, fs tier's readonly_retry_s, has passed)
-    b.wrk.fs.tier.contains(b"\0" * 36)  # any use after the delay retries
+    run(b, prompt(4 * 2 * BS, 44))  # its stores (write attempts) retry the namespace
     end = time.monotonic() + 10
     while b.wrk.fs.tier.state is TierState.OFF and time.monotonic() < end:
         time.sleep(0.02)

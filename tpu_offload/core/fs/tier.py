@@ -523,7 +523,7 @@ class FileTier(WritePath, ReadPath):
         if self._workers is None:
             return True
         ok = self._workers.drain(timeout)
-        if ok and self.capacity_bytes is not None and self._state is not TierState.CLOSED:
+        if ok and self.capacity_bytes is not None and self._state in (TierState.RW, TierState.READ_ONLY):
             try:
                 self._rescan(block=True)
             except OSError as e:

@@ -48,6 +48,8 @@ class WritePath:
                 log.info("fs tier %s: retrying writes at %s", self.name, self.ns_dir)
             if self._state is not TierState.RW:
                 self._drop(self._state.value, key)
+                if self._state is TierState.OFF:
+                    self._maybe_reopen()  # stores keep coming while the scheduler offers no file hits
                 return None
             if key in self._inflight:
                 self._count("writes_dedup")
