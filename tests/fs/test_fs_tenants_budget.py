@@ -240,15 +240,19 @@ def test_restamp_only_the_very_file_we_wrote(tmpfs, make_tier):
     assert os.stat(path).st_mtime == 1_000_000
 
 
-def test_a_tier_without_a_budget_says_so_at_start(tmpfs, make_tier, caplog, monkeypatch):
+def test_a_tier_without_a_budget_says_so_at_start(tmpfs, fp, caplog, monkeypatch):
     import logging
 
+    from tpu_offload.core.config import OffloadConfig
+    from tpu_offload.core.fs import FileTier
     from tpu_offload.core.fs import tier as tier_mod
 
     monkeypatch.setattr(tier_mod, "_NO_BUDGET_WARNED", False)
+    base = {"shared_storage_path": tmpfs, "fs_allow_unauthenticated": True}
     with caplog.at_level(logging.WARNING, logger="tpu_offload.fs"):
-        make_tier(tmpfs, capacity_bytes=N * FILE)
+        FileTier.from_config(OffloadConfig.from_sources({**base, "fs_capacity_bytes": N * FILE}, env={}),
+                             fp, CHUNK).close()
         assert not [r for r in caplog.records if "no budget" in r.getMessage()]
-        make_tier(tmpfs)
-        make_tier(tmpfs)
+        for _ in range(2):
+            FileTier.from_config(OffloadConfig.from_sources(base, env={}), fp, CHUNK).close()
     assert len([r for r in caplog.records if "no budget" in r.getMessage()]) == 1

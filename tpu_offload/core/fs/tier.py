@@ -177,7 +177,6 @@ class FileTier(WritePath, ReadPath):
         self._journal: FileJournal | None = None  # set by an adapter that reports to its scheduler
         self._probe_error: OSError | None = None
         self._warn_unauthenticated()
-        self._warn_no_budget()
         self._workers = IOWorkers(threads, name=f"{name}-io")  # also when off: the retries run on it
         self._open_namespace()
         fs_metrics.add_tier(name, self.usage)
@@ -197,13 +196,15 @@ class FileTier(WritePath, ReadPath):
 
             _check_authenticated({"shared_storage_path": cfg.shared_storage_path})
         try:
-            return cls(
+            tier = cls(
                 cfg.shared_storage_path, fingerprint, chunk_bytes,
                 capacity_bytes=cfg.fs_capacity_bytes, threads=cfg.fs_threads,
                 queue_depth=cfg.fs_queue_depth, fsync=cfg.fs_fsync, o_direct=cfg.fs_o_direct,
                 metrics=metrics, secret=cfg.fs_secret, dir_mode=cfg.fs_dir_mode, encrypt=cfg.fs_encrypt,
                 mac=cfg.fs_mac, **{"io_timeout_s": cfg.fs_io_timeout_s, **kw},
             )
+            tier._warn_no_budget()  # an engine's start: say it once when the shared tier has no budget
+            return tier
         except CapacityError as e:  # checked (once) by the constructor, before it touches anything
             from tpu_offload.core.config import ConfigError
 
