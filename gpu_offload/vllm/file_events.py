@@ -31,7 +31,7 @@ from typing import Iterable, Iterator
 
 from gpu_offload.vllm.compat import Medium, OffloadingEvent, OffloadingWorkerMetadata
 
-from tpu_offload.core.fs.journal import FAILED, PUBLISHED, REMOVED
+from tpu_offload.core.fs.journal import FAILED, PUBLISHED, REMOVED, TIER_OFF, TIER_ON
 
 HOLD_S = 60.0
 MAX_ANNOUNCED = 1 << 18
@@ -48,12 +48,17 @@ class FileTierWorkerMetadata(OffloadingWorkerMetadata):
     # scheduler hides only those chunks; ``reports_load_failures``: our workers filled it in.
     load_failures: dict[int, tuple | None] = dataclasses.field(default_factory=dict)
     reports_load_failures: bool = False
+    # Ranks whose file tier turned off this step, minus ranks whose tier came back (summed over ranks).
+    fs_off_delta: int = 0
 
     @classmethod
     def wrap(cls, meta: OffloadingWorkerMetadata | None, journal: Iterable[tuple[str, bytes]]):
         out = cls() if meta is None else cls(completed_jobs=meta.completed_jobs, transfer_stats=meta.transfer_stats)
         fields = {PUBLISHED: out.fs_published, FAILED: out.fs_failed, REMOVED: out.fs_removed}
         for kind, key in journal:
+            if kind in (TIER_OFF, TIER_ON):
+                out.fs_off_delta += 1 if kind == TIER_OFF else -1
+                continue
             d = fields[kind]
             d[key] = 1  # one rank: several outcomes of a key in one step count once, the last wins below
             for other in fields.values():
@@ -75,10 +80,11 @@ class FileTierWorkerMetadata(OffloadingWorkerMetadata):
             failures[job] = None if have is None or keys is None else tuple(dict.fromkeys((*have, *keys)))
         merged.load_failures = failures
         merged.reports_load_failures = self.reports_load_failures and getattr(other, "reports_load_failures", False)
+        merged.fs_off_delta = self.fs_off_delta + getattr(other, "fs_off_delta", 0)
         return merged
 
     def has_files(self) -> bool:
-        return bool(self.fs_published or self.fs_failed or self.fs_removed)
+        return bool(self.fs_published or self.fs_failed or self.fs_removed or self.fs_off_delta)
 
 
 class FileEvents:

@@ -30,7 +30,7 @@ from tpu_offload.core.fs.format import HEADER_SIZE
 from tpu_offload.core.fs.auth import FsAuth, Names
 from tpu_offload.core.fs.deadline import BoundedCalls
 from tpu_offload.core.fs.layout import published_stat
-from tpu_offload.core.fs.reset import salted
+from tpu_offload.core.fs.reset import bind_weights, salted
 from tpu_offload.core.keys import LayoutFingerprint
 
 from gpu_offload.vllm.compat import CPULoadStoreSpec
@@ -77,7 +77,7 @@ def fingerprint(config, rank: int) -> LayoutFingerprint:
         f"kv_layout={getattr(config, 'kv_cache_layout', None)};"
         f"groups={','.join(str(g.tokens_per_block) for g in groups)}"
     )
-    return LayoutFingerprint(
+    fp = LayoutFingerprint(
         model=getattr(model, "name", "") or "model",
         dtype=getattr(model, "dtype", "") or "",
         block_size=groups[0].tokens_per_block if groups else 0,
@@ -89,6 +89,11 @@ def fingerprint(config, rank: int) -> LayoutFingerprint:
         tp_size=max(1, config.parallel.world_size),
         engine=engine,
     )
+    # Bound to the weights (fs_reset_epoch_file's content) at start: files of older weights under the same model
+    # name are never found. The scheduler and every worker read the same config, so they agree.
+    extra = getattr(config, "extra_config", None) or {}
+    epoch_file = extra.get("fs_reset_epoch_file") or os.environ.get("TPU_OFFLOAD_FS_RESET_EPOCH_FILE") or None
+    return bind_weights(fp, epoch_file)
 
 
 class FileView:
@@ -111,6 +116,7 @@ class FileView:
         self.ns_dirs = [n.ns_dir for n in self.names]
         self.file_bytes = HEADER_SIZE + chunk_bytes
         self.stats = 0  # stat calls made (tests, tuning)
+        self.ranks_off = 0  # workers whose file tier is off (their reports): no file hits meanwhile
         # the scheduler thread never waits longer than fs_io_timeout_s on a hung mount: a miss instead
         self._bounded = BoundedCalls(io_timeout_s, name="fs-view-stat") if io_timeout_s else None
 
@@ -119,8 +125,18 @@ class FileView:
         self.names = [Names(self.root, salted(fp, epoch), self._auth) for fp in self._fps]
         self.ns_dirs = [n.ns_dir for n in self.names]
 
+    def note(self, meta) -> None:
+        """A step's worker reports (``FileTierWorkerMetadata``): which ranks' tiers turned off or came back."""
+        self.ranks_off = max(0, self.ranks_off + getattr(meta, "fs_off_delta", 0))
+
     def contains(self, key: bytes, salt: bytes = b"") -> bool:
-        """``salt``: the request's ``cache_salt`` (names differ per tenant with a secret)."""
+        """``salt``: the request's ``cache_salt`` (names differ per tenant with a secret).
+
+        False while any rank's tier is off: that rank cannot load its shard,
+        so a file hit would only fail the load and recompute.
+        """
+        if self.ranks_off:
+            return False
         for names in self.names:
             try:
                 khex = names.file_id(key, salt).hex()

@@ -280,6 +280,8 @@ class HostTierManager(ManagerCompat, OffloadingManager):
 
     def note_file_outcomes(self, meta) -> None:
         """The workers' file outcomes of a step (``FileTierWorkerMetadata``)."""
+        if self.files is not None:
+            self.files.note(meta)  # a rank's tier turned off or came back
         if self.file_events is not None:
             self.file_events.note(meta)
 

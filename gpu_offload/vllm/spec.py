@@ -220,8 +220,9 @@ class HostOffloadSpec(HostSpecBase):
         worker.fs_metrics = metrics.worker_fs_metrics()
         fp = fingerprint(self.config, self.config.parallel.rank)
         tier = FileTier.from_config(oc, fp, chunk, fs_metrics=worker.fs_metrics)
-        if self._events_on():
-            tier.journal = FileJournal()  # shipped to the scheduler each step (hooks, file_events)
+        # Shipped to the scheduler each step (hooks): file outcomes for KV events, and the tier's state (no file
+        # hits are offered while it is off), so also with events off.
+        tier.journal = FileJournal()
 
         def after_reset(epoch: str) -> FileTier:  # the namespace of a reset epoch (core/fs/reset.py)
             from tpu_offload.core.fs.reset import salted

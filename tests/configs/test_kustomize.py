@@ -383,9 +383,20 @@ def test_overlay_contract(rel):
         with pytest.raises(ConfigError, match="fs_allow_unauthenticated"):
             OffloadConfig.from_sources(extra, no_secret)
         assert not ({"fs_secret", "secret"} & set(extra)), "a secret in KV_TRANSFER_CONFIG"
-        assert quantity(pvcs[claim]["spec"]["resources"]["requests"]["storage"]) >= (
-            want["replicas"] * sz["config"].fs_capacity_bytes
-        ), "per-replica file budgets exceed the volume"
+        # fs_capacity_bytes is one namespace's budget, shared by every replica writing it (not per replica).
+        # TPU: one namespace for the deployment; vLLM: one per tensor-parallel rank (its shard of each chunk).
+        # Each replica may overshoot a namespace by its rescan_bytes (capacity / 16) between rescans, and
+        # in-flight temps add fs_threads chunk files per replica and namespace.
+        cap = sz["config"].fs_capacity_bytes
+        assert cap, "a shared tier without fs_capacity_bytes has no budget: nothing but the CLI evicts"
+        namespaces = want["tp"] if want["variant"] == "gpu" else 1
+        file_bytes = sz["chunk_bytes"] // namespaces + 4096
+        worst = namespaces * (cap + want["replicas"] * (max(file_bytes, cap // 16)
+                                                         + sz["config"].fs_threads * file_bytes))
+        assert quantity(pvcs[claim]["spec"]["resources"]["requests"]["storage"]) >= worst, \
+            "the shared file budgets, with their overshoot, exceed the volume"
+        # ... and the tier is worth its volume: more than the replicas' host tiers together.
+        assert namespaces * cap > want["replicas"] * sz["tier_bytes"], "the shared tier is smaller than the host tiers"
     else:
         assert sz["config"].shared_storage_path is None and not of_kind(docs, "PersistentVolumeClaim")
 

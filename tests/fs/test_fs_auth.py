@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import struct
+import time
 
 import numpy as np
 import pytest
@@ -21,12 +22,12 @@ import xxhash
 from fs_helpers import CHUNK, aligned, key, layout, payload, filled, write_all
 from tpu_offload.core.config import ConfigError, OffloadConfig
 from tpu_offload.core.fs import FileTier
-from tpu_offload.core.fs.auth import FsAuth, Names, make_secret_file, secret_weakness
+from tpu_offload.core.fs.auth import FsAuth, Names, check_secret, make_secret_file, secret_weakness
 from tpu_offload.core.fs.chunkfile import ChunkFiles
 from tpu_offload.core.fs.format import HEADER_SIZE, parse_header
 
-SECRET = b"tenant-a-secret-Q7vR2mK9pL4wZ8nT"
-OTHER_SECRET = b"tenant-b-secret-H3xJ6cY1sD5fG0bV"
+SECRET = b"1BcfxCZ6L5sgxr5a00FSSelvv+17IUMhrwMy+RWd+I0="  # 32 random bytes, base64
+OTHER_SECRET = b"Tvg5s8Y1km2aGL7tigmImQcyDpREuVt6j9fqICZvOqA="
 
 
 def _forge_payload(path: str, evil: np.ndarray) -> None:
@@ -324,7 +325,7 @@ def test_a_secret_file_owned_by_another_uid_is_refused(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("weak", [
-    "aaaaaaaaaaaaaaaa",  # the issue's example
+    "aaaaaaaaaaaaaaaa",
     "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
     "abababababababababababababababababababab",  # two characters
     "0123456789abcdef0123456789abcdef",  # a repeated block (and a hex run)
@@ -332,18 +333,24 @@ def test_a_secret_file_owned_by_another_uid_is_refused(tmp_path, monkeypatch):
     "31415926535897932384",  # 20 digits: about 66 bits
     "deadbeefcafebabe1234",  # 20 hex digits: 80 bits
     "Zx8kQ2mW9pV4rT6y",  # 16 characters of base64: 96 bits
+    "tpu-offload-secret-2025",  # a name someone chose
+    "correct horse battery staple",  # a passphrase
+    "correct horse battery staple and some more words to make it long",  # a long passphrase
+    "3d1219c7c4c5404aaa1f6d2a48adfda4",  # a machine-id: 16 bytes of hex
+    "Q7vR2mK9pL4wZ8nTH3xJ6cY1sD5fG0bV",  # 24 random bytes of base64: fewer than 32
+    "YWJjZGVmZ2hpamtsbW5vcHFyc3R1dnd4eXphYmNkZWZnaGlq",  # base64 of a phrase
 ])
 def test_a_guessable_secret_is_refused(tmp_path, weak):
     f = tmp_path / "secret"
     f.write_text(weak + "\n")
     with pytest.raises(ConfigError) as e:
         OffloadConfig.from_sources({"fs_secret_file": str(f)}, env={})
-    assert "128 bits" in str(e.value) and "/dev/urandom" in str(e.value) and weak not in str(e.value)
-    with pytest.raises(ConfigError, match="128 bits"):
+    assert "32 random bytes" in str(e.value) and "/dev/urandom" in str(e.value) and weak not in str(e.value)
+    with pytest.raises(ConfigError, match="32 random bytes"):
         OffloadConfig.from_sources({}, env={"TPU_OFFLOAD_FS_SECRET": weak})
 
 
-def test_random_secrets_of_128_bits_and_more_are_accepted(tmp_path):
+def test_machine_made_secrets_are_accepted(tmp_path):
     import base64
     import secrets
 
@@ -351,9 +358,69 @@ def test_random_secrets_of_128_bits_and_more_are_accepted(tmp_path):
     made = make_secret_file(str(f))
     assert oct(os.stat(f).st_mode & 0o777) == "0o600" and len(base64.b64decode(made)) == 32
     assert OffloadConfig.from_sources({"fs_secret_file": str(f)}, env={}).fs_secret == made
-    for _ in range(200):
-        for s in (base64.b64encode(os.urandom(32)), secrets.token_hex(32).encode(), base64.b64encode(os.urandom(16))):
-            assert secret_weakness(s) is None, s
+    for _ in range(500):
+        for s in (base64.b64encode(os.urandom(32)), secrets.token_hex(32).encode(),
+                  base64.urlsafe_b64encode(os.urandom(48)).rstrip(b"="), os.urandom(32)):
+            assert check_secret(s) == s, s
+    with pytest.raises(ValueError, match="32 random bytes"):
+        check_secret(base64.b64encode(os.urandom(16)))  # 128 bits: below the rule
+
+
+def test_the_root_key_is_memory_hard(monkeypatch):
+    """Nothing public is a fast function of the secret: the root key comes from scrypt."""
+    import hashlib
+
+    from tpu_offload.core.fs import auth
+
+    calls = []
+    real = hashlib.scrypt
+    monkeypatch.setattr(hashlib, "scrypt", lambda *a, **k: calls.append(k) or real(*a, **k))
+    auth._root_key.cache_clear()
+    FsAuth(os.urandom(32)).namespace(b"\0" * 16)
+    assert calls and calls[0]["n"] * calls[0]["r"] * 128 >= 32 << 20  # at least 32 MiB per guess
+
+
+def test_a_secret_path_another_uid_could_change_is_refused(tmp_path):
+    made = tmp_path / "mine"
+    make_secret_file(str(made))
+    link = tmp_path / "link"
+    os.symlink(made, link)
+    os.lchown(link, 65534, 65534)  # a symlink planted by another uid
+    with pytest.raises(ConfigError, match="symlinks owned by this user or root"):
+        OffloadConfig.from_sources({"fs_secret_file": str(link)}, env={})
+    d = tmp_path / "open"
+    d.mkdir()
+    make_secret_file(str(d / "secret"))
+    os.chmod(d, 0o777)  # world-writable, no sticky bit: anyone could swap the file
+    with pytest.raises(ConfigError, match="sticky bit"):
+        OffloadConfig.from_sources({"fs_secret_file": str(d / "secret")}, env={})
+    os.chmod(d, 0o1777)  # /tmp-like: passes
+    assert OffloadConfig.from_sources({"fs_secret_file": str(d / "secret")}, env={}).fs_secret
+    os.chmod(d, 0o755)
+    os.chown(d, 65534, 65534)  # another uid's directory
+    with pytest.raises(ConfigError, match="owned by uid 65534"):
+        OffloadConfig.from_sources({"fs_secret_file": str(d / "secret")}, env={})
+
+
+def test_a_kubernetes_secret_mount_passes_and_a_world_readable_file_elsewhere_warns(tmp_path, caplog):
+    """A Secret volume: root-owned ``..data`` -> ``..<timestamp>`` links, files mode 0644."""
+    vol = tmp_path / "vol"
+    stamp = vol / "..2026_11_26_18_00_00.123"
+    stamp.mkdir(parents=True)
+    make_secret_file(str(stamp / "secret"))
+    os.chmod(stamp / "secret", 0o644)
+    os.symlink(stamp.name, vol / "..data")
+    os.symlink("..data/secret", vol / "secret")
+    os.chmod(vol, 0o1777)
+    with caplog.at_level(logging.WARNING, logger="tpu_offload.auth"):
+        assert OffloadConfig.from_sources({"fs_secret_file": str(vol / "secret")}, env={}).fs_secret
+    assert not [r for r in caplog.records if "world-readable" in r.getMessage()]
+    plain = tmp_path / "plain"
+    make_secret_file(str(plain))
+    os.chmod(plain, 0o644)
+    with caplog.at_level(logging.WARNING, logger="tpu_offload.auth"):
+        assert OffloadConfig.from_sources({"fs_secret_file": str(plain)}, env={}).fs_secret
+    assert [r for r in caplog.records if "world-readable" in r.getMessage()]
 
 
 # ---- one bad file must not disable a chunk for good ----
@@ -421,12 +488,16 @@ def test_a_file_we_did_not_verify_is_never_restamped(root, make_tier):
         _plant_random_mac(t.path_of(key(i)))
         os.utime(t.path_of(key(i)), (1_000_000, 1_000_000))
     t.touch(key(1))  # the index still has it: once ours, now swapped
-    assert t.submit_write(key(2), filled(2)).wait(30)  # "already there": kept, not restamped
+    ino2 = os.stat(t.path_of(key(2))).st_ino
+    assert t.submit_write(key(2), filled(2)).wait(30)  # not the file we wrote: published over, never kept
     assert t.flush(timeout=30)
     assert os.stat(t.path_of(key(1))).st_mtime == 1_000_000, "a swapped-in file was kept alive"
-    assert os.stat(t.path_of(key(2))).st_mtime == 1_000_000, "an unverified file was restamped by a write"
+    assert os.stat(t.path_of(key(2))).st_ino != ino2, "a file we did not write blocked our write"
+    out = aligned()
+    assert t.read_into(key(2), out) and np.array_equal(out, payload(2))
     write_all(t, 3)
-    os.utime(t.path_of(key(3)), (1_000_000, 1_000_000))
+    before = os.stat(t.path_of(key(3))).st_mtime_ns
+    time.sleep(0.02)
     t.touch(key(3))  # ours, verified by writing it: restamped
     assert t.flush(timeout=30)
-    assert os.stat(t.path_of(key(3))).st_mtime > 1_000_000
+    assert os.stat(t.path_of(key(3))).st_mtime_ns > before

@@ -135,9 +135,11 @@ def test_inspect(capsys, root, make_tier, aged):
     assert code == 0
     by_ns = {n["namespace"]: n for n in out["namespaces"]}
     mine, theirs = by_ns[layout().namespace()], by_ns[other.namespace()]
-    assert (mine["files"], mine["temps"], theirs["files"]) == (11, 2, 3)
-    assert mine["bytes"] == 11 * FILE and theirs["bytes"] == 3 * FILE
-    assert mine["oldest_access_age_s"] >= 99999 - 5 and theirs["newest_access_age_s"] < 60
+    # the chunk-named file without our magic is someone else's: listed apart, never counted
+    assert (mine["files"], mine["temps"], theirs["files"]) == (10, 2, 3)
+    assert mine["bytes"] == 10 * FILE and theirs["bytes"] == 3 * FILE
+    assert mine["foreign_entries"] == 1 and mine["foreign"][0].endswith("ab" * 36)
+    assert 1900 - 5 <= mine["oldest_access_age_s"] < 99999 and theirs["newest_access_age_s"] < 60
     code, text = _cli(capsys, "inspect", root, "--namespace", other.namespace())
     assert code == 0 and other.namespace()[:60] in text and layout().namespace()[:60] not in text
 
@@ -182,3 +184,25 @@ def test_exit_codes_and_module_entry_point(capsys, root, make_tier):
     r = subprocess.run([sys.executable, "-m", "tpu_offload.core.fs.cli", "verify", root],
                        capture_output=True, text=True, env=child_env(), cwd=REPO, timeout=60)
     assert r.returncode == 0 and "2 ok" in r.stdout, r.stderr
+
+
+@pytest.mark.parametrize("cmd", ["inspect", "verify", "evict"])
+def test_a_directory_that_holds_no_tier_exits_5(capsys, tmp_path, make_tier, cmd):
+    """A mistyped path in a cron job must be noticed: not 0."""
+    (tmp_path / "etc").mkdir()
+    (tmp_path / "notes.txt").write_text("x")
+    code = main([cmd, str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 5 and "holds no file tier" in err
+    t = make_tier(str(tmp_path))
+    assert t.submit_write(key(1), aligned()).wait(10)
+    assert main([cmd, str(tmp_path)]) == 0
+    assert main([cmd, str(tmp_path), "--namespace", "nope-" + "0" * 32]) == 5
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    import tpu_offload
+
+    assert e.value.code == 0 and capsys.readouterr().out.strip().endswith(tpu_offload.__version__)

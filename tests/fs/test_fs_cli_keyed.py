@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import struct
 
 import numpy as np
@@ -23,8 +24,8 @@ from fs_helpers import CHUNK, FILE, aligned, key, layout, payload
 from tpu_offload.core.fs.cli import main
 from tpu_offload.core.fs.format import HEADER_SIZE, MAC_OFF, MAGIC
 
-SECRET = b"Yq3vN8tR1wLk6pZs0dXe4hJb7mCf2gAu"
-OTHER = b"Pk9sW2eQ7rTz4xVn1mBc6yHd0jLf3gUa"
+SECRET = b"Mt0WaM8db/yeq0FyHGJxhx9/GNxYX5jMKSuvV3UTm08="  # 32 random bytes, base64
+OTHER = b"iFn0RjsiLU0DHAyjHXImR0DKUw75GY+znkz2V02P+ZI="
 
 
 def _tier(make_tier, root, secret, idx, salt=b"", fp=None):
@@ -145,6 +146,21 @@ def test_inspect_with_the_key_counts_only_authenticated_files(capsys, volume):
     assert (other["files"], other["unauthenticated_files"]) == (0, 3)
 
 
+def test_a_namespace_where_every_file_is_forged_is_reported_with_its_own_exit_code(capsys, volume):
+    """Every file of our namespace swapped for a forgery: verify must not pass it in silence."""
+    ours, theirs, junk, sf = volume
+    for p in junk:
+        os.unlink(p)
+    shutil.rmtree(theirs.ns_dir)
+    root = os.path.dirname(ours.ns_dir)
+    code, out, err = _cli(capsys, "verify", root, "--secret-file", sf)
+    assert code == 0, (out, err)
+    for i in range(4):
+        _swap_payload_keep_header(ours.path_of(key(i)))  # the header MAC no longer verifies: forged
+    code, out, err = _cli(capsys, "verify", root, "--secret-file", sf)
+    assert code == 6 and f"NOT OURS {os.path.basename(ours.ns_dir)}" in out + err
+
+
 def test_verify_with_the_key_reports_forged_files_and_exits_1(capsys, volume):
     ours, theirs, junk, sf = volume
     root = os.path.dirname(ours.ns_dir)
@@ -152,8 +168,10 @@ def test_verify_with_the_key_reports_forged_files_and_exits_1(capsys, volume):
     assert code == 1 and "6 forged" in out  # the junk
     for p in junk:
         os.unlink(p)
-    code, out, _ = _cli(capsys, "verify", root, "--secret-file", sf, "--json")
-    assert code == 0 and out["ok"] == 4 and out["checked"] == 4, out  # the other tenant's namespace is not ours
+    code, out, err = _cli(capsys, "verify", root, "--secret-file", sf, "--json")
+    assert out["ok"] == 4 and out["checked"] == 4, out  # the other tenant's namespace is not judged ...
+    assert code == 6 and out["foreign_namespaces"] == [os.path.basename(theirs.ns_dir)]  # ... but reported
+    assert f"NOT OURS {os.path.basename(theirs.ns_dir)}" in err
     _plant_random_mac(ours.path_of(key(1)))  # a forged header MAC: verify must not pass it
     _swap_payload_keep_header(ours.path_of(key(2)))  # payload replaced, checksum fixed: breaks the header MAC
     code, out, _ = _cli(capsys, "verify", root, "--secret-file", sf, "--json", "--delete")
@@ -203,7 +221,7 @@ def test_the_key_comes_from_the_connectors_settings_too(capsys, volume, tmp_path
     bad = tmp_path / "weak"
     bad.write_text("aaaaaaaaaaaaaaaaaaaa")
     code, _, err = _cli(capsys, "inspect", root, "--secret-file", str(bad))
-    assert code == 2 and "128 bits" in err
+    assert code == 2 and "32 random bytes" in err
 
 
 def test_make_secret(capsys, tmp_path):

@@ -69,7 +69,7 @@ def test_each_operation_opens_only_the_fanout_dirs_and_the_file(root, make_tier,
     assert _count(opens, lambda: t.files.stat(kh))[0] == 2
     t._index.remove(k)
     assert _count(opens, lambda: t.contains(k)) == (2, True)
-    assert _count(opens, lambda: t.files.restamp(kh))[0] == 2
+    assert _count(opens, lambda: t.files.restamp(kh, t._ours[k]))[0] == 3  # and the file: restamped through its fd
     assert _count(opens, lambda: t.files.unlink(kh)) == (2, True)
     assert _count(opens, lambda: t.read_into(k, out)) == (3, False)  # a miss at the file
     assert all(not (isinstance(p, str) and p.startswith(root)) for p in opens), "re-opened by path"

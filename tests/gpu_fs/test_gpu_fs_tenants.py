@@ -53,7 +53,7 @@ def runs(fs_model_dir, tmp_path_factory):
     work = tmp_path_factory.mktemp("fs_tenants")
     shared = work / "shared"
     secret = work / "secret"
-    secret.write_text("deployment-secret-0123456789abcdef\n")
+    secret.write_text("ZkX1m9V0pT3qR7wN5sL2hB8cD4fJ6gYa0eU1iO3kP5s=\n")  # 32 random bytes, base64
     os.chmod(secret, 0o600)
     ktc = shipped_kv_transfer_config(shared, fs_secret_file=str(secret))
     ref = EngineRun(work, "ref", fs_model_dir, None, [{"prompts": P}])

@@ -30,7 +30,7 @@ A, B = "tenant-a", "tenant-b"
 @pytest.fixture
 def make(fs_harness, tmp_path):
     secret = tmp_path / "secret"
-    secret.write_text("deployment-secret-0123456789abcdef\n")
+    secret.write_text("ZkX1m9V0pT3qR7wN5sL2hB8cD4fJ6gYa0eU1iO3kP5s=\n")  # 32 random bytes, base64
     os.chmod(secret, 0o600)
     return functools.partial(fs_harness, staging_blocks=8, blocks_per_chunk=2, fs_write_mode="write_through",
                              fs_secret_file=str(secret))

@@ -46,7 +46,7 @@ from tpu_offload.core.fs.journal import FileJournal
 from tpu_offload.core.fs.auth import FsAuth, Names
 from tpu_offload.core.fs.deadline import BoundedCalls
 from tpu_offload.core.fs.layout import published_stat
-from tpu_offload.core.fs.reset import reset_salt as _reset_salt, salted  # noqa: F401  (salted: re-exported)
+from tpu_offload.core.fs.reset import bind_weights, reset_salt as _reset_salt, salted  # noqa: F401  (salted: re-exported)
 from tpu_offload.core.keys import ChunkKey, LayoutFingerprint
 
 log = logging.getLogger(__name__)
@@ -64,12 +64,23 @@ def fingerprint(vllm_config, kv_cache_config, blocks_per_chunk: int) -> LayoutFi
 
     spec = first_spec(groups[0].kv_cache_spec)  # what the scheduler's config holds too
     tp = getattr(vllm_config.parallel_config, "tensor_parallel_size", 1)
-    return LayoutFingerprint(
+    fp = LayoutFingerprint(
         model=str(vllm_config.model_config.model), dtype=str(spec.dtype),
         block_size=vllm_config.cache_config.block_size, blocks_per_chunk=blocks_per_chunk,
         num_layers=sum(len(g.layer_names) for g in groups), kv_heads_per_rank=spec.num_kv_heads,
         head_dim=spec.head_size, tp_size=tp, engine="tpu-inference",
     )
+    # The weights too (model revision, fs_reset_epoch_file): files and a snapshot of older weights under the same
+    # model name are never found. Both sides read the same config, so they agree.
+    return bind_weights(fp, _epoch_file(vllm_config), getattr(vllm_config.model_config, "revision", None))
+
+
+def _epoch_file(vllm_config) -> str | None:
+    """``fs_reset_epoch_file`` as the config has it (kv_connector_extra_config, else the environment)."""
+    ktc = getattr(vllm_config, "kv_transfer_config", None)
+    extra = getattr(ktc, "kv_connector_extra_config", None) or {}
+    path = extra.get("fs_reset_epoch_file") if isinstance(extra, dict) else None
+    return path or os.environ.get("TPU_OFFLOAD_FS_RESET_EPOCH_FILE") or None
 
 
 def reset_salt(cfg: OffloadConfig, previous: str) -> str:
@@ -136,7 +147,8 @@ class FsMover:
         nbytes = sum(v.size for v in engine.row_views(0))  # this process's bytes of one chunk
         self._cfg, self._fp, self._nbytes, self._metrics = cfg, fp, nbytes, metrics
         self.tier = FileTier.from_config(cfg, fp, nbytes, metrics)
-        self.tier.journal = FileJournal() if cfg.enable_events else None  # reported to the scheduler
+        # Reported to the scheduler, also without KV events: a published file clears its "failed to load" mark.
+        self.tier.journal = FileJournal()
         n = buffers if buffers is not None else buffer_count(cfg, nbytes)
         self._bufs = [np.empty(nbytes, dtype=np.uint8) for _ in range(n)]
         self._free = list(range(n))

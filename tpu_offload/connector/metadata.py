@@ -97,6 +97,8 @@ class OffloadReport(KVConnectorWorkerMetadata):
     # Chunk files published / removed (``FileJournal``), for the file tier's KV events
     fs_published: list[bytes] = dataclasses.field(default_factory=list)
     fs_removed: list[bytes] = dataclasses.field(default_factory=list)
+    # (process_index, file tier state) when a worker's tier changes state: no file hits while one is off
+    fs_states: list[tuple[int, str]] = dataclasses.field(default_factory=list)
     # DP attention (connector/dp.py): host slots another store is overwriting, then (slot, generation,
     # key) of chunks now stored, so every rank's scheduler can load any rank's chunks
     retired: list[int] = dataclasses.field(default_factory=list)
@@ -111,13 +113,14 @@ class OffloadReport(KVConnectorWorkerMetadata):
             promotes=self.promotes + other.promotes,
             fs_published=self.fs_published + other.fs_published,
             fs_removed=self.fs_removed + other.fs_removed,
+            fs_states=self.fs_states + other.fs_states,
             retired=self.retired + other.retired,
             published=self.published + other.published,
         )
 
     def is_empty(self) -> bool:
         return not (self.stores or self.loads or self.promotes or self.fs_published or self.fs_removed
-                    or self.retired or self.published)
+                    or self.fs_states or self.retired or self.published)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

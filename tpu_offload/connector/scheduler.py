@@ -110,6 +110,8 @@ class OffloadScheduler:
         self._slot_of: dict[ChunkKey, int] = {}  # for write-back: the slot an evicted chunk leaves
         self._salt_of: dict[ChunkKey, bytes] = {}  # ... and its request's cache_salt (absent: b"")
         self._fs_bad: set[ChunkKey] = set()  # files that failed to promote: not offered until we publish ours
+        self._fs_off: set[int] = set()  # worker processes whose file tier is off: no file hits meanwhile
+        self._file_events = cfg.enable_events
         self._procs = 1  # worker processes that must report each order (learned from reports)
         self.expected_procs: int | None = None  # what get_finished_count told vLLM's aggregator
         self._quarantine: set[ChunkKey] = set()  # present in the index but proved bad: never served
@@ -172,7 +174,8 @@ class OffloadScheduler:
                 if state is Lookup.HIT and k not in self._quarantine:
                     on_fs.append(False)
                     room -= 1
-                elif state is Lookup.MISS and k not in self._fs_bad and self.fs.contains(k, salt):
+                elif state is Lookup.MISS and not self._fs_off and k not in self._fs_bad \
+                        and self.fs.contains(k, salt):
                     on_fs.append(True)
                     n_fs += 1
                 else:
@@ -370,8 +373,11 @@ class OffloadScheduler:
             log.error("tpu_offload: %d worker processes report, but vLLM's aggregator was told to wait for %d "
                       "per request: finished requests will be miscounted", report.process_count, self.expected_procs)
         self._procs = max(self._procs, report.process_count)
+        for proc, state in report.fs_states:
+            (self._fs_off.add if state == "off" else self._fs_off.discard)(proc)
         if report.fs_published or report.fs_removed:
-            self.events.files(report.fs_published, report.fs_removed)
+            if self._file_events:
+                self.events.files(report.fs_published, report.fs_removed)
             self._fs_bad.difference_update(report.fs_published)  # our own copy is back: offer it again
         for order, failed in self._complete(self._store_orders, report.stores):
             for k in settle_store(self.manager, order, failed):

@@ -474,6 +474,11 @@ class OffloadWorker:
         return errors
 
     def take_report(self) -> OffloadReport | None:
+        if self.fs is not None:  # the scheduler offers no file hits while this process's tier is off
+            state = self.fs.tier.state.value
+            if state != getattr(self, "_fs_state_sent", "rw"):
+                self._fs_state_sent = state
+                self._report.fs_states.append((self._pidx, state))
         journal = self.fs.tier.journal if self.fs is not None else None
         if journal is not None:
             for kind, key in journal.take():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import struct
+from typing import Callable
 
 from tpu_offload.core.fs import layout, safedir
 from tpu_offload.core.fs.format import HEADER_SIZE, MAGIC
@@ -58,46 +59,57 @@ _PLEN = struct.Struct("<Q")
 _PLEN_OFF = 32  # payload length in the header (format.py)
 
 
-def ours_at(d: int, name: str, blocks: int | None = None) -> int | None:
+def ours_at(d: int, name: str, blocks: int | None = None,
+            head_ok: Callable[[bytes, str | None], bool] | None = None, want_name: str | None = None) -> int | None:
     """Bytes a file of ours counts for, or None if it is not ours.
 
-    Ours: a regular file that starts with our magic, or an empty one (a
-    writer killed before its first byte). It counts at its allocated size,
-    capped at header plus the payload its header declares, so a sparse or
-    padded file can never make the budget look full.
+    Ours: a regular file with one link (a hard link also lives elsewhere,
+    where someone else put it) that starts with our magic, or an empty one
+    (a writer killed before its first byte). With ``head_ok`` (a tier with a
+    secret) its header MAC must also verify (``head_ok(header, want_name)``):
+    the magic is public. It counts at its allocated size, capped at header
+    plus the payload its header declares, so a sparse or padded file can
+    never make the budget look full.
     """
     try:
         fd, st = safedir.open_regular(name, d)
     except OSError:
         return None
     try:
+        if st.st_nlink != 1:
+            return None
         if st.st_size == 0:
             return 0
-        head = os.pread(fd, _PLEN_OFF + _PLEN.size, 0)
+        head = os.pread(fd, HEADER_SIZE if head_ok is not None else _PLEN_OFF + _PLEN.size, 0)
     except OSError:
         return None
     finally:
         os.close(fd)
     if head[: len(MAGIC)] != MAGIC:
         return None
-    cap = HEADER_SIZE + (_PLEN.unpack_from(head, _PLEN_OFF)[0] if len(head) == _PLEN_OFF + _PLEN.size else 0)
+    if head_ok is not None and (len(head) < HEADER_SIZE or not head_ok(head, want_name)):
+        return None
+    cap = HEADER_SIZE + (_PLEN.unpack_from(head, _PLEN_OFF)[0] if len(head) >= _PLEN_OFF + _PLEN.size else 0)
     return min(st.st_blocks * 512 if blocks is None else blocks, cap)
 
 
-def ours(ns_dir: str, f: layout.Found) -> int | None:
+def ours(ns_dir: str, f: layout.Found, head_ok: Callable[[bytes, str | None], bool] | None = None) -> int | None:
     """``ours_at`` for a scanned file (None also when it vanished or cannot be reached)."""
+    if f.nlink != 1:
+        return None
     try:
         with safedir.dir_at(ns_dir, f.dirs) as d:
-            return ours_at(d, f.name, f.blocks)
+            return ours_at(d, f.name, f.blocks, head_ok)
     except OSError:
         return None
 
 
-def unlink_temp_if_ours(ns_dir: str, f: layout.Found) -> bool:
-    """Remove a scanned temp file only if it is ours (magic, or empty) and unchanged; True if we did."""
+def unlink_temp_if_ours(ns_dir: str, f: layout.Found,
+                        head_ok: Callable[[bytes, str | None], bool] | None = None) -> bool:
+    """Remove a scanned temp file only if it is ours (magic, or empty; one link) and unchanged; True if we did."""
     try:
         with safedir.dir_at(ns_dir, f.dirs) as d:
-            return ours_at(d, f.name) is not None and safedir.unlink_if(f.name, d, f.ino, f.mtime_ns)
+            return ours_at(d, f.name, head_ok=head_ok) is not None and safedir.unlink_if(f.name, d, f.ino, f.mtime_ns)
     except OSError:
         return False
 

@@ -40,6 +40,7 @@ from tpu_offload.core.fs.layout import Found, NamespaceScan
 import xxhash
 
 _VERIFY_BLOCK = 8 << 20
+FOREIGN_SHOWN = 100
 NOT_OURS = "magic (not ours: reported, never deleted or moved)"
 FORGED = "forged (not signed with this secret: reported, never deleted or moved)"
 
@@ -98,6 +99,20 @@ class EvictReport:
     @property
     def reached_low(self) -> bool:
         return not self.triggered or not self.short_of_low
+
+
+def is_tier_namespace(name: str) -> bool:
+    """A namespace directory's name: ``<model>-<32 hex digits>`` (no secret) or ``kv-<32 hex digits>``."""
+    head, _, digest = name.rpartition("-")
+    return bool(head) and len(digest) == 32 and all(c in "0123456789abcdef" for c in digest)
+
+
+def tier_namespaces(root: str, namespace: str | None = None) -> list[str]:
+    """Namespace directories of a file tier under ``root`` (none: the path holds no tier)."""
+    try:
+        return [p for p in layout.iter_namespaces(root, namespace) if is_tier_namespace(os.path.basename(p))]
+    except OSError:
+        return []
 
 
 def scan_root(root: str, namespace: str | None = None) -> list[NamespaceScan]:
@@ -334,9 +349,11 @@ def _delete_if_unchanged(ns_dir: str, f: Found, dry_run: bool) -> str:
 def inspect(root: str, namespace: str | None = None, keyring: Keyring | None = None) -> dict:
     """Per-namespace counts, bytes and ages, plus the filesystem's usage.
 
-    Keyed namespaces: with the secret, only files it authenticates are
-    counted ("unauthenticated" the rest); without it their counts say
-    ``"authenticated": null`` (nothing could be checked).
+    Only our files count: our magic and one link (with the secret, a header
+    MAC that verifies); the rest is listed as ``foreign`` (the first
+    ``FOREIGN_SHOWN`` paths) and counted in ``foreign_entries``. Keyed
+    namespaces without the secret say ``"authenticated": null`` (the magic
+    is public: forgeries look alike).
     """
     now = time.time()
     total, used = _fs_usage(root)
@@ -344,7 +361,9 @@ def inspect(root: str, namespace: str | None = None, keyring: Keyring | None = N
            "unreadable": []}
     for s in scan_root(root, namespace):
         keyed = keyed_tag(s.namespace) is not None
-        unauth = _keep_authenticated(s, keyring) if keyed and keyring is not None else None
+        # Someone else's files (no magic, a hard link, with the secret not signed with it) are shown apart.
+        dropped = _keep_authenticated(s, keyring) if keyed and keyring is not None else _keep_ours(s)
+        unauth = dropped if keyed and keyring is not None else None
         ages = sorted(now - f.mtime for f in s.chunks)
         out["unreadable"] += _unreadable([s])
         out["namespaces"].append({
@@ -360,6 +379,7 @@ def inspect(root: str, namespace: str | None = None, keyring: Keyring | None = N
             "oldest_temp_age_s": max((now - f.mtime for f in s.temps), default=None),
             "quarantined": len(s.quarantined),
             "foreign_entries": len(s.foreign),
+            "foreign": s.foreign[:FOREIGN_SHOWN],  # the first few: never counted, deleted or moved
             "unreadable_entries": len(s.unreadable),
             "newest_access_age_s": ages[0] if ages else None,
             "median_access_age_s": ages[len(ages) // 2] if ages else None,

@@ -20,13 +20,20 @@ every cached prompt. With a secret (``fs_secret_file`` or
 
 Every key comes from one root key by keyed BLAKE2b with a distinct
 personalisation string (domain separation), so no derived value can stand
-in for another.
+in for another. The root key itself comes from the secret by scrypt
+(memory-hard), and only machine-made secrets are accepted (at least 32
+random bytes, see ``check_secret``): nothing public is a fast function of
+a guessable secret.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+import functools
 import hashlib
 import hmac
+import logging
 import math
 import os
 import stat
@@ -36,6 +43,7 @@ MAX_SECRET_BYTES = 4096
 MAC_BYTES = 32
 NAME_BYTES = 20  # file names: 40 hex characters
 NS_PREFIX = "kv-"
+log = logging.getLogger("tpu_offload.auth")
 
 
 def _kdf(key: bytes, person: bytes, data: bytes, size: int = 32) -> bytes:
@@ -101,13 +109,29 @@ class TenantKeys:
         return hmac.compare_digest(self.mac(header, payload), bytes(tag))
 
 
+# scrypt's cost for the root key: 32 MiB and ~0.1 s once per process and secret, so that nothing
+# public (a ``kv-<tag>`` name, a header MAC) lets anyone test guesses of the secret at hash speed.
+SCRYPT_N, SCRYPT_R, SCRYPT_P = 1 << 15, 8, 1
+
+
+@functools.lru_cache(maxsize=8)
+def _root_key(secret: bytes) -> bytes:
+    return hashlib.scrypt(secret, salt=b"tpu-offload fs root key v2", n=SCRYPT_N, r=SCRYPT_R, p=SCRYPT_P,
+                          maxmem=2 * 128 * SCRYPT_N * SCRYPT_R + (1 << 20), dklen=64)
+
+
 class FsAuth:
-    """The root of every derived key; holds no copy of the secret itself."""
+    """The root of every derived key; holds no copy of the secret itself.
+
+    The root key comes from the secret by scrypt (memory-hard, derived once
+    per process): every other key, name and tag is a fast keyed hash of the
+    root key, never of the secret itself.
+    """
 
     def __init__(self, secret: bytes):
         if not isinstance(secret, (bytes, bytearray)) or len(secret) < MIN_SECRET_BYTES:
             raise ValueError(f"fs secret must be at least {MIN_SECRET_BYTES} bytes")
-        self._root = hashlib.blake2b(bytes(secret), digest_size=64, person=b"tpuoff-root-v1").digest()
+        self._root = _root_key(bytes(secret))
 
     def layout_tag(self, layout_digest: bytes) -> bytes:
         """16 bytes standing for the layout in names and headers; reveals nothing without the secret."""
@@ -156,15 +180,19 @@ class FsAuth:
 def read_secret_file(path: str) -> bytes:
     """The secret in ``path`` (surrounding whitespace stripped); ValueError(allowed) otherwise.
 
-    Followed if a symlink (Kubernetes mounts Secrets through symlinks), but
-    opened without blocking and kept only if a regular file of sane size that
-    nobody else could have rewritten: not group- or world-writable, owned by
-    us or root (a file another uid can rewrite gives that uid our keys).
+    Kept only if nobody but us (or root) could have put it there, checked
+    as OpenSSH's StrictModes does (``check_secret_path``): every directory
+    on the way and every symlink followed is root's or ours, and a directory
+    group or others can write has the sticky bit; the file is a regular file
+    of sane size that only its owner (us or root) can write. Opened without
+    blocking. A world-readable secret outside a Kubernetes Secret mount is
+    accepted with a warning.
     """
+    real, via_secret_mount = check_secret_path(path)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as e:
-        raise ValueError(f"a readable file holding at least {MIN_SECRET_BYTES} bytes ({e.strerror})") from None
+        raise ValueError(f"a readable file holding {HOW_TO_MAKE} ({e.strerror})") from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_SECRET_BYTES:
@@ -178,7 +206,74 @@ def read_secret_file(path: str) -> bytes:
         data = os.read(fd, MAX_SECRET_BYTES + 1)
     finally:
         os.close(fd)
+    if st.st_mode & 0o004 and not via_secret_mount:
+        log.warning("fs secret file %s is world-readable (mode %04o): any user on this host can read the key of "
+                    "the shared tier; chmod 600 it", path, stat.S_IMODE(st.st_mode))
     return check_secret(data)
+
+
+def _safe_dir(st: os.stat_result, where: str) -> None:
+    if st.st_uid not in (os.geteuid(), 0):
+        raise ValueError(f"a secret file reached only through directories owned by this user or root ({where} "
+                         f"is owned by uid {st.st_uid}, who could swap the secret)")
+    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+        raise ValueError(f"a secret file reached only through directories that group and others cannot write, or "
+                         f"that have the sticky bit ({where} is mode {stat.S_IMODE(st.st_mode):04o}: another user "
+                         f"could swap the secret)")
+
+
+def check_secret_path(path: str) -> tuple[str, bool]:
+    """Walk ``path`` as OpenSSH's StrictModes does; (the real path, whether it went through a Kubernetes Secret mount).
+
+    Every directory from ``/`` down is root's or ours, and if group or others
+    can write it, it has the sticky bit (``/tmp``); every symlink followed is
+    root's or ours (Kubernetes mounts a Secret as root-owned ``..data``
+    links: those pass). ValueError says which component failed.
+    """
+    if not os.path.isabs(path):
+        path = os.path.abspath(path)
+    parts = [p for p in path.split(os.sep) if p]
+    cur = os.sep
+    try:
+        _safe_dir(os.lstat(cur), cur)
+    except OSError as e:
+        raise ValueError(f"a readable file holding {HOW_TO_MAKE} ({e.strerror})") from None
+    hops = 0
+    secret_mount = False
+    while parts:
+        name = parts.pop(0)
+        if name == ".":
+            continue
+        if name == "..":
+            cur = os.path.dirname(cur) or os.sep
+            continue
+        nxt = os.path.join(cur, name)
+        try:
+            st = os.lstat(nxt)
+        except OSError as e:
+            raise ValueError(f"a readable file holding {HOW_TO_MAKE} ({nxt}: {e.strerror})") from None
+        if stat.S_ISLNK(st.st_mode):
+            hops += 1
+            if hops > 40:
+                raise ValueError(f"a secret file path without a symlink loop ({path})")
+            if st.st_uid not in (os.geteuid(), 0):
+                raise ValueError(f"a secret file reached only through symlinks owned by this user or root ({nxt} is "
+                                 f"a symlink owned by uid {st.st_uid}, who could point it at a secret of theirs)")
+            if name == "..data":
+                secret_mount = True  # Kubernetes' atomic writer: a root-owned ..data link in a Secret volume
+            target = os.readlink(nxt)
+            parts = [p for p in target.split(os.sep) if p] + parts
+            if target.startswith(os.sep):
+                cur = os.sep
+            continue
+        if parts:  # a directory on the way
+            if not stat.S_ISDIR(st.st_mode):
+                raise ValueError(f"a readable file holding {HOW_TO_MAKE} ({nxt} is not a directory)")
+            _safe_dir(st, nxt)
+            if os.path.lexists(os.path.join(nxt, "..data")):
+                secret_mount = True
+        cur = nxt
+    return cur, secret_mount
 
 
 def make_secret_file(path: str) -> bytes:
@@ -254,15 +349,76 @@ def secret_weakness(data: bytes) -> str | None:
     return None
 
 
-def check_secret(data: bytes) -> bytes:
-    data = bytes(data).strip()
-    if not MIN_SECRET_BYTES <= len(data) <= MAX_SECRET_BYTES:
-        raise ValueError(f"a secret of {MIN_SECRET_BYTES} to {MAX_SECRET_BYTES} bytes "
-                         f"(got {len(data)}; use {HOW_TO_MAKE})")
+MIN_RANDOM_BYTES = 32
+
+
+def _decode(text: bytes) -> bytes | None:
+    """The bytes a text secret stands for: hex or base64 (standard or URL-safe, padded or not); else None."""
+    if len(text) % 2 == 0 and all(c in b"0123456789abcdefABCDEF" for c in text):
+        return bytes.fromhex(text.decode())
+    t = text.rstrip(b"=")
+    alt = b"-_" if (b"-" in t or b"_" in t) else b"+/"
+    if not t or not all(c in b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789" + alt for c in t):
+        return None
+    try:
+        return base64.b64decode(t + b"=" * (-len(t) % 4), altchars=alt, validate=True)
+    except (binascii.Error, ValueError):
+        return None
+
+
+def secret_doubt(data: bytes) -> str | None:
+    """Why ``data`` (stripped) does not look machine-made, or None.
+
+    The rule: a secret is at least 32 random bytes (256 bits). Text must be
+    hex or base64 of them (``head -c 32 /dev/urandom | base64``, or
+    ``openssl rand -hex 32``); raw bytes are taken as they are. A phrase, a
+    word, a machine-id (16 bytes of hex) or anything shorter is refused.
+    Then a plausibility check that random bytes pass with overwhelming
+    probability: base64 text has both letter cases, hex text both digits
+    and letters, the decoded bytes are not themselves text and hold at least 60% of the distinct values
+    random bytes of that length would (30 of 32 on average), and the text
+    shows no pattern a person types (``secret_weakness``).
+    """
+    text = _is_text(data)
+    raw = _decode(data) if text else bytes(data)
+    if raw is None:
+        return ("text that is neither hex nor base64 (a phrase or a password, not machine-made)")
+    if len(raw) < MIN_RANDOM_BYTES:
+        return f"{len(raw)} bytes after decoding, fewer than {MIN_RANDOM_BYTES}"
+    if text:
+        is_hex = len(data) % 2 == 0 and all(c in b"0123456789abcdefABCDEF" for c in data)
+        if is_hex and not (any(c in b"0123456789" for c in data) and any(c in b"abcdefABCDEF" for c in data)):
+            return "hex with only digits or only letters"
+        if not is_hex and not (any(65 <= c <= 90 for c in data) and any(97 <= c <= 122 for c in data)):
+            return "base64 with only one letter case"
+    if text and _is_text(raw):
+        return "the encoding of text (a phrase), not of random bytes"
+    expected = 256 * (1 - (255 / 256) ** len(raw))
+    if len(set(raw)) < 0.6 * expected:
+        return f"only {len(set(raw))} distinct byte values in {len(raw)} bytes"
     weak = secret_weakness(data)
-    if weak is not None:
-        raise ValueError(f"a secret of at least {MIN_SECRET_BITS} bits of entropy (this one is guessable: "
-                         f"{weak}; use {HOW_TO_MAKE})")
+    return None if weak is None else f"it is guessable: {weak}"
+
+
+def _is_text(data: bytes) -> bool:
+    return all(32 <= c < 127 for c in data)
+
+
+def check_secret(data: bytes) -> bytes:
+    """``data`` if it is a machine-made secret (``secret_doubt``); ValueError(allowed) otherwise.
+
+    Text is stripped of surrounding whitespace (a trailing newline); raw
+    bytes are kept as they are (a random byte may be a space).
+    """
+    stripped = bytes(data).strip()
+    data = stripped if _is_text(stripped) else bytes(data)
+    if not MIN_SECRET_BYTES <= len(data) <= MAX_SECRET_BYTES:
+        raise ValueError(f"a machine-made secret of at least {MIN_RANDOM_BYTES} random bytes "
+                         f"(got {len(data)} bytes; use {HOW_TO_MAKE})")
+    doubt = secret_doubt(data)
+    if doubt is not None:
+        raise ValueError(f"a machine-made secret of at least {MIN_RANDOM_BYTES} random bytes, as base64 or hex "
+                         f"(this one is not: {doubt}; use {HOW_TO_MAKE})")
     return data
 
 

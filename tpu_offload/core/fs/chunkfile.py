@@ -65,24 +65,26 @@ class ChunkFiles:
         self.ns.close()
 
     # ---- write ---------------------------------------------------------
-    def write(self, key: bytes, khex: str, mv: memoryview, *, unless_size: int | None = None,
+    def write(self, key: bytes, khex: str, mv: memoryview, *, keep: Callable[[os.stat_result], bool] | None = None,
               tk: TenantKeys | None = None, publish: Callable[[], bool] | None = None) -> os.stat_result | None:
         """Publish ``mv`` as the chunk ``key``; raises OSError (ELOOP/ENOTDIR: a symlink on the way).
 
         ``key`` is what the header names (the file id with a secret); with
         ``tk`` the header carries a MAC over itself and the payload.
 
-        With ``unless_size``, a regular file of that size already published
-        (maybe by another instance) is kept: its stat is returned and nothing
-        is written. The check uses the directory fd the write would use, so a
-        write walks the directories once. ``publish()`` is asked once the
+        With ``keep``, a regular file already published there for which
+        ``keep(stat)`` is true (the tier: the very file it wrote or verified,
+        by identity) is kept: its stat is returned and nothing is written. Any
+        other file there is published over (rename): a file we did not write
+        or verify never blocks our write. The check uses the directory fd the
+        write would use, so a write walks the directories once. ``publish()`` is asked once the
         payload is down: False (past its deadline, abandoned) and the temp
         file goes instead of being renamed (``TimeoutError``).
         """
         with self._dir(khex, create=True) as d:
-            if unless_size is not None:
+            if keep is not None:
                 st = safedir.lstat_regular(khex, d)
-                if st is not None and st.st_size == unless_size and st.st_nlink == 1:
+                if st is not None and st.st_nlink == 1 and keep(st):
                     return st
             hdr = self._header_buf()
             if tk is not None and self.encrypt:
@@ -108,18 +110,21 @@ class ChunkFiles:
                             raise
                         self._no_direct(e)
                         os.close(fd)
+                        fd = -1
                         fd = os.open(tmp, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=d)
                         write_all(fd, [memoryview(hdr), mv])
                     if self.fsync:
                         os.fsync(fd)
-                    self._tls.ino = os.fstat(fd).st_ino  # what we publish: the only inode ours to restamp
+                    if publish is not None and not publish():
+                        raise TimeoutError(errno.ETIMEDOUT, "the write passed its deadline (fs_io_timeout_s)")
+                    if self.before_publish is not None:
+                        self.before_publish(os.path.join(layout.chunk_dir(self.ns_dir, khex), tmp))
+                    os.rename(tmp, khex, src_dir_fd=d, dst_dir_fd=d)
+                    # What we published, after the rename (it moves the ctime): the only file ours to restamp.
+                    self._tls.ident = identity(os.fstat(fd))
                 finally:
-                    os.close(fd)
-                if publish is not None and not publish():
-                    raise TimeoutError(errno.ETIMEDOUT, "the write passed its deadline (fs_io_timeout_s)")
-                if self.before_publish is not None:
-                    self.before_publish(os.path.join(layout.chunk_dir(self.ns_dir, khex), tmp))
-                os.rename(tmp, khex, src_dir_fd=d, dst_dir_fd=d)
+                    if fd >= 0:
+                        os.close(fd)
             except BaseException:
                 safedir.unlink_if(tmp, d)
                 raise
@@ -181,7 +186,7 @@ class ChunkFiles:
                         reason = self._check(key, hdr, mv, n, tk, _st.st_size)
                         if reason is not None:
                             return CORRUPT, (reason, _st.st_ino)
-                        self._tls.ino = _st.st_ino  # verified: ours to restamp
+                        self._tls.ident = identity(_st)  # verified: ours to restamp
                     finally:
                         os.close(fd)
                     return HIT, None
@@ -205,24 +210,30 @@ class ChunkFiles:
             return None
         return st if st is not None and st.st_nlink == 1 else None
 
-    def last_inode(self) -> int | None:
-        """The inode this thread last published (``write``) or verified (a ``read`` hit)."""
-        return getattr(self._tls, "ino", None)
+    def last_identity(self) -> tuple[int, int, int] | None:
+        """``identity`` of the file this thread last published (``write``) or verified (a ``read`` hit)."""
+        return getattr(self._tls, "ident", None)
 
-    def restamp(self, khex: str, ino: int | None = None) -> bool:
-        """Set the file's mtime to now (the shared recency clock); never through a symlink.
+    def restamp(self, khex: str, ident: tuple[int, int, int]) -> tuple[int, int, int] | None:
+        """Set the file's mtime to now (the shared recency clock) if it is still the file ``ident`` names.
 
-        ``ino``: only if the file is still that inode (one we wrote or
-        verified): a file someone swapped in since is never kept alive by us.
+        Through an fd opened without following a symlink and checked by
+        ``fstat``: a file someone swapped in since (even on a reused inode
+        number: its ctime differs) is never kept alive by us. Returns the
+        file's new identity (a restamp moves its ctime), or None.
         """
         with self._dir(khex) as d:
-            st = safedir.lstat_regular(khex, d)
-            if st is None or st.st_nlink != 1:  # a hardlink's inode is shared with a path outside
-                return False
-            if ino is not None and st.st_ino != ino:
-                return False
-            os.utime(khex, dir_fd=d, follow_symlinks=False)
-            return True
+            try:
+                fd, st = safedir.open_regular(khex, d)
+            except (FileNotFoundError, safedir.NotRegular):
+                return None
+            try:
+                if st.st_nlink != 1 or identity(st) != ident:  # a hardlink's inode is shared with a path outside
+                    return None
+                os.utime(fd)
+                return identity(os.fstat(fd))
+            finally:
+                os.close(fd)
 
     def unlink(self, khex: str, ino: int | None = None, ours: bool = False) -> bool:
         """Remove the regular file (that inode, if given); True if we did. Symlinks are never removed.
@@ -278,6 +289,11 @@ class ChunkFiles:
         if buf is None:  # one page per I/O thread, aligned for O_DIRECT
             buf = self._tls.hdr = aligned_empty(HEADER_SIZE)
         return buf
+
+
+def identity(st: os.stat_result) -> tuple[int, int, int]:
+    """Which file this is: device, inode and ctime (an inode number alone is reused once a file is deleted)."""
+    return st.st_dev, st.st_ino, st.st_ctime_ns
 
 
 def check_chunk(digest: bytes, key: bytes, hdr, mv: memoryview, n: int, tk: TenantKeys | None, size: int,

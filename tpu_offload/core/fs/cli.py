@@ -6,7 +6,12 @@ Exit codes (stable, for cron jobs and probes):
   2  bad arguments
   3  the root is missing or unreadable
   4  done, but some directories or files could not be read and were skipped
-     (listed on stderr); 1 takes precedence over 4
+     (listed on stderr)
+  5  the root holds no file tier: no namespace directory (<model>-<digest>, or
+     kv-<tag> with a secret) under it, or none named by --namespace (a mistyped path)
+  6  verify with the secret: some namespace has files, and not one of them verifies
+     under this secret (another deployment's, or all forged); listed on stderr
+  Precedence when several apply: 1, then 6, then 4.
 
 Keyed namespaces (kv-..., a tier with a secret): pass the secret the connectors
 use (--secret-file, --config with fs_secret_file, or TPU_OFFLOAD_FS_SECRET_FILE /
@@ -30,7 +35,7 @@ from tpu_offload.core.fs import admin
 from tpu_offload.core.fs.auth import check_secret, make_secret_file, read_secret_file
 from tpu_offload.core.fs.keyring import Keyring
 
-EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, EXIT_NO_ROOT, EXIT_PARTIAL = 0, 1, 2, 3, 4
+EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, EXIT_NO_ROOT, EXIT_PARTIAL, EXIT_NO_TIER, EXIT_NOT_OURS = 0, 1, 2, 3, 4, 5, 6
 MIN_TMP_AGE_S = 60.0  # a slow write (NFS, a big chunk) can take this long: younger temps may be live
 
 
@@ -62,10 +67,22 @@ _pct = _checked(_pct_value)
 _tmp_age = _checked(config.parse_number(MIN_TMP_AGE_S))
 
 
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("tpu-offload")
+    except Exception:  # not installed (a checkout on PYTHONPATH)
+        import tpu_offload
+
+        return tpu_offload.__version__
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tpu-offload-fs", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n", 1)[1])
+    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     def common(sp):
@@ -129,8 +146,13 @@ def main(argv: list[str] | None = None, env=None) -> int:
         print(f"tpu-offload-fs: --low {args.low} is above --high {args.high}; allowed: --low <= --high",
               file=sys.stderr)
         return EXIT_USAGE
+    if not admin.tier_namespaces(args.root, args.namespace):
+        what = f"namespace {args.namespace!r}" if args.namespace else "namespace directory"
+        print(f"tpu-offload-fs: {args.root!r} holds no file tier (no {what} of one: <model>-<digest>, or kv-<tag> "
+              "with a secret); is it the shared_storage_path the engines use?", file=sys.stderr)
+        return EXIT_NO_TIER
     try:
-        problems, unreadable = _run(args)
+        problems, unreadable, not_ours = _run(args)
     except admin.KeyRequired as e:
         print(f"tpu-offload-fs: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -141,7 +163,12 @@ def main(argv: list[str] | None = None, env=None) -> int:
         print(f"tpu-offload-fs: {len(unreadable)} path(s) could not be read and were skipped:", file=sys.stderr)
         for line in unreadable:
             print(f"  {line}", file=sys.stderr)
-    return EXIT_PROBLEMS if problems else EXIT_PARTIAL if unreadable else EXIT_OK
+    if not_ours:
+        print(f"tpu-offload-fs: {len(not_ours)} namespace(s) hold files of which not one verifies under this secret "
+              "(another deployment's, or every file forged):", file=sys.stderr)
+        for ns in not_ours:
+            print(f"  NOT OURS {ns}", file=sys.stderr)
+    return EXIT_PROBLEMS if problems else EXIT_NOT_OURS if not_ours else EXIT_PARTIAL if unreadable else EXIT_OK
 
 
 def _keyring(args, env) -> Keyring | None:
@@ -183,22 +210,22 @@ def _keyring(args, env) -> Keyring | None:
     return None
 
 
-def _run(args) -> tuple[bool, list[str]]:
-    """Do the command and print its report; (problems found, paths skipped)."""
+def _run(args) -> tuple[bool, list[str], list[str]]:
+    """Do the command and print its report; (problems found, paths skipped, namespaces not ours)."""
     if args.cmd == "evict":
         rep = admin.evict(args.root, budget_bytes=args.budget, high_pct=args.high, low_pct=args.low,
                           namespace=args.namespace, tmp_age_s=args.tmp_age, dry_run=args.dry_run,
                           keyring=args.keyring, per_namespace=args.budget_scope == "namespace")
         _emit(args, {**dataclasses.asdict(rep), "reached_low": rep.reached_low}, _evict_text(rep))
-        return not rep.reached_low, rep.unreadable
+        return not rep.reached_low, rep.unreadable, []
     if args.cmd == "inspect":
         out = admin.inspect(args.root, args.namespace, keyring=args.keyring)
         _emit(args, out, _inspect_text(out))
-        return False, out["unreadable"]
+        return False, out["unreadable"], []
     action = "quarantine" if args.quarantine else "delete" if args.delete else "report"
     rep = admin.verify(args.root, args.namespace, action, keyring=args.keyring)
     _emit(args, dataclasses.asdict(rep), _verify_text(rep))
-    return bool(rep.bad), rep.unreadable
+    return bool(rep.bad), rep.unreadable, rep.foreign_namespaces
 
 
 def _emit(args, obj, text: str) -> None:
@@ -234,6 +261,9 @@ def _inspect_text(out: dict) -> str:
         lines.append(f"{n['namespace'][:60]:<60} {n['files']:>8} {_gib(n['bytes']):>12} {n['temps']:>6} "
                      f"{n['quarantined']:>5} {_age(n['newest_access_age_s']):>8} "
                      f"{_age(n['median_access_age_s']):>8} {_age(n['oldest_access_age_s']):>8}")
+        if n["foreign_entries"]:
+            lines.append(f"  {n['foreign_entries']} foreign entries (not ours: never counted, deleted or moved), "
+                         f"e.g. {n['foreign'][0] if n['foreign'] else '?'}")
     if not out["namespaces"]:
         lines.append("(no namespaces)")
     return "\n".join(lines)
@@ -247,6 +277,7 @@ def _verify_text(r: admin.VerifyReport) -> str:
              + (f" ({r.action}d)" if r.bad and r.action != "report" else "")
              + (f", {r.vanished} vanished during the check" if r.vanished else "")]
     lines += [f"BAD {path}: {reason}" for path, reason in r.bad]
+    lines += [f"NOT OURS {ns}: nothing there verifies under this secret" for ns in r.foreign_namespaces]
     return "\n".join(lines)
 
 

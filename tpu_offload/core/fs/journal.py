@@ -9,7 +9,9 @@ its worker-to-scheduler channel each step:
 * ``failed``: a write we were asked to do did not publish (queue full,
   read-only volume, I/O error, cancelled);
 * ``removed``: a file we had seen is gone (our capacity eviction, a rejected
-  file, a read that found it deleted).
+  file, a read that found it deleted);
+* ``tier_off`` / ``tier_on``: the whole tier turned off (every lookup
+  misses) or came back; the scheduler offers no file hits in between.
 
 Bounded: the adapter drains it every step, so it never holds more than a
 step's outcomes; if nobody drains it (events off elsewhere), the oldest
@@ -25,6 +27,8 @@ import threading
 log = logging.getLogger("tpu_offload.fs")
 
 PUBLISHED, FAILED, REMOVED = "published", "failed", "removed"
+# The tier itself turned off / came back (key b""): the scheduler offers no file hits meanwhile.
+TIER_OFF, TIER_ON = "tier_off", "tier_on"
 
 
 class FileJournal:
@@ -52,6 +56,9 @@ class FileJournal:
 
     def removed(self, key: bytes) -> None:
         self._add(REMOVED, key)
+
+    def tier_state(self, off: bool) -> None:
+        self._add(TIER_OFF if off else TIER_ON, b"")
 
     def take(self) -> list[tuple[str, bytes]]:
         """Everything since the last call, in order."""

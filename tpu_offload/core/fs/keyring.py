@@ -79,6 +79,8 @@ class Keyring:
         except OSError:
             return None
         try:
+            if st.st_nlink != 1:  # a hard link also lives elsewhere: not ours
+                return None
             hdr = os.pread(fd, HEADER_SIZE, 0)
         except OSError:
             return None

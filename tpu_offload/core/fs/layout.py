@@ -183,6 +183,7 @@ class Found:
     ino: int
     dirs: tuple[str, ...] = ()  # directories between the namespace directory and the file
     mtime_ns: int = 0
+    nlink: int = 1  # more than one: the inode is also linked elsewhere, so it is not ours
 
 
 @dataclasses.dataclass
@@ -234,10 +235,12 @@ class Pacer:
 class _Walk:
     """One directory walk: records what cannot be read instead of raising."""
 
-    def __init__(self, out: NamespaceScan, pace: Callable[[], None] | None, owner: int | None = None):
+    def __init__(self, out: NamespaceScan, pace: Callable[[], None] | None, owner: int | None = None,
+                 repair: int | None = None):
         self.out = out
         self.pace = pace
         self.owner = owner
+        self.repair = repair
 
     def listing(self, parent_fd: int, name: str, path: str) -> tuple[int, list[os.DirEntry]] | None:
         """(fd, entries) of a subdirectory, or None (gone, not a directory, unreadable)."""
@@ -253,7 +256,7 @@ class _Walk:
             return None
         if self.owner is not None:
             try:
-                safedir.check_ours(os.fstat(fd), self.owner)
+                safedir.check_ours(os.fstat(fd), self.owner, path, repair=self.repair, fd=fd)
             except OSError:
                 os.close(fd)
                 self.out.foreign.append(path)  # another uid's, or writable by others: not ours
@@ -293,11 +296,12 @@ class _Walk:
 
 def _found(name: str, st: os.stat_result, parent: str, dirs: tuple[str, ...]) -> Found:
     return Found(f"{parent}{os.sep}{name}", name, st.st_size, st.st_blocks * 512, st.st_mtime, st.st_ino,
-                 dirs, st.st_mtime_ns)
+                 dirs, st.st_mtime_ns, st.st_nlink)
 
 
 def walk_namespace(ns_dir: str, out: NamespaceScan, pace: Callable[[], None] | None = None,
-                   owner: int | None = None) -> Iterator[tuple[str, os.stat_result, tuple[str, str]]]:
+                   owner: int | None = None, vet: Callable[[int, str, os.stat_result], bool] | None = None,
+                   repair: int | None = None) -> Iterator[tuple[str, os.stat_result, tuple[str, str]]]:
     """Yield (name, stat, fan-out dirs) per chunk file; temps, quarantined,
     foreign and unreadable entries go to ``out``.
 
@@ -308,8 +312,12 @@ def walk_namespace(ns_dir: str, out: NamespaceScan, pace: Callable[[], None] | N
     Symlinks are never followed (they count as foreign). ``pace`` (e.g. a
     ``Pacer``) is called once per file. With ``owner`` (the tier's uid), a
     fan-out directory that is not ours and a hardlinked file are foreign.
+    ``vet(dir_fd, name, stat)`` decides whether a chunk-named file is ours
+    (our magic, a header MAC that verifies): False and it is foreign. With
+    ``repair`` (a mode), a fan-out directory of ours that group or others
+    can write is set back to it (``fchmod``) instead of being foreign.
     """
-    w = _Walk(out, pace, owner)
+    w = _Walk(out, pace, owner, repair)
     try:
         fd = safedir.open_base(ns_dir, listing=True)
     except FileNotFoundError:
@@ -352,7 +360,8 @@ def walk_namespace(ns_dir: str, out: NamespaceScan, pace: Callable[[], None] | N
                             elif is_chunk_name(e.name) and chunk_relpath(e.name)[:2] == dirs:
                                 if (st := w.stat(e, p2)) is None:
                                     pass
-                                elif owner is not None and st.st_nlink > 1:
+                                elif (owner is not None and st.st_nlink > 1) or \
+                                        (vet is not None and not vet(fd2, e.name, st)):
                                     out.foreign.append(f"{p2}{os.sep}{e.name}")
                                 else:
                                     yield e.name, st, dirs

@@ -34,8 +34,19 @@ log = logging.getLogger("tpu_offload.fs")
 class Rescanner:
     def __init__(self, ns_dir: str, index: FileIndex, *, name: str, stale_tmp_s: float,
                  count: Callable[..., None], writable: Callable[[], bool], owner: int | None = None,
-                 file_bytes: int | None = None):
+                 file_bytes: int | None = None, head_ok: Callable[[bytes, str | None], bool] | None = None,
+                 writes_per_writer: int = 8, temp_cap_bytes: int | None = None, dir_mode: int | None = None):
         self.ns_dir = ns_dir
+        # Ours: our magic (with a secret, a header MAC that verifies) and one link. Anything else in the
+        # namespace is foreign: never counted, never deleted (``actions.ours_at``).
+        self.head_ok = head_ok
+        self._vetted: dict[str, int] = {}  # chunk name -> hash of (dev, ino, ctime_ns, size) found ours
+        # The temps that count: at most ``writes_per_writer`` per writer (a writer has that many I/O
+        # threads), and at most ``temp_cap_bytes`` in all, so copies of our headers under temp names
+        # can never push the budget for chunks below ``capacity - temp_cap_bytes``.
+        self.writes_per_writer = max(1, writes_per_writer)
+        self.temp_cap_bytes = temp_cap_bytes
+        self.dir_mode = dir_mode  # fan-out directories of ours with another mode are set back to it
         self.owner = owner  # fan-out directories of another uid and hardlinked files are not indexed
         # A file counts at its allocated size, capped at one chunk file: a sparse 1 TiB file
         # with a chunk's name must not make the budget evict every real chunk.
@@ -48,7 +59,8 @@ class Rescanner:
         self._lock = threading.Lock()
         self.last = 0.0  # time.monotonic() of the last completed scan
         self.unreadable: list[tuple[str, str]] = []  # (path, why) skipped by the last scan
-        self.temp_bytes = 0  # writes in progress (anyone's) the last scan saw: they count in the budget
+        self.temp_bytes = 0  # writes in progress (ours, capped) the last scan saw: they count in the budget
+        self.foreign = 0  # entries the last scan found that are not ours (never counted or deleted)
         # temp (dirs, name) -> (inode, size, mtime_ns, time.monotonic() when first seen like that)
         self._temps_seen: dict[tuple, tuple[int, int, int, float]] = {}
 
@@ -63,14 +75,19 @@ class Rescanner:
                 srv = self.server_now()
                 now = srv if srv is not None else self.index.now()
                 pace = layout.Pacer()  # the engine thread must get the GIL while we walk
+                vetted, self._vetted = self._vetted, {}
                 self.index.adopt(
                     ((bytes.fromhex(name), self._bytes(st), self._clamp(name, st, dirs, now))
-                     for name, st, dirs in layout.walk_namespace(self.ns_dir, scan, pace, self.owner)),
+                     for name, st, dirs in layout.walk_namespace(
+                         self.ns_dir, scan, pace, self.owner,
+                         vet=lambda d, name, st: self._vet(vetted, d, name, st),
+                         repair=self.dir_mode if self._writable() else None)),
                     pace,
                 )
             except BaseException:
                 self.index.abort_rebuild()
                 raise
+            per_writer: dict[str, int] = {}
             temp_bytes = 0
             mono = time.monotonic()
             seen, self._temps_seen = self._temps_seen, {}
@@ -87,17 +104,37 @@ class Rescanner:
                 stale = srv is not None and srv - t.mtime > self.stale_tmp_s
                 still = not stale and srv is not None and mono - since > self.stale_tmp_s
                 dead = not stale and not still and srv is not None and layout.temp_writer_dead(t.name)
-                if (stale or still or dead) and actions.unlink_temp_if_ours(self.ns_dir, t):
+                n = actions.ours(self.ns_dir, t, self.head_ok)
+                if n is None:  # junk named like our temps, or a hard link: foreign, never counted or deleted
+                    self._temps_seen.pop((t.dirs, t.name), None)
+                    scan.foreign.append(t.path)
+                    continue
+                if (stale or still or dead) and actions.unlink_temp_if_ours(self.ns_dir, t, self.head_ok):
                     self._temps_seen.pop((t.dirs, t.name), None)
                     self._count("stale_temps_removed" if stale else "unchanged_temps_removed" if still
                                 else "dead_temps_removed")
-                else:
+                    continue
+                writer = t.name.split(".", 3)[-1].rsplit(".", 1)[0]  # pid, host tag and token
+                per_writer[writer] = per_writer.get(writer, 0) + 1
+                if per_writer[writer] <= self.writes_per_writer:
                     temp_bytes += self._bytes_of(t.size, t.blocks)
+            if self.temp_cap_bytes is not None:
+                temp_bytes = min(temp_bytes, self.temp_cap_bytes)
             self.temp_bytes = temp_bytes
+            self.foreign = len(scan.foreign)
             self._note_unreadable(scan.unreadable)
             self.last = time.monotonic()
         finally:
             self._lock.release()
+        return True
+
+    def _vet(self, vetted: dict[str, int], d: int, name: str, st: os.stat_result) -> bool:
+        """Is the chunk-named file ``name`` ours? One header read per new (dev, ino, ctime, size)."""
+        ident = hash((st.st_dev, st.st_ino, st.st_ctime_ns, st.st_size))
+        if vetted.get(name) != ident and (
+                st.st_size == 0 or actions.ours_at(d, name, head_ok=self.head_ok, want_name=name) is None):
+            return False
+        self._vetted[name] = ident
         return True
 
     def _bytes(self, st: os.stat_result) -> int:

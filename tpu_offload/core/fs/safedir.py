@@ -22,12 +22,14 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import logging
 import os
 import stat
 import threading
 import time
 from typing import Iterator, Sequence
 
+log = logging.getLogger("tpu_offload.fs")
 O_PATH = getattr(os, "O_PATH", 0)
 _WALK = (O_PATH or os.O_RDONLY) | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _LIST = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -63,9 +65,41 @@ class NotOurs(OSError):
                                       "others cannot write")
 
 
-def check_ours(st: os.stat_result, uid: int, what: str = "directory") -> None:
-    if st.st_uid != uid or st.st_mode & 0o022:
+def check_ours(st: os.stat_result, uid: int, what: str = "directory", *, repair: int | None = None,
+               fd: int | None = None) -> None:
+    """Raise ``NotOurs`` unless the directory is ``uid``'s and group and others cannot write it.
+
+    With ``repair`` (a mode) and the directory's ``fd``, a directory of ours
+    with a wrong mode (``chmod g+w`` by someone sharing our uid) is set back
+    to ``repair`` through the fd and kept: refusing it would let one chmod
+    turn the tier off for every replica. Another uid's directory is still refused.
+    """
+    if st.st_uid != uid:
         raise NotOurs(what, st, uid)
+    if not st.st_mode & 0o022:
+        return
+    if repair is None or fd is None:
+        raise NotOurs(what, st, uid)
+    try:
+        fchmod_dir(fd, repair)
+    except OSError:
+        raise NotOurs(what, st, uid) from None
+    log.warning("%s had mode %o (group- or world-writable); set back to %o", what, stat.S_IMODE(st.st_mode), repair)
+
+
+def fchmod_dir(fd: int, mode: int) -> None:
+    """``fchmod`` a directory fd, also an ``O_PATH`` one (those refuse fchmod: re-opened as ".")."""
+    try:
+        os.fchmod(fd, mode)
+        return
+    except OSError as e:
+        if e.errno != errno.EBADF:
+            raise
+    rfd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=fd)
+    try:
+        os.fchmod(rfd, mode)
+    finally:
+        os.close(rfd)
 
 
 def is_unsafe(e: OSError) -> bool:
@@ -284,7 +318,7 @@ class HeldDir:
         ident = (st.st_dev, st.st_ino)
         if ident in self._vetted:
             return
-        check_ours(st, self.owner, f"directory {name!r} under {self.path}")
+        check_ours(st, self.owner, f"directory {name!r} under {self.path}", repair=self.mode, fd=fd)
         if len(self._vetted) > 200_000:
             self._vetted.clear()
         self._vetted.add(ident)
@@ -330,7 +364,7 @@ class HeldDir:
                 st = os.fstat(h.fd)
                 if self.owner is not None:
                     try:
-                        check_ours(st, self.owner, f"namespace directory {self.path}")
+                        check_ours(st, self.owner, f"namespace directory {self.path}", repair=self.mode, fd=h.fd)
                     except NotOurs:
                         os.close(h.fd)
                         raise

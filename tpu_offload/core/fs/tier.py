@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import errno
+import hmac
 import logging
 import os
 import threading
@@ -44,7 +45,7 @@ from tpu_offload.core.fs import layout, safedir
 from tpu_offload.core.fs.auth import FsAuth, Names
 from tpu_offload.core.fs.chunkfile import ChunkFiles
 from tpu_offload.core.fs.deadline import BoundedCalls
-from tpu_offload.core.fs.format import HEADER_SIZE
+from tpu_offload.core.fs.format import FLAG_HEAD, HEAD_MAC_OFF, HEADER_SIZE, HeaderError, parse_header
 from tpu_offload.core.fs.index import FileIndex
 from tpu_offload.core.fs.journal import FileJournal
 from tpu_offload.core.fs.metrics import FsMetrics
@@ -63,6 +64,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("tpu_offload.fs")
 
 _UNAUTH_WARNED = False  # once per process
+_NO_BUDGET_WARNED = False  # once per process
 
 
 class CapacityError(ValueError):
@@ -129,8 +131,10 @@ class FileTier(WritePath, ReadPath):
         # file id -> inode of a file that failed its MAC: absent for ``contains``, and our next write of
         # the chunk replaces it (temp + rename over it) instead of keeping "a file of the right size".
         self._suspect: collections.OrderedDict[bytes, int] = collections.OrderedDict()
-        # file id -> the inode we last published or verified there: the only one ``touch`` restamps.
-        self._ours_ino: dict[bytes, int] = {}
+        # file id -> identity (st_dev, st_ino, st_ctime_ns) of the file we last published or verified
+        # there: the only file ``touch`` restamps and the only one that makes a write of the chunk
+        # unnecessary. An inode number alone is reused by the filesystem; its ctime changes with it.
+        self._ours: dict[bytes, tuple[int, int, int]] = {}
         self.chunk_bytes = chunk_bytes
         self.file_bytes = HEADER_SIZE + chunk_bytes
         self.capacity_bytes = capacity_bytes
@@ -149,7 +153,10 @@ class FileTier(WritePath, ReadPath):
         self._index = FileIndex(touch_interval_s)
         self._scanner = Rescanner(self.ns_dir, self._index, name=name, stale_tmp_s=stale_tmp_s, count=self._count,
                                   writable=lambda: self._state is TierState.RW, owner=self._uid,
-                                  file_bytes=self.file_bytes)
+                                  file_bytes=self.file_bytes, head_ok=self._head_ok if self._tk else None,
+                                  writes_per_writer=threads,
+                                  temp_cap_bytes=None if capacity_bytes is None else capacity_bytes // 4,
+                                  dir_mode=dir_mode)
         self._lock = threading.RLock()  # state, counters, in-flight writes
         self._inflight: dict[bytes, Future] = {}
         self._writes = 0
@@ -167,11 +174,11 @@ class FileTier(WritePath, ReadPath):
         self.fs_metrics = fs_metrics
         self._m = fs_metrics.for_tier(name)
         self._workers: IOWorkers | None = None
-        self.journal: FileJournal | None = None  # set by an adapter that publishes KV events
+        self._journal: FileJournal | None = None  # set by an adapter that reports to its scheduler
+        self._probe_error: OSError | None = None
         self._warn_unauthenticated()
+        self._workers = IOWorkers(threads, name=f"{name}-io")  # also when off: the retries run on it
         self._open_namespace()
-        if self._state is not TierState.OFF:
-            self._workers = IOWorkers(threads, name=f"{name}-io")
         fs_metrics.add_tier(name, self.usage)
         if metrics is not None:
             metrics.add_tier(name, self.stats)
@@ -189,13 +196,15 @@ class FileTier(WritePath, ReadPath):
 
             _check_authenticated({"shared_storage_path": cfg.shared_storage_path})
         try:
-            return cls(
+            tier = cls(
                 cfg.shared_storage_path, fingerprint, chunk_bytes,
                 capacity_bytes=cfg.fs_capacity_bytes, threads=cfg.fs_threads,
                 queue_depth=cfg.fs_queue_depth, fsync=cfg.fs_fsync, o_direct=cfg.fs_o_direct,
                 metrics=metrics, secret=cfg.fs_secret, dir_mode=cfg.fs_dir_mode, encrypt=cfg.fs_encrypt,
                 mac=cfg.fs_mac, **{"io_timeout_s": cfg.fs_io_timeout_s, **kw},
             )
+            tier._warn_no_budget()  # an engine's start: say it once when the shared tier has no budget
+            return tier
         except CapacityError as e:  # checked (once) by the constructor, before it touches anything
             from tpu_offload.core.config import ConfigError
 
@@ -208,6 +217,17 @@ class FileTier(WritePath, ReadPath):
     @property
     def state(self) -> TierState:
         return self._state
+
+    @property
+    def journal(self) -> FileJournal | None:
+        return self._journal
+
+    @journal.setter
+    def journal(self, j: FileJournal | None) -> None:
+        """Outcomes for the scheduler; an off tier says so at once (no file hits are offered meanwhile)."""
+        self._journal = j
+        if j is not None and self._state is TierState.OFF:
+            j.tier_state(off=True)
 
     @property
     def authenticated(self) -> bool:
@@ -239,6 +259,25 @@ class FileTier(WritePath, ReadPath):
         if key is not None and self.journal is not None:
             self.journal.removed(key)
 
+    def _head_ok(self, hdr: bytes, name: str | None) -> bool:
+        """Did one of our writers sign this header for this namespace (and, given ``name``, this file)?"""
+        try:
+            h = parse_header(hdr)
+        except HeaderError:
+            return False
+        if not h.flags & FLAG_HEAD or h.digest != self.names.digest or (name is not None and h.key.hex() != name):
+            return False
+        return hmac.compare_digest(self._tk.head_mac(memoryview(hdr)[:HEAD_MAC_OFF]), h.head_mac)
+
+    def _warn_no_budget(self) -> None:
+        global _NO_BUDGET_WARNED
+        if self.capacity_bytes is None and not _NO_BUDGET_WARNED:
+            _NO_BUDGET_WARNED = True
+            log.warning("fs tier %s at %s has no budget (fs_capacity_bytes is not set): nothing but "
+                        "`tpu-offload-fs evict` removes its files, and a full volume turns it read-only. Set "
+                        "fs_capacity_bytes to what every replica writing this namespace may keep together",
+                        self.name, self.root)
+
     def _warn_unauthenticated(self) -> None:
         global _UNAUTH_WARNED
         if self._tk is None and not _UNAUTH_WARNED:
@@ -254,6 +293,7 @@ class FileTier(WritePath, ReadPath):
         directory, device or symlink at the key's path is a miss.
         """
         if self._state in (TierState.OFF, TierState.CLOSED):
+            self._maybe_reopen()
             return False
         try:
             fid = self._fid(key, salt=salt)
@@ -292,13 +332,15 @@ class FileTier(WritePath, ReadPath):
             keys, self._touch_q = self._touch_q, {}
             self._touch_scheduled = False
         for fid in keys:
-            ino = self._ours_ino.get(fid)
-            if ino is None:
+            ident = self._ours.get(fid)
+            if ident is None:
                 continue  # never restamp a file we did not write or verify
             try:
-                self.files.restamp(fid.hex(), ino)
+                new = self.files.restamp(fid.hex(), ident)
             except OSError:
-                pass  # evicted meanwhile, or another uid's file
+                new = None  # evicted meanwhile, or another uid's file
+            if new is not None and self._ours.get(fid) == ident:
+                self._ours[fid] = new  # the restamp moved its ctime
 
     def keys_lru_order(self) -> list[bytes]:
         """On-disk ids, least recent first (the chunk keys themselves without a secret)."""
@@ -336,65 +378,119 @@ class FileTier(WritePath, ReadPath):
         if self._tk is not None and len(self._key_of) > 2 * len(self._index) + 1024:
             idx = self._index
             self._key_of = {f: k for f, k in list(self._key_of.items()) if f in idx}
-        if len(self._ours_ino) > 2 * len(self._index) + 1024:
+        if len(self._ours) > 2 * len(self._index) + 1024:
             idx = self._index
-            self._ours_ino = {f: i for f, i in list(self._ours_ino.items()) if f in idx}
+            self._ours = {f: i for f, i in list(self._ours.items()) if f in idx}
         if self.capacity_bytes is not None:
             self._enforce_budget()
 
     # ---- state ---------------------------------------------------------
     def _open_namespace(self) -> None:
+        """Make or adopt the namespace directory, probe it, scan it; on failure off (or read-only), retried.
+
+        Retried every ``readonly_retry_s`` (``_maybe_reopen``): a full disk or
+        a directory that cannot be made at start or after a reset must not
+        turn the tier off until a restart.
+        """
+        err, usable = self._prepare_namespace()
+        if not usable:
+            self._to_off(err)
+            return
+        with self._lock:
+            was_off = self._state is TierState.OFF
+            self._state, self._retry_at = TierState.RW, None
+        if was_off and self._journal is not None:
+            self._journal.tier_state(off=False)
+        if err is not None:
+            self._to_read_only(err)
+        try:
+            self._rescan(block=True)
+        except OSError as e:
+            self._to_off(e)
+
+    def _prepare_namespace(self) -> tuple[OSError | None, bool]:
+        """(the error, whether the directory is usable at all: read-only when an error comes with True)."""
+        ro_err = None
         try:
             layout.make_dirs(self.ns_dir, self.dir_mode)
         except OSError as e:
             if not os.path.isdir(self.ns_dir):
-                self._to_off(e)
-                return
-            self._to_read_only(e)
-        if os.path.islink(self.ns_dir):  # never followed: whoever made it, it is not ours
-            self._to_off(OSError(errno.ELOOP, "the namespace directory is a symlink"))
-            return
-        try:  # another tenant may have made it first (a sticky world-writable root): never adopted
-            safedir.check_ours(os.lstat(self.ns_dir), self._uid, f"namespace directory {self.ns_dir}")
+                return e, False
+            ro_err = e
+        try:  # never followed: whoever made a symlink there, it is not ours
+            fd = safedir.open_base(self.ns_dir)
         except OSError as e:
-            self._to_off(e)
-            return
+            if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                return OSError(errno.ELOOP, "the namespace directory is a symlink"), False
+            return e, False
+        try:  # another uid's (a tenant made it first) is never adopted; ours with a wrong mode is repaired
+            safedir.check_ours(os.fstat(fd), self._uid, f"namespace directory {self.ns_dir}",
+                               repair=self.dir_mode, fd=fd)
+        except OSError as e:
+            return e, False
+        finally:
+            os.close(fd)
         try:
             st = os.statvfs(self.ns_dir)
             self._fs_total = st.f_blocks * st.f_frsize
         except OSError:
             self._fs_total = 0
-        if self._state is TierState.RW:
-            probe = layout.temp_name("probe")
-            try:
-                with safedir.dir_at(self.ns_dir) as d:
-                    os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                                     layout.FILE_MODE, dir_fd=d))
-                    os.unlink(probe, dir_fd=d)
-            except OSError as e:
-                self._to_read_only(e)
+        if ro_err is None and not self._ns_writable():
+            ro_err = self._probe_error or OSError(errno.EACCES, "cannot create a file in the namespace directory")
+        return ro_err, True
+
+    def _ns_writable(self) -> bool:
+        """Can a file be created (and removed) in the namespace directory now? (``_probe_error`` says why not.)"""
+        probe = layout.temp_name("probe")
         try:
-            self._rescan(block=True)
+            with safedir.dir_at(self.ns_dir) as d:
+                os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                                 layout.FILE_MODE, dir_fd=d))
+                os.unlink(probe, dir_fd=d)
         except OSError as e:
-            self._to_off(e)
+            self._probe_error = e
+            return False
+        self._probe_error = None
+        return True
+
+    def _maybe_reopen(self) -> None:
+        """An OFF tier whose retry time has come: open the namespace again, on an I/O thread."""
+        with self._lock:
+            if self._state is not TierState.OFF or self._retry_at is None or time.monotonic() < self._retry_at \
+                    or self._workers is None:
+                return
+            self._retry_at = None  # one attempt at a time
+        try:
+            self._workers.submit(self._reopen)
+        except RuntimeError:
+            pass
+
+    def _reopen(self) -> None:
+        self._open_namespace()
+        if self._state is not TierState.OFF:
+            log.warning("fs tier %s at %s is back (%s)", self.name, self.ns_dir, self._state.value)
 
     def _to_read_only(self, e: OSError) -> None:
         with self._lock:
             if self._state is not TierState.RW:
                 return
             self._state = TierState.READ_ONLY
-            space = e.errno in SPACE_ERRNOS
-            self._retry_at = time.monotonic() + self.readonly_retry_s if space else None
+            self._retry_at = time.monotonic() + self.readonly_retry_s
             self._announce(
                 f"fs tier {self.name} at {self.ns_dir} is read-only ({e.strerror or e}); "
-                "writes are dropped and counted, reads continue"
-                + (f"; writes retried after {self.readonly_retry_s:g}s" if space else "")
+                f"writes are dropped and counted, reads continue; writes retried every {self.readonly_retry_s:g}s"
             )
 
     def _to_off(self, e: OSError) -> None:
         with self._lock:
+            if self._state is TierState.CLOSED:
+                return
+            if self._state is not TierState.OFF and self._journal is not None:
+                self._journal.tier_state(off=True)
             self._state = TierState.OFF
-            self._announce(f"fs tier {self.name} at {self.ns_dir} is off ({e.strerror or e}); every lookup misses")
+            self._retry_at = time.monotonic() + self.readonly_retry_s
+            self._announce(f"fs tier {self.name} at {self.ns_dir} is off ({e.strerror or e}); every lookup "
+                           f"misses; retried every {self.readonly_retry_s:g}s")
 
     def _announce(self, msg: str) -> None:
         if self._warned:
@@ -428,7 +524,7 @@ class FileTier(WritePath, ReadPath):
         if self._workers is None:
             return True
         ok = self._workers.drain(timeout)
-        if ok and self.capacity_bytes is not None and self._state is not TierState.CLOSED:
+        if ok and self.capacity_bytes is not None and self._state in (TierState.RW, TierState.READ_ONLY):
             try:
                 self._rescan(block=True)
             except OSError as e:
@@ -486,7 +582,7 @@ class FileTier(WritePath, ReadPath):
         return {
             "capacity_bytes": budget, "used_bytes": self._index.used_bytes, "files": len(self._index),
             "writes_in_flight": self._writes, "state": self._state.value,
-            "unreadable_paths": len(self._scanner.unreadable),
+            "unreadable_paths": len(self._scanner.unreadable), "foreign_entries": self._scanner.foreign,
         }
 
     def counters(self) -> dict[str, int]:

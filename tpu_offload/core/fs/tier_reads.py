@@ -34,6 +34,7 @@ class ReadPath:
         On False ``out`` may hold garbage: the caller must treat it as empty.
         """
         if self._state in (TierState.OFF, TierState.CLOSED):
+            self._maybe_reopen()
             return False
         mv = byte_view(out, writable=True)
         if len(mv) != self.chunk_bytes:
@@ -49,7 +50,7 @@ class ReadPath:
             self._m.op("read", "not_regular")
             return self._miss(fid)
         if outcome is ERROR:
-            return self._read_error(detail)
+            return self._read_error(detail, fid)
         if outcome is CORRUPT:
             reason, ino = detail
             return self._reject(fid, khex, ino, reason)
@@ -60,7 +61,7 @@ class ReadPath:
         self._count("reads_ok", 1, "bytes_read", len(mv))
         if self._offload_metrics is not None:
             self._offload_metrics.loaded_chunks.labels(tier=self.name, **self._offload_metrics.labels).inc()
-        self._ours_ino[fid] = self.files.last_inode()  # verified: this inode may be restamped
+        self._ours[fid] = self.files.last_identity()  # verified: this file may be restamped
         self._suspect.pop(fid, None)  # another replica's good copy replaced a forged one
         if fid not in self._index:  # another instance wrote it: restamp its mtime too
             self._index.add(fid, self.file_bytes, disk_time=0.0)
@@ -76,6 +77,7 @@ class ReadPath:
         False (and no callback) if the tier cannot read at all.
         """
         if self._state in (TierState.OFF, TierState.CLOSED) or self._workers is None:
+            self._maybe_reopen()
             return False
         out_mv = byte_view(out, writable=True)
         if len(out_mv) != self.chunk_bytes:
@@ -165,7 +167,20 @@ class ReadPath:
         self._m.op("read", "miss")
         return False
 
-    def _read_error(self, e: OSError) -> bool:
+    def _read_error(self, e: OSError, fid: bytes | None = None) -> bool:
+        """A file that is there but cannot be read (mode 000, a lease, EIO): a miss, hidden until replaced.
+
+        Hidden from ``contains`` and never kept as "already published": the
+        recompute's write of the chunk publishes over it (rename), so one bad
+        file costs one recompute, not one per request.
+        """
+        if fid is not None:
+            self._index.remove(fid)
+            self._ours.pop(fid, None)
+            self._suspect[fid] = 0
+            self._suspect.move_to_end(fid)
+            while len(self._suspect) > 1 << 16:
+                self._suspect.popitem(last=False)
         self._count("read_errors")
         self._m.op("read", errno.errorcode.get(e.errno, "error").lower())  # eio, ...: a metric each
         if e.errno not in self._warned_errnos:
@@ -179,7 +194,7 @@ class ReadPath:
         self._journal_removed(fid)
         path = layout.chunk_dir_and_path(self.ns_dir, khex)[1]
         if reason == "mac":  # valid checksums, wrong MAC: made by someone without our key. Not ours to delete.
-            self._ours_ino.pop(fid, None)
+            self._ours.pop(fid, None)
             self._suspect[fid] = ino  # hidden from contains; our next write of it replaces it
             self._suspect.move_to_end(fid)
             while len(self._suspect) > 1 << 16:

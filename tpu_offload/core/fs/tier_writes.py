@@ -18,6 +18,7 @@ from concurrent.futures import Future
 import numpy as np
 
 from tpu_offload.core.fs import safedir
+from tpu_offload.core.fs.chunkfile import identity
 from tpu_offload.core.fs.deadline import WriteGuard
 from tpu_offload.core.fs.fileio import byte_view
 from tpu_offload.core.fs.ticket import TierState, WriteTicket, done_future
@@ -47,6 +48,8 @@ class WritePath:
                 log.info("fs tier %s: retrying writes at %s", self.name, self.ns_dir)
             if self._state is not TierState.RW:
                 self._drop(self._state.value, key)
+                if self._state is TierState.OFF:
+                    self._maybe_reopen()  # stores keep coming while the scheduler offers no file hits
                 return None
             if key in self._inflight:
                 self._count("writes_dedup")
@@ -87,21 +90,22 @@ class WritePath:
             return False
         fid = self._fid(key, remember=True, salt=salt)
         khex = fid.hex()
-        replace = fid in self._suspect  # a forged file sits there: write over it, never keep it
+        replace = fid in self._suspect  # a forged or unreadable file sits there: write over it, never keep it
+        ours = None if replace else self._ours.get(fid)
         t0 = time.perf_counter()
         try:
-            st = self.files.write(fid, khex, mv, unless_size=None if replace else self.file_bytes,
+            # Kept only if it is the very file we wrote or verified: anything else there is published over.
+            st = self.files.write(fid, khex, mv, keep=None if ours is None else (lambda st: identity(st) == ours),
                                   tk=self._keys(salt), publish=None if guard is None else guard.publish)
         except OSError as e:
             self._write_error(e)
             return False
-        if st is not None:  # someone (maybe another instance) already published it
-            # Not restamped: we have not verified it (a read hit does, and restamps then).
+        if st is not None:  # our own file is still there
             self._index.add(fid, st.st_size, disk_time=st.st_mtime)
             self._count("writes_exist")
             self._m.op("write", "exists")
             return True
-        self._ours_ino[fid] = self.files.last_inode()
+        self._ours[fid] = self.files.last_identity()
         if replace and self._suspect.pop(fid, None) is not None:
             self._count("auth_replaced")
             self._m.op("write", "replaced_forged")
@@ -135,9 +139,16 @@ class WritePath:
                 self._warned_errnos.add("unsafe")
                 log.warning("fs tier %s: write refused (%s): something other than a directory is on the "
                             "path below %s; symlinks are never followed", self.name, e, self.ns_dir)
-        elif e.errno in SPACE_ERRNOS or e.errno in DENIED_ERRNOS:
-            self._to_read_only(e)
+        elif e.errno in SPACE_ERRNOS or e.errno == errno.EROFS or \
+                (e.errno in DENIED_ERRNOS and not self._ns_writable()):
+            self._to_read_only(e)  # the whole namespace: read-only, writes retried after readonly_retry_s
             self._drop(errno.errorcode.get(e.errno, "oserror").lower())
+        elif e.errno in DENIED_ERRNOS:  # one fan-out directory (or file): that write only, the tier stays
+            self._drop(errno.errorcode.get(e.errno, "oserror").lower())
+            if ("denied", e.errno) not in self._warned_errnos:
+                self._warned_errnos.add(("denied", e.errno))
+                log.warning("fs tier %s: a write was refused (%s) in one directory under %s; that chunk is not "
+                            "cached, the rest of the tier still writes", self.name, e, self.ns_dir)
         else:
             self._drop(errno.errorcode.get(e.errno, "oserror").lower())  # EIO and the like: one metric each
             if e.errno not in self._warned_errnos:
@@ -156,7 +167,15 @@ class WritePath:
         self._enforce_budget()
 
     def _enforce_budget(self) -> None:
-        """Chunk files plus the temps (writes in progress) the last scan saw, within the budget."""
-        budget = self.capacity_bytes - self._scanner.temp_bytes
+        """Our chunk files plus our temps (writes in progress) the last scan saw, within the budget.
+
+        The temps' allowance is capped (``Rescanner.temp_cap_bytes``, a quarter
+        of the budget), so no number of temp-named files, ours or not, can
+        make the budget for chunks reach zero and evict everything.
+        """
+        allowance = self._scanner.temp_bytes
+        if self._scanner.temp_cap_bytes is not None:
+            allowance = min(allowance, self._scanner.temp_cap_bytes)
+        budget = max(self.file_bytes, self.capacity_bytes - allowance)
         if self._index.used_bytes > budget:
-            self._evict_to(max(0, budget))
+            self._evict_to(budget)
