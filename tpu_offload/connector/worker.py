@@ -51,16 +51,16 @@ class _Flight:
 
 
 def transfer_path(cfg, devices, ranks: int = 1) -> str:
-    """``auto``: device_put on TPU, where a program's host copies would hold the TensorCore (the next
-    forward waits for them) while a runtime device_put overlaps it; program elsewhere (CPU, tests) and
-    under DP attention, where a chunk lives on one rank's devices (jax_backend/ranks.py)."""
+    """``auto``: the program path everywhere. On TPU its gather/scatter are DMA kernels and its host copies
+    write preallocated slabs in place, so every program a pass runs moves that pass's blocks, nothing
+    more (tests/tpu_compiler). ``device_put`` is an opt-in whose two wrapper programs touch the whole
+    staging buffer on every pass (8,000 MiB per device at Qwen3-32B TP 8 on TPU7x, whatever the pass
+    moves) and which allocates one host array per stored chunk and device."""
     if cfg.transfer_path == "device_put" and ranks > 1:
         raise ConfigError(f"transfer_path='device_put' with {ranks} attention-DP ranks: each rank keeps its chunks "
                           "in its own devices' host memory, which only the program path writes; set "
                           "transfer_path to 'program' or 'auto' (TPU_OFFLOAD_TRANSFER_PATH)")
-    if cfg.transfer_path != "auto":
-        return cfg.transfer_path
-    return "device_put" if devices and devices[0].platform == "tpu" and ranks == 1 else "program"
+    return "program" if cfg.transfer_path == "auto" else cfg.transfer_path
 
 
 class OffloadWorker:

@@ -330,8 +330,9 @@ class OffloadConfig:
     # Host memory the tier must leave for the engine and the rest of the host: a fraction
     # (float) of the host's memory (or its cgroup limit, if smaller), or bytes (int).
     host_memory_margin: int | float = 0.05
-    # TPU host path: "program" (preallocated slabs written by compiled programs), "device_put" (per-slot
-    # host arrays sent by the runtime, overlapping compute), "auto" (device_put on TPU, program elsewhere)
+    # TPU host path: "program" (preallocated slabs written in place by compiled programs; every program a
+    # pass runs scales with what it moves), "device_put" (opt-in: one host array per stored chunk and device,
+    # and two programs over the whole staging buffer every pass), "auto" (program)
     transfer_path: str = "auto"
     # How gather/scatter move blocks: "dma" (a Pallas kernel of DMAs, no TensorCore loop over blocks; on CPU
     # it runs in TPU interpret mode), "loop" (XLA ops, one block per trip), "auto" (dma on TPU, loop elsewhere)

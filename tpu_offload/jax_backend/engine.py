@@ -10,15 +10,19 @@ through the same buffer (donation orders them), never truncated.
 
 Two host paths behind the same calls (``path``):
 
-* ``program``: the tier is preallocated slabs, and ``store``/``load`` are
-  compiled programs that write and read them in place. Bounded, no
-  allocation while serving; but a TensorCore runs one program at a time, so
-  the next forward waits for those host copies.
-* ``device_put``: each stored chunk is sliced out of staging and sent with
-  ``jax.device_put`` to its own host-memory-kind array (one per slot, so the
-  tier stays bounded by the slot count). The runtime queues that DMA outside
-  any program, where it overlaps the next forward: what tpu-inference's own
-  connector does on TPU7x. Each store allocates its chunk's host array.
+* ``program`` (the default): the tier is preallocated slabs, and
+  ``store``/``load`` are compiled programs that write and read them in
+  place: one asynchronous copy per chunk, into or out of its slab row. With
+  the DMA gather/scatter every program a pass runs moves that pass's blocks
+  and no more (TPU compiler: tests/tpu_compiler), and host memory is
+  allocated once.
+* ``device_put`` (opt-in): each stored chunk is sliced out of staging and
+  sent with ``jax.device_put`` to its own host-memory-kind array (one per
+  slot). Its cost: ``take_chunks`` outputs every staging chunk and
+  ``put_chunks`` rewrites them all on every pass, so a 16-block pass costs
+  what a full staging buffer does (8,000 MiB accessed per device each at
+  Qwen3-32B TP 8 on TPU7x), and every store allocates host arrays (one
+  mapping per chunk and device, against ``vm.max_map_count``).
 
 ``valid[slot]`` is this process's truth about a slot: cleared when a store
 into it is dispatched, set when that store completed. Loading an invalid
