@@ -247,6 +247,12 @@ _SETTINGS: tuple[_Setting, ...] = (
     # load budget per step (issue 18): host-to-device bandwidth per chip x the stall a step may take
     _Setting("load_bandwidth_gbps", _float(0.001), "TPU_OFFLOAD_LOAD_BANDWIDTH_GBPS", ("load_bandwidth_gbps",)),
     _Setting("load_stall_ms", _float(0.001), "TPU_OFFLOAD_LOAD_STALL_MS", ("load_stall_ms",)),
+    # transfer pacing (issue 26): pieces, bytes in flight, and a byte budget per step and direction
+    _Setting("transfer_piece_bytes", _bytes, "TPU_OFFLOAD_TRANSFER_PIECE_BYTES", ("transfer_piece_bytes",)),
+    _Setting("transfer_inflight_bytes", _bytes, "TPU_OFFLOAD_TRANSFER_INFLIGHT_BYTES", ("transfer_inflight_bytes",)),
+    _Setting("transfer_bandwidth_gbps", _float(0.001), "TPU_OFFLOAD_TRANSFER_BANDWIDTH_GBPS",
+             ("transfer_bandwidth_gbps",)),
+    _Setting("transfer_stall_ms", _float(0.001), "TPU_OFFLOAD_TRANSFER_STALL_MS", ("transfer_stall_ms",)),
     _Setting("decode_save", _bool, "TPU_OFFLOAD_DECODE_SAVE", ("decode_save",)),
     _Setting("store_policy", _choice("write_through", "exclusive"), "TPU_OFFLOAD_STORE_POLICY", ("store_policy",)),
     _Setting("sync_load", _bool, "TPU_OFFLOAD_SYNC_LOAD", ("sync_load",)),
@@ -321,6 +327,18 @@ class OffloadConfig:
     # TPU7x measured ~47) x load_stall_ms (the stall one step may take): a larger hit spreads over steps.
     load_bandwidth_gbps: float = 47.0
     load_stall_ms: float = 20.0
+    # Transfer pacing (issue 26). TPU7x runs a TensorCore's DMAs and program launches through one in-order
+    # queue (google/tpu-sync): a forward queued behind 1 GiB of host copies waits ~19 ms, behind 16 MiB
+    # ~0.5 ms. So every host copy goes out in pieces of at most transfer_piece_bytes, with at most
+    # transfer_inflight_bytes dispatched and not landed, and at most transfer_bandwidth_gbps (GB/s per chip)
+    # x transfer_stall_ms per step and direction (a chip's devices share its link: TPU7x has two). All per
+    # device, counted by the process (every local device moves the same share). Work past a bound waits
+    # for a later step; the step thread never waits. Default bandwidth: tpu-sync's RAW_TRANSFER, ~152 GB/s
+    # per 8-device (4-chip) VM fragmented (~190 contiguous), 38 GB/s per chip.
+    transfer_piece_bytes: int = 16 << 20
+    transfer_inflight_bytes: int = 64 << 20
+    transfer_bandwidth_gbps: float = 38.0
+    transfer_stall_ms: float = 20.0
     decode_save: bool = False
     # write_through: every computed chunk goes to the host tier at once. exclusive: a chunk the device's
     # prefix cache still holds is not copied; it is copied when vLLM reuses its block (core/policy.py).
