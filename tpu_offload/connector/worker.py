@@ -33,7 +33,8 @@ from tpu_offload.connector.registration import build_engine
 from tpu_offload.connector.settings import Settings
 from tpu_offload.connector.stats import OffloadStats
 from tpu_offload.core.config import ConfigError
-from tpu_offload.jax_backend.engine import LoadChunk, StoreChunk, TransferEngine
+from tpu_offload.connector.budget import step_bytes
+from tpu_offload.jax_backend.engine import LoadChunk, Pacer, Paced, StoreChunk, TransferEngine
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +118,12 @@ class OffloadWorker:
         path = self.engine.path
         staging_per_device = self.engine.staging_device_bytes
         self.hbm = HbmInFlight(self.engine.in_flight_device_bytes)
+        self.pacer = None
+        if path == "program" and self.engine.layout.ranks == 1:  # host copies in pieces, after the forward
+            kind = getattr(self.engine.layout.mesh.devices.flat[0], "device_kind", "")
+            self.pacer = Pacer(cfg.transfer_piece_bytes, cfg.transfer_inflight_bytes,
+                               step_bytes(cfg.transfer_bandwidth_gbps, cfg.transfer_stall_ms, kind))
+            self.engine.pace(self.pacer)
         self.chunk_bytes = self.engine.chunk_bytes  # what one chunk costs on the host and on the wire
         if cfg.shared_storage_path:
             from tpu_offload.connector.fs import FsMover
@@ -156,6 +163,8 @@ class OffloadWorker:
         if not isinstance(meta, OffloadMetadata) or meta is self._early_meta or self.engine is None:
             return
         self._early_meta = meta
+        if self.pacer is not None:
+            self.pacer.new_step()  # this step's byte budgets
         if meta.early_stores:
             self._count_stores(meta.early_stores)  # first, as in wait_for_save
             self._check_snapshot(meta)
@@ -204,16 +213,27 @@ class OffloadWorker:
         hbm = self._wait_for_hbm(self.engine.device_moved_bytes(chunks), "load") if self.hbm.enabled and chunks else 0
         if chunks:
             try:
-                # Each pass donates the caches it is given: the runner holds every pass's output
-                # at once, so a later pass that fails leaves it with live caches, never donated ones.
-                self.runner.kv_caches, done = self.engine.load(self.runner.kv_caches, chunks,
-                                                               on_pass=self._hand_back)
-            except Exception:  # dispatch failed: nothing was written
-                log.exception("tpu_offload: load dispatch failed; %d chunks will be recomputed", len(chunks))
+                if self.pacer is not None:  # queued: copies from host in pieces, then the scatter
+                    done = self.engine.load_paced(chunks, lambda: self.runner.kv_caches, self._hand_back)
+                else:
+                    # Each pass donates the caches it is given: the runner holds every pass's output
+                    # at once, so a later pass that fails leaves it with live caches, never donated ones.
+                    self.runner.kv_caches, done = self.engine.load(self.runner.kv_caches, chunks,
+                                                                   on_pass=self._hand_back)
+            except Exception as e:  # dispatch failed: nothing was written
+                if type(e).__name__ == "StagingBusy":
+                    log.warning("tpu_offload: %s; %d chunks will be recomputed", e, len(chunks))
+                else:
+                    log.exception("tpu_offload: load dispatch failed; %d chunks will be recomputed", len(chunks))
                 self._fail_loads(meta.loads, bad)
                 done = None
         self._flights.append(_Flight(done, "load", list(meta.loads), bad, nbytes, time.perf_counter(), t0,
                                      hbm if done is not None else self._untake(hbm)))
+        if isinstance(done, Paced):
+            if any(not op.async_load for op in meta.loads):  # the forward needs it now: sent before it, unpaced
+                self.pacer.pump(only=done)
+            else:  # vLLM starts asynchronous loads after the forward is launched
+                self._pump()
 
     @property
     def sliding_classes(self) -> set[int]:
@@ -240,7 +260,13 @@ class OffloadWorker:
         self._check_snapshot(meta)
         self._releasing.update(meta.release)
         self._dispatch_stores(meta.stores)
+        self._pump()  # after the step's forward (vLLM calls this once the forward is launched)
         self._poll()
+
+    def _pump(self) -> None:
+        """Send queued host-copy pieces within the bounds (engine.Pacer); only ever after the forward."""
+        if self.pacer is not None:
+            self.pacer.pump()
 
     def _count_stores(self, stores) -> None:
         for op in stores:
@@ -259,8 +285,12 @@ class OffloadWorker:
             hbm = self._wait_for_hbm(self.engine.device_moved_bytes(chunks), "store") if self.hbm.enabled else 0
             try:
                 done = self.engine.store(self.runner.kv_caches, chunks)
-            except Exception:
-                log.exception("tpu_offload: store dispatch failed; %d chunks not stored", len(chunks))
+            except Exception as e:
+                if type(e).__name__ == "StagingBusy":  # the link is behind: drop, never wait
+                    log.warning("tpu_offload: %s; %d chunks not stored", e, len(chunks))
+                    self._add("stores_dropped_busy", len(chunks))
+                else:
+                    log.exception("tpu_offload: store dispatch failed; %d chunks not stored", len(chunks))
                 done = None
                 bad = {op.op_id: list(op.slots) for op in stores}
             self._flights.append(_Flight(done, "store", list(stores), bad,
@@ -499,6 +529,9 @@ class OffloadWorker:
             self._at_exit = None
         deadline = time.monotonic() + timeout_s
         while self._flights and time.monotonic() < deadline:
+            if self.pacer is not None:
+                self.pacer.new_step()
+            self._pump()
             self._poll()
             time.sleep(0.001)
         if self._flights:

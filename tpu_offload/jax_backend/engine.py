@@ -145,6 +145,7 @@ class Pacer:
         self.log: list[tuple] = []
         self._log_size = log_size
         self.on_land: Callable[[_Piece], None] | None = None
+        self.on_send: Callable[[_Piece], None] | None = None  # a recorder (tests)
 
     @property
     def in_flight(self) -> int:
@@ -163,10 +164,18 @@ class Pacer:
                 still.append(p)
         self.flying = still
 
-    def pump(self, force: bool = False) -> int:
-        """Dispatch queued pieces within the bounds (``force``: the next one regardless, after waiting
-        for what flies: shutdown only). Returns the pieces dispatched."""
+    def pump(self, force: bool = False, only: Paced | None = None) -> int:
+        """Dispatch queued pieces within the bounds. ``force``: the next one regardless, after waiting
+        for what flies (a caller that must wait: shutdown, a slot about to be overwritten). ``only``:
+        every piece of that transfer now, unbounded (a load the next forward needs). Returns the
+        pieces dispatched."""
         self.poll()
+        if only is not None:
+            mine = [p for p in self.queue if p.owner is only]
+            self.queue = [p for p in self.queue if p.owner is not only]
+            for p in mine:
+                self._send(p)
+            return len(mine)
         n = 0
         while self.queue:
             p = self.queue[0]
@@ -182,23 +191,28 @@ class Pacer:
                         q.done.block_until_ready()
                 self.poll()
             self.queue.pop(0)
-            try:
-                p.done = p.run()
-            except Exception:
-                logging.getLogger(__name__).exception("tpu_offload: a %s piece failed to dispatch", p.kind)
-                p.owner.failed = True
-                p.done = None
-            p.owner.left -= 1
-            if p.done is not None:
-                p.owner.dones.append(p.done)
-            self.flying.append(p)
-            self.sent["load" if p.kind == "scatter" else p.kind] += p.nbytes
-            if len(self.log) < self._log_size:
-                self.log.append((p.kind, p.nbytes, self.in_flight))
+            self._send(p)
             n += 1
             if force:
                 break
         return n
+
+    def _send(self, p: _Piece) -> None:
+        try:
+            p.done = p.run()
+        except Exception:
+            logging.getLogger(__name__).exception("tpu_offload: a %s piece failed to dispatch", p.kind)
+            p.owner.failed = True
+            p.done = None
+        p.owner.left -= 1
+        if p.done is not None:
+            p.owner.dones.append(p.done)
+        self.flying.append(p)
+        self.sent["load" if p.kind == "scatter" else p.kind] += p.nbytes
+        if len(self.log) < self._log_size:
+            self.log.append((p.kind, p.nbytes, self.in_flight))
+        if self.on_send is not None:
+            self.on_send(p)
 
 
 @dataclasses.dataclass(frozen=True)
