@@ -119,7 +119,9 @@ class OffloadWorker:
         staging_per_device = self.engine.staging_device_bytes
         self.hbm = HbmInFlight(self.engine.in_flight_device_bytes)
         self.pacer = None
-        if path == "program" and self.engine.layout.ranks == 1:  # host copies in pieces, after the forward
+        # Host copies in pieces, after the forward; one process only: with several, every host must launch
+        # the same programs in the same order, which pacing by local readiness would not keep.
+        if path == "program" and self.engine.layout.ranks == 1 and jax.process_count() == 1:
             kind = getattr(self.engine.layout.mesh.devices.flat[0], "device_kind", "")
             self.pacer = Pacer(cfg.transfer_piece_bytes, cfg.transfer_inflight_bytes,
                                step_bytes(cfg.transfer_bandwidth_gbps, cfg.transfer_stall_ms, kind))
@@ -213,13 +215,13 @@ class OffloadWorker:
         hbm = self._wait_for_hbm(self.engine.device_moved_bytes(chunks), "load") if self.hbm.enabled and chunks else 0
         if chunks:
             try:
-                if self.pacer is not None:  # queued: copies from host in pieces, then the scatter
-                    done = self.engine.load_paced(chunks, lambda: self.runner.kv_caches, self._hand_back)
-                else:
-                    # Each pass donates the caches it is given: the runner holds every pass's output
-                    # at once, so a later pass that fails leaves it with live caches, never donated ones.
-                    self.runner.kv_caches, done = self.engine.load(self.runner.kv_caches, chunks,
-                                                                   on_pass=self._hand_back)
+                # Each pass donates the caches it is given: the runner holds every pass's output
+                # at once, so a later pass that fails leaves it with live caches, never donated ones.
+                # Paced: queued (copies from host in pieces, then the scatter into the runner's caches
+                # of the step that sends it).
+                self.runner.kv_caches, done = self.engine.load(self.runner.kv_caches, chunks,
+                                                               on_pass=self._hand_back,
+                                                               current=lambda: self.runner.kv_caches)
             except Exception as e:  # dispatch failed: nothing was written
                 if type(e).__name__ == "StagingBusy":
                     log.warning("tpu_offload: %s; %d chunks will be recomputed", e, len(chunks))

@@ -432,15 +432,22 @@ class TransferEngine:
         return True
 
     def load(self, kv_caches: list, chunks: Sequence[LoadChunk],
-             on_pass: Callable[[list], None] | None = None) -> tuple[list, jax.Array | None]:
+             on_pass: Callable[[list], None] | None = None,
+             current: Callable[[], list] | None = None) -> tuple[list, jax.Array | None]:
         """Host slots -> paged blocks. Returns the new caches (the old ones are donated).
 
         ``on_pass(caches)`` gets the new caches after every pass: a pass donates
         the caches it was given, so if a later pass raises, the caller must
         already hold the earlier pass's output, not the donated arrays.
+
+        Paced (``pace``): queued; returns ``kv_caches`` unchanged and a ``Paced``. The scatter, when
+        the pacer sends it, reads ``current()`` (the caller's caches then) and hands its output to
+        ``on_pass``.
         """
         if self.pacer is not None:
-            raise ValueError("a paced engine loads with load_paced")
+            if current is None or on_pass is None:
+                raise ValueError("a paced load needs current and on_pass: its scatter runs in a later pump")
+            return kv_caches, self.load_paced(chunks, current, on_pass)
         done = None
         for part, at in self._passes(chunks):
             kv_caches, done = self._load_pass(kv_caches, part, at)
