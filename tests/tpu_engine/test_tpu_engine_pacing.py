@@ -18,7 +18,7 @@ from workloads import ROUNDTRIP
 
 pytestmark = pytest.mark.engine
 KIB = 1 << 10
-PACING = dict(transfer_piece_bytes=256 * KIB, transfer_inflight_bytes=512 * KIB, transfer_bandwidth_gbps=0.02,
+PACING = dict(transfer_pacing="on", transfer_piece_bytes=256 * KIB, transfer_inflight_bytes=512 * KIB, transfer_bandwidth_gbps=0.02,
               transfer_stall_ms=20)  # 400 KB per step and direction
 
 

@@ -121,7 +121,9 @@ class OffloadWorker:
         self.pacer = None
         # Host copies in pieces, after the forward; one process only: with several, every host must launch
         # the same programs in the same order, which pacing by local readiness would not keep.
-        if path == "program" and self.engine.layout.ranks == 1 and jax.process_count() == 1:
+        platform = self.engine.layout.mesh.devices.flat[0].platform
+        pace = cfg.transfer_pacing == "on" or (cfg.transfer_pacing == "auto" and platform == "tpu")
+        if pace and path == "program" and self.engine.layout.ranks == 1 and jax.process_count() == 1:
             kind = getattr(self.engine.layout.mesh.devices.flat[0], "device_kind", "")
             self.pacer = Pacer(cfg.transfer_piece_bytes, cfg.transfer_inflight_bytes,
                                step_bytes(cfg.transfer_bandwidth_gbps, cfg.transfer_stall_ms, kind))

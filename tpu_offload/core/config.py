@@ -253,6 +253,7 @@ _SETTINGS: tuple[_Setting, ...] = (
     _Setting("transfer_bandwidth_gbps", _float(0.001), "TPU_OFFLOAD_TRANSFER_BANDWIDTH_GBPS",
              ("transfer_bandwidth_gbps",)),
     _Setting("transfer_stall_ms", _float(0.001), "TPU_OFFLOAD_TRANSFER_STALL_MS", ("transfer_stall_ms",)),
+    _Setting("transfer_pacing", _choice("auto", "on", "off"), "TPU_OFFLOAD_TRANSFER_PACING", ("transfer_pacing",)),
     _Setting("decode_save", _bool, "TPU_OFFLOAD_DECODE_SAVE", ("decode_save",)),
     _Setting("store_policy", _choice("write_through", "exclusive"), "TPU_OFFLOAD_STORE_POLICY", ("store_policy",)),
     _Setting("sync_load", _bool, "TPU_OFFLOAD_SYNC_LOAD", ("sync_load",)),
@@ -339,6 +340,10 @@ class OffloadConfig:
     transfer_inflight_bytes: int = 64 << 20
     transfer_bandwidth_gbps: float = 38.0
     transfer_stall_ms: float = 20.0
+    # "auto": pace on TPU (the program path, one attention-DP rank, one JAX process); "on" anywhere that
+    # applies (tests); "off": every host copy of a step at once. A store that finds staging still held by
+    # earlier paced copies (the link behind the steps) is dropped and counted, never waited for.
+    transfer_pacing: str = "auto"
     decode_save: bool = False
     # write_through: every computed chunk goes to the host tier at once. exclusive: a chunk the device's
     # prefix cache still holds is not copied; it is copied when vLLM reuses its block (core/policy.py).

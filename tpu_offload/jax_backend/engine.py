@@ -336,6 +336,7 @@ class TransferEngine:
         self._busy[piece.free] = False
 
     def _claim(self, n: int, what: str) -> np.ndarray:
+        self.pacer.poll()  # pieces that landed since the last pump give their staging chunks back
         free = np.flatnonzero(~self._busy)
         if len(free) < n:
             raise StagingBusy(f"{what} of {n} chunks: only {len(free)} of {self.staging_chunks} staging chunks are "
