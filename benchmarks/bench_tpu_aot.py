@@ -12,17 +12,24 @@ counts, and reports per device:
   trip (``aot.tensorcore_ops``; a fusion or a kernel is one op);
 * DMAs the call's kernels issue (B blocks in one run of adjacent blocks / B scattered blocks).
 
-Paths compared, per direction:
+Per pass of B blocks (1, 16, 64, 1,000 by default), per direction, every program the pass runs:
 
-* gather (HBM cache -> contiguous buffer, the first half of a store):
-  ours: the DMA kernel (``dma``, the TPU default) and the ``loop`` kernel, each one program for
-  any count; tpu-inference: ``stack_kv_cache_cross_layers`` (its save path; one program per block
-  count); raw: a contiguous ``dynamic_slice`` of B blocks from every layer (the floor: no block
-  table, nothing to gather).
-* scatter (contiguous buffer -> HBM cache, the last half of a load):
-  ours: ``dma`` and ``loop``; tpu-inference: ``update_kv_caches`` (its load path: concatenate
-  the per-block arrays, unstack the layers, ``multi_layer_copy``'s start and wait kernels per
-  layer); raw: one contiguous ``dynamic_update_slice`` of B blocks into every layer.
+* store (HBM cache -> host):
+  ours (program path, the default everywhere): the DMA gather, then one host-copy trip per chunk
+  (``store``); ours (device_put path, opt-in): the DMA gather, then ``take_chunks`` (the whole staging
+  buffer, every pass) and a runtime ``device_put`` per chunk; tpu-inference: its save path as its
+  connector runs it, ``stack_kv_cache_cross_layers`` (``pure_jax_...`` under DP attention) compiled
+  for its block buckets (``TPU_OFFLOAD_BLOCK_SIZE_BUCKETS``: 1..64) with B decomposed into them
+  (1,000 = 15 x 64 + 32 + 8), chunk = one block, then a runtime ``device_put`` per block;
+  raw: one contiguous ``dynamic_slice`` of B blocks from every layer (the floor).
+* load (host -> HBM cache): ours: one host-copy trip per chunk (``load``), then the DMA scatter;
+  device_put: ``put_chunks`` (the whole staging buffer) then the scatter; tpu-inference:
+  ``update_kv_caches_one`` (``pure_jax_update_kv_caches_one`` under DP attention) per bucket; raw: one
+  contiguous ``dynamic_update_slice``.
+
+A DMA kernel is counted as reading and writing what it moves (the cost model sees ~0 inside it); a
+loop body is counted once per trip (the cost model counts it once); host bytes are left out of ours.
+``launches``: programs per pass (runtime transfers not counted).
 
 ``cost_analysis`` counts a loop body once and does not see inside a kernel,
 so bytes accessed are reported as the compiler gives them.
@@ -66,20 +73,43 @@ from tpu_offload.core.config import OffloadConfig  # noqa: E402
 MIB = 1 << 20
 
 
-def theirs(caches, mesh, n: int, block_size: int):
-    """tpu-inference 0.32's own save-path gather and load-path scatter, lowered for ``n`` blocks."""
-    from tpu_inference.offload.utils import stack_kv_cache_cross_layers, update_kv_caches
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # tpu-inference 0.32's TPU_OFFLOAD_BLOCK_SIZE_BUCKETS default
+
+
+def buckets(n: int) -> list[int]:
+    """tpu-inference's ``_decompose_into_buckets``: greedy, largest bucket first."""
+    out = []
+    for b in sorted(BUCKETS, reverse=True):
+        while n >= b:
+            out.append(b)
+            n -= b
+    return out
+
+
+def theirs(caches, mesh, n: int, dp: bool):
+    """tpu-inference 0.32's save-path gather and load-path insert for ``n`` blocks (one bucket), the
+    variants its connector calls (``pure_jax_*`` under DP attention)."""
+    from tpu_inference.offload import utils
 
     rep = NamedSharding(mesh, P())
     ids = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=rep)
     spec = tuple(caches[0].sharding.spec)[1:]
+    group = (tuple(range(len(caches))),)
     stacked = jax.ShapeDtypeStruct((1, len(caches), *caches[0].shape[1:]), caches[0].dtype,
                                    sharding=NamedSharding(mesh, P(None, None, *spec)))
-    gather = lambda: stack_kv_cache_cross_layers.lower(caches, ids, num_blocks=n).compile()
-    scatter = lambda: update_kv_caches.lower(
-        caches, [stacked] * n, ids, ids, ids, jax.ShapeDtypeStruct((1,), jnp.int32, sharding=rep), mesh=mesh,
-        src_sharding_spec=P(None, *spec), dest_sharding_spec=caches[0].sharding.spec,
-        replicated_sharding_spec=P()).compile()
+    if dp:
+        gather = lambda: utils.pure_jax_stack_kv_cache_cross_layers.lower(caches, ids, num_blocks=n,
+                                                                          grouped_indices=group).compile()
+        scatter = lambda: utils.pure_jax_update_kv_caches_one.lower(
+            caches, [stacked] * n, ids, mesh=mesh, cached_kv_sharding_spec=caches[0].sharding.spec,
+            indices_sharding=rep, grouped_indices=group).compile()
+    else:
+        gather = lambda: utils.stack_kv_cache_cross_layers.lower(caches, ids, num_blocks=n,
+                                                                 grouped_indices=group).compile()
+        scatter = lambda: utils.update_kv_caches.lower(
+            caches, [stacked] * n, ids, ids, ids, jax.ShapeDtypeStruct((1,), jnp.int32, sharding=rep), mesh=mesh,
+            src_sharding_spec=P(None, *spec), dest_sharding_spec=caches[0].sharding.spec,
+            replicated_sharding_spec=P(), grouped_indices=group).compile()
     return gather, scatter
 
 
@@ -111,7 +141,7 @@ def main() -> None:
     ap.add_argument("--num-blocks", type=int, default=20000, help="blocks in the KV cache (per layer)")
     ap.add_argument("--block-size", type=int, default=128)
     ap.add_argument("--config", default=os.path.join(ROOT, "configs", "tpu-inference", "offload.json"))
-    ap.add_argument("--blocks", type=int, nargs="+", default=[16, 64, 1000], help="blocks moved per call")
+    ap.add_argument("--blocks", type=int, nargs="+", default=[1, 16, 64, 1000], help="blocks moved per pass")
     ap.add_argument("--attn-dp", type=int, default=1,
                     help="attention-DP ranks the TP devices form (DeepSeek-V3 as tpu-inference serves it: --tp 8 --attn-dp 8)")
     args = ap.parse_args()
@@ -130,41 +160,78 @@ def main() -> None:
     num_slots = cfg.resolve_num_chunks(layout.block_bytes * cfg.blocks_per_chunk) // args.attn_dp * args.attn_dp
     programs = aot.deployment_programs(caches, mesh, num_slots=num_slots, blocks_per_chunk=cfg.blocks_per_chunk,
                                        staging_blocks=cfg.staging_blocks, head_replicas=replicas)
+    from tpu_offload.selfcheck import pass_figures
+
     ours = aot.measure(programs)
-    loop = aot.deployment_programs(caches, mesh, num_slots=num_slots, blocks_per_chunk=cfg.blocks_per_chunk,
-                                   staging_blocks=cfg.staging_blocks, head_replicas=replicas, kernel="loop")
-    loop_figs = {k: aot.figures(k, getattr(loop, k), 1) for k in ("gather", "scatter")}
+    dput = aot.measure(programs, "device_put") if programs.ranks == 1 else None
     block = layout.device_block_bytes()
     layers = len(caches)
     rows = []
+    their = {}  # bucket -> (gather figures, scatter figures, gather ops, scatter ops)
+    dp = args.attn_dp > 1
+
+    def their_bucket(b):
+        if b not in their:
+            got = []
+            for build in theirs(caches, mesh, b, dp):
+                build = functools.cache(build)
+                try:
+                    f = aot.figures("theirs", build, b * block)
+                    got.append((f, aot.tensorcore_ops(build().as_text(), b)))
+                except Exception as e:  # the compiler's own refusal is the result
+                    got.append((str(e).splitlines()[0][:200], 0))
+            their[b] = got
+        return their[b]
+
     for n in args.blocks:
         moved = n * block
+        trips = -(-n // programs.bpc)
         adjacent = [_blocks(programs, n, 1)] * len(layout.groups)
         scattered = [_blocks(programs, n, 2)] * len(layout.groups)
-        t_gather, t_scatter = theirs(caches, mesh, n, args.block_size)
         r_gather, r_scatter = raw(caches, mesh, n)
-        for direction, t_build, r_build in (("gather", t_gather, r_gather), ("scatter", t_scatter, r_scatter)):
-            if n <= programs.staging_blocks:  # one call of ours moves at most a staging buffer
-                for who, prog, fig in (("ours (dma)", programs, ours[direction]),
-                                       ("ours (loop)", loop, loop_figs[direction])):
-                    hlo = getattr(prog, direction)().as_text()
-                    dmas = (prog.dma_count(adjacent, direction), prog.dma_count(scattered, direction))
-                    rows.append(_row(direction, n, who, fig.hbm_scratch, fig.bytes_accessed, moved, fig.compile_s,
-                                     "once, any B", aot.tensorcore_ops(hlo, n), dmas))
-            their_dmas = (layers, n * layers) if direction == "scatter" else (0, 0)  # multi_layer_copy: per run
-            for who, build, dmas in (("tpu-inference", t_build, their_dmas), ("raw contiguous", r_build, (0, 0))):
-                build = functools.cache(build)  # compiled once: for the figures and for the HLO
-                try:
-                    f = aot.figures(direction, build, moved)
-                    rows.append(_row(direction, n, who, f.hbm_scratch, f.bytes_accessed, moved, f.compile_s,
-                                     "per B", aot.tensorcore_ops(build().as_text(), n), dmas))
-                except Exception as e:  # the compiler's own refusal (e.g. RESOURCE_EXHAUSTED) is the result
-                    rows.append({"direction": direction, "blocks": n, "path": who, "error": str(e).splitlines()[0][:200]})
-    cols = ["direction", "blocks", "path", "tensorcore_ops", "dmas_adjacent", "dmas_scattered", "hbm_scratch_mib",
-            "accessed_mib", "moved_mib", "accessed_per_moved", "compile_s", "compiles"]
+        for d, (direction, wrapper, host) in enumerate((("store", "take_chunks", "store"),
+                                                         ("load", "put_chunks", "load"))):
+            kernel = "gather" if direction == "store" else "scatter"
+            dmas = (programs.dma_count(adjacent, kernel), programs.dma_count(scattered, kernel))
+            if n <= programs.staging_blocks:
+                pf = pass_figures(programs, ours, n)["programs"]
+                ops = (aot.tensorcore_ops(getattr(programs, kernel)().as_text(), n)
+                       + aot.tensorcore_ops(getattr(programs, host)().as_text(), trips))
+                rows.append(_row(direction, n, "ours (program, default)", max(pf[kernel]["scratch"], pf[host]["scratch"]),
+                                 pf[kernel]["hbm_accessed"] + pf[host]["hbm_accessed"], moved,
+                                 ours[kernel].compile_s + ours[host].compile_s, "once, any B", ops, dmas, 2))
+                if dput is not None:
+                    pd = pass_figures(programs, dput, n, "device_put")["programs"]
+                    ops = (aot.tensorcore_ops(getattr(programs, kernel)().as_text(), n)
+                           + aot.tensorcore_ops(getattr(programs, wrapper)().as_text(), n))
+                    rows.append(_row(direction, n, "ours (device_put, opt-in)",
+                                     max(pd[kernel]["scratch"], pd[wrapper]["scratch"]),
+                                     pd[kernel]["hbm_accessed"] + pd[wrapper]["hbm_accessed"], moved,
+                                     dput[kernel].compile_s + dput[wrapper].compile_s, "once, any B", ops, dmas, 2))
+            parts = [their_bucket(b)[d] for b in buckets(n)]
+            errors = [f for f, _ in parts if isinstance(f, str)]
+            if errors:
+                rows.append({"direction": direction, "blocks": n, "path": "tpu-inference", "error": errors[0]})
+            else:
+                their_dmas = (layers * len(parts), n * layers) if direction == "load" else (0, 0)
+                rows.append(_row(direction, n, "tpu-inference", max(f.hbm_scratch for f, _ in parts),
+                                 sum(f.bytes_accessed for f, _ in parts), moved,
+                                 sum(their_bucket(b)[d][0].compile_s for b in set(buckets(n))),
+                                 f"per bucket {sorted(set(buckets(n)), reverse=True)}", sum(o for _, o in parts),
+                                 their_dmas, len(parts)))
+            build = functools.cache(r_gather if direction == "store" else r_scatter)
+            try:
+                f = aot.figures(direction, build, moved)
+                rows.append(_row(direction, n, "raw contiguous", f.hbm_scratch, f.bytes_accessed, moved, f.compile_s,
+                                 "per B", aot.tensorcore_ops(build().as_text(), n), (0, 0), 1))
+            except Exception as e:
+                rows.append({"direction": direction, "blocks": n, "path": "raw contiguous",
+                             "error": str(e).splitlines()[0][:200]})
+    cols = ["direction", "blocks", "path", "launches", "tensorcore_ops", "dmas_adjacent", "dmas_scattered",
+            "hbm_scratch_mib", "accessed_mib", "moved_mib", "accessed_per_moved", "compile_s", "compiles"]
     dp = f" = attention DP {args.attn_dp}" if args.attn_dp > 1 else ""
     title = (f"{args.model} on {args.topology} (TP {args.tp}{dp}), {args.num_blocks} blocks of {args.block_size} tokens, "
-             f"per device; ours: {len(programs.slab_rows)} host slabs, staging {programs.staging_blocks} blocks")
+             f"per device, per pass; ours: {len(programs.slab_rows)} host slabs, staging {programs.staging_blocks} blocks")
     print_table(rows, cols, title=title)
     extra_rows = [{"program": k, "hbm_scratch_mib": v.hbm_scratch / MIB, "host_argument_mib": v.host_argument / MIB,
                    "host_alias_mib": v.host_alias / MIB, "host_temp_mib": v.host_temp / MIB, "compile_s": v.compile_s}
@@ -179,8 +246,9 @@ def main() -> None:
     _plot(rows, title, "tpu_aot" if args.attn_dp == 1 else f"tpu_aot_dp{args.attn_dp}")
 
 
-def _row(direction, n, who, scratch, accessed, moved, compile_s, compiles, ops, dmas):
-    return {"direction": direction, "blocks": n, "path": who, "tensorcore_ops": ops, "dmas_adjacent": dmas[0],
+def _row(direction, n, who, scratch, accessed, moved, compile_s, compiles, ops, dmas, launches):
+    return {"direction": direction, "blocks": n, "path": who, "launches": launches, "tensorcore_ops": ops,
+            "dmas_adjacent": dmas[0],
             "dmas_scattered": dmas[1], "hbm_scratch_mib": scratch / MIB,
             "accessed_mib": accessed / MIB, "moved_mib": moved / MIB, "accessed_per_moved": accessed / moved,
             "compile_s": compile_s, "compiles": compiles}
@@ -200,7 +268,7 @@ def _plot(rows, title, name):
     if plt is None:
         return
     ok = [r for r in rows if "error" not in r]
-    paths = ["ours (dma)", "ours (loop)", "tpu-inference", "raw contiguous"]
+    paths = ["ours (program, default)", "ours (device_put, opt-in)", "tpu-inference", "raw contiguous"]
     groups = sorted({(r["direction"], r["blocks"]) for r in ok})
     fig, ax = plt.subplots(figsize=(9, 4))
     width = 0.8 / len(paths)

@@ -256,6 +256,53 @@ def check_host(rep: Report, cfg: OffloadConfig, tier_bytes: int, num_slots: int,
     rep.check("host", "pass", **fields)
 
 
+PASS_BLOCKS = (1, 16, 64, 1000)  # the passes the per-pass table shows (a full staging pass added)
+# tpu-sync's RAW_TRANSFER on TPU7x: ~190 GB/s host <-> device per 8-device VM (4 chips) contiguous, ~152 fragmented
+VM_LINK_GBPS = {"contiguous": 190.0, "fragmented": 152.0}
+DEVICES_PER_CHIP = {"TPU7x": 2}  # TPU7x: two TensorCore devices per chip, each its own in-order DMA queue
+
+
+def pass_figures(programs, figs, blocks: int, path: str = "program") -> dict:
+    """What every program of one pass of ``blocks`` blocks costs per device, from the compiled figures.
+
+    A DMA kernel reads and writes what it moves (the cost model sees ~0 inside it); a loop program runs
+    its body once per chunk (the cost model counts the body once), less the host-side bytes (the slab,
+    and the chunk the body writes to or reads from host memory); ``device_put``'s wrappers run at the
+    full staging size whatever the pass moves. ``hbm_accessed``/``moved`` and ``scratch``/``moved`` are
+    the ratios the budgets bound (3x, 1.1x)."""
+    dev_block = programs.layout.device_block_bytes()
+    moved = blocks * dev_block
+    chunk = dev_block * programs.bpc
+    trips = -(-blocks // programs.bpc)
+    out = {}
+    for name, f in figs.items():
+        if name in ("gather", "scatter") and programs.kernel == "dma":
+            acc = 2 * moved
+        elif name in ("store", "load"):
+            acc = trips * max(0, f.bytes_accessed - f.host_alias - chunk)  # the slab a store updates in place
+        elif name in ("take_chunks", "put_chunks"):
+            acc = f.bytes_accessed  # the whole staging buffer, every pass
+        else:
+            continue
+        out[name] = dict(hbm_accessed=int(acc), scratch=f.hbm_scratch, accessed_per_moved=round(acc / moved, 3),
+                         scratch_per_moved=round(f.hbm_scratch / moved, 3))
+    return dict(blocks=blocks, moved=moved, programs=out)
+
+
+def link_budget(moved_per_device: int, devices: int, device_kind: str, stall_ms: float) -> dict:
+    """A pass's time on the host link at tpu-sync's measured per-VM bandwidth, and the blocks per step an
+    acceptable stall allows (per chip: a chip's devices share its link)."""
+    kind = next((k for k in DEVICES_PER_CHIP if k in device_kind), None)
+    per_chip = DEVICES_PER_CHIP.get(kind, 1)
+    chips = max(1, devices // per_chip)
+    out = {"devices_per_chip": per_chip, "chips": chips}
+    for name, vm in VM_LINK_GBPS.items():
+        chip_gbps = vm / 4  # a tpu7x-8 VM: 4 chips
+        out[f"{name}_ms"] = round(moved_per_device * per_chip / (chip_gbps * 1e9) * 1e3, 3)
+        out[f"{name}_bytes_per_step_per_device"] = int(chip_gbps * 1e9 * stall_ms / 1e3 / per_chip)
+    return out
+
+
 def check_compile(rep: Report, programs, target: str, args, path: str = "program") -> None:
     """The programs of the host ``path`` the engine will run, compiled for ``target``, within budget; staging,
     the HBM in flight on that path and the programs' scratch within the HBM left free."""
@@ -271,7 +318,15 @@ def check_compile(rep: Report, programs, target: str, args, path: str = "program
     staging = programs.staging_blocks * programs.layout.device_block_bytes()
     in_flight = staging if path == "device_put" else 0  # chunks waiting on HBM for their device_put (engine.py)
     scratch = max(f.hbm_scratch for f in figs.values())
+    kind = getattr(programs.layout.mesh.devices.flat[0], "device_kind", "") or target
+    passes = []
+    for n in sorted(set(PASS_BLOCKS) | {programs.staging_blocks}):
+        if n <= programs.staging_blocks:
+            fig = pass_figures(programs, figs, n, path)
+            fig["link"] = link_budget(fig["moved"], programs.layout.mesh.devices.size, kind, 20.0)
+            passes.append(fig)
     fields = dict(target=target, path=path, kernel=programs.kernel, programs={k: f.to_dict() for k, f in figs.items()},
+                  passes=passes,
                   budget_failures=failures, staging_device_bytes=staging, in_flight_device_bytes=in_flight,
                   scratch_bytes=scratch,
                   compile_s=round(sum(f.compile_s for f in figs.values()), 3))
@@ -314,7 +369,7 @@ def check_roundtrip(rep: Report, model, cfg, args, bpc: int, staging: int) -> No
     tp_rt = max(d for d in range(1, tp + 1) if tp % d == 0 and d <= len(devices))  # what fits on these devices
     layers = args.roundtrip_layers or (model.layers if accel else min(2, model.layers))
     small = dataclasses.replace(model, layers=layers)
-    blocks = args.roundtrip_blocks or (64 if accel else 16)
+    blocks = args.roundtrip_blocks or (staging if accel else 16)  # a full staging pass where it is real
     blocks = max(bpc, blocks // bpc * bpc)
     mesh = mesh_for(devices, tp_rt)
     avals = aot.kv_cache_avals(mesh, small, blocks, args.block_size)
@@ -468,6 +523,16 @@ def summary(rep: Report) -> str:
                      f"({x['kernel']} kernel) for {x['target']} in {x['compile_s']:.1f}s, scratch "
                      f"{x['scratch_bytes'] / MIB:.1f} MiB + staging {x['staging_device_bytes'] / MIB:.0f} MiB + in "
                      f"flight {x['in_flight_device_bytes'] / MIB:.0f} MiB per device")
+    if "compile" in c and c["compile"].get("passes"):
+        for x in c["compile"]["passes"]:
+            worst = max(x["programs"].values(), key=lambda p: p["accessed_per_moved"])
+            link = x["link"]
+            lines.append(f"  pass      {x['blocks']:>5} blocks: {x['moved'] / MIB:9.1f} MiB per device; HBM accessed "
+                         + ", ".join(f"{k} {p['hbm_accessed'] / MIB:.1f}" for k, p in x["programs"].items())
+                         + f" MiB (worst {worst['accessed_per_moved']}x); link {link['contiguous_ms']}-"
+                         f"{link['fragmented_ms']} ms at {VM_LINK_GBPS['contiguous']:g}-{VM_LINK_GBPS['fragmented']:g} "
+                         f"GB/s per VM; a 20 ms stall allows {link['fragmented_bytes_per_step_per_device'] / MIB:.0f} MiB "
+                         f"per device per step")
     if "roundtrip" in c and "bytes" in c["roundtrip"]:
         x = c["roundtrip"]
         lines.append(f"  roundtrip {x['status']}: {x['bytes'] / MIB:.1f} MiB bit-exact={not x['mismatches']} on "

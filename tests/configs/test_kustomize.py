@@ -428,8 +428,33 @@ def test_tpu_v7_sizing_matches_the_documented_arithmetic():
         check_host_buffers(slots, 8, 1, max_map_count=65530)  # the kernel default: refused at start
     assert sz["kvpt"] == 256 << 10 and sz["chunk_tokens"] == 128 and sz["chunk_bytes"] == 32 << 20
     assert sz["tier_bytes"] == 720 * GIB == 23040 * sz["chunk_bytes"]
-    assert sz["tier_bytes"] + sz["baseline"] == quantity("784Gi")
-    assert quantity("784Gi") <= gke_allocatable(960 * 10**9) - 64 * GIB, "keep headroom on the host"
+    assert sz["tier_bytes"] + sz["baseline"] <= quantity("800Gi")
+    assert quantity("800Gi") <= gke_allocatable(960 * 10**9) - 64 * GIB, "keep headroom on the host"
+
+
+def test_tpu_v7_tier_baseline_and_margin_fit_the_limit():
+    """The tier is allocated at registration, in a pod already holding its baseline: the connector's
+    own check (memory.check_host_fits, with the overlay's host_memory_margin and the pod's cgroup) lets
+    it start while the pod holds up to its baseline, and tier + baseline + margin stay within the limit."""
+    from tpu_offload.jax_backend.memory import HostMemory, check_host_fits
+
+    dep = one(render("kustomize/tpu-v7"), "Deployment")
+    (_, c, cfg), = list(offload_containers([dep]))
+    sz = tier_sizing(dep, c, cfg)
+    env = literal_env(c)
+    margin = OffloadConfig.from_sources(cfg.get("kv_connector_extra_config") or {}, env).host_memory_margin
+    limit = quantity(c["resources"]["limits"]["memory"])
+    margin_bytes = margin if isinstance(margin, int) else int(margin * limit)
+    assert sz["tier_bytes"] + sz["baseline"] + margin_bytes <= limit, (sz, margin_bytes, limit)
+    slots = sz["tier_bytes"] // sz["chunk_bytes"]
+    for held in (32 * GIB, sz["baseline"]):  # the pod at registration: processes, runtime, weights in flight
+        pod = HostMemory(mem_total=960 * 10**9, mem_available=800 * GIB, cgroup="/pod", cgroup_limit=limit,
+                         cgroup_usage=held)
+        check_host_fits(sz["tier_bytes"], slots, margin=margin, host=pod)
+    with pytest.raises(ConfigError, match="missing"):  # a pod holding more than its baseline is refused
+        pod = HostMemory(mem_total=960 * 10**9, mem_available=800 * GIB, cgroup="/pod", cgroup_limit=limit,
+                         cgroup_usage=sz["baseline"] + 2 * GIB)
+        check_host_fits(sz["tier_bytes"], slots, margin=margin, host=pod)
 
 
 # ---- router values ---------------------------------------------------------

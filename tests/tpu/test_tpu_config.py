@@ -285,14 +285,15 @@ def test_replicated_heads_size_the_tier_by_the_real_kv():
     assert resolve(vc, kcc, env={}).kv_replicas == 1
 
 
-def test_transfer_path_auto_is_device_put_on_tpu_only_and_bad_values_are_named():
+def test_transfer_path_auto_is_program_everywhere_and_bad_values_are_named():
     from tpu_offload.core.config import OffloadConfig
 
     from tpu_offload.connector.worker import transfer_path
 
     tpu, cpu = [SimpleNamespace(platform="tpu")], [SimpleNamespace(platform="cpu")]
-    assert transfer_path(OffloadConfig(), tpu) == "device_put"
+    assert transfer_path(OffloadConfig(), tpu) == "program"  # its programs scale with the pass (tests/tpu_compiler)
     assert transfer_path(OffloadConfig(), cpu) == "program"
+    assert transfer_path(OffloadConfig(transfer_path="device_put"), tpu) == "device_put"  # opt-in
     assert transfer_path(OffloadConfig(transfer_path="program"), tpu) == "program"
     # under DP attention a chunk lives on one rank's devices: only the program path holds it there
     assert transfer_path(OffloadConfig(), tpu, ranks=2) == "program"

@@ -48,11 +48,18 @@ def test_shipped_config_passes(shipped, capsys):
     assert c["host"]["budget"] >= 720 * GIB and c["host"]["cgroup_limit"] is None
     comp = c["compile"]
     assert comp["target"] == "TPU7x:2x2x1" and comp["budget_failures"] == []
-    # the path and kernel TPU runs: device_put (auto on TPU) with the DMA gather/scatter
-    assert comp["path"] == "device_put" and comp["kernel"] == "dma" and rep["deployment"]["path"] == "device_put"
-    assert set(comp["programs"]) == {"gather", "scatter", "take_chunks", "put_chunks"}
+    # the path and kernel TPU runs: the program path (auto) with the DMA gather/scatter
+    assert comp["path"] == "program" and comp["kernel"] == "dma" and rep["deployment"]["path"] == "program"
+    assert {"gather", "scatter", "store", "load"} <= set(comp["programs"])
     assert 0 <= comp["scratch_bytes"] < 64 << 20 and comp["staging_device_bytes"] == 1000 * (4 << 20)
-    assert comp["in_flight_device_bytes"] == comp["staging_device_bytes"]  # chunks waiting for their device_put
+    assert comp["in_flight_device_bytes"] == 0
+    # bytes per pass: 1 block (4 MiB per device) to a full staging pass (1,000 blocks), and the link time
+    passes = {x["blocks"]: x for x in comp["passes"]}
+    assert set(passes) == {1, 16, 64, 1000} and passes[16]["moved"] == 16 * (4 << 20)
+    for x in passes.values():
+        assert x["programs"]["gather"]["hbm_accessed"] == 2 * x["moved"]
+        assert x["link"]["devices_per_chip"] == 2 and x["link"]["chips"] == 4
+    assert passes[1000]["link"]["contiguous_ms"] > passes[16]["link"]["contiguous_ms"] * 60
     rt = c["roundtrip"]
     assert rt["mismatches"] == [] and rt["platform"] == "cpu" and rt["bytes"] == 16 * rt["layers"] * (512 << 10)
     for k in ("store_gbps", "load_gbps", "raw_d2h_gbps", "raw_h2d_gbps", "store_vs_raw", "load_vs_raw"):
@@ -60,10 +67,14 @@ def test_shipped_config_passes(shipped, capsys):
 
 
 def test_default_map_count_fails_the_device_put_path(tmp_path, monkeypatch):
-    """The path TPU runs allocates a host buffer per chunk and device: 23,040 x 8 at the default limit fails."""
+    """The opt-in device_put path allocates a host buffer per chunk and device: 23,040 x 8 at the default
+    limit fails (the default program path needs a few buffers whatever the tier)."""
     (tmp_path / "max_map_count").write_text("65530\n")
     monkeypatch.setattr(memory, "MAP_COUNT_FILE", str(tmp_path / "max_map_count"))
-    rc, rep = run(tmp_path, "--skip", "compile,roundtrip")
+    cfg = json.loads(open(SHIPPED).read())
+    cfg["kv_connector_extra_config"]["transfer_path"] = "device_put"
+    (tmp_path / "dp.json").write_text(json.dumps(cfg))
+    rc, rep = run(tmp_path, "--skip", "compile,roundtrip", config=str(tmp_path / "dp.json"))
     assert rc == 1 and rep["checks"]["host"]["status"] == "fail"
     (reason,) = rep["reasons"]
     assert "23040 chunks x 8 local devices x 1 groups = 184320 buffers" in reason and "vm.max_map_count" in reason

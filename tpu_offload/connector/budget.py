@@ -30,3 +30,17 @@ def load_budget_blocks(budget_bytes: int, block_bytes: int, blocks_per_chunk: in
         return staging_blocks
     chunks = budget_bytes // (block_bytes * blocks_per_chunk)
     return min(staging_blocks, max(1, chunks) * blocks_per_chunk)
+
+
+# Devices that share one chip's host link, by device kind (TPU7x: two TensorCores, each its own device).
+DEVICES_PER_CHIP = {"TPU7x": 2, "TPU v7": 2}
+
+
+def devices_per_chip(device_kind: str) -> int:
+    return next((n for k, n in DEVICES_PER_CHIP.items() if k.lower() in (device_kind or "").lower()), 1)
+
+
+def step_bytes(bandwidth_gbps: float, stall_ms: float, device_kind: str) -> int:
+    """Bytes per device one step may send one way: a chip's link bandwidth x the acceptable stall, shared
+    by the chip's devices."""
+    return max(1, int(bandwidth_gbps * 1e9 * stall_ms / 1e3 / devices_per_chip(device_kind)))

@@ -33,7 +33,8 @@ from tpu_offload.connector.registration import build_engine
 from tpu_offload.connector.settings import Settings
 from tpu_offload.connector.stats import OffloadStats
 from tpu_offload.core.config import ConfigError
-from tpu_offload.jax_backend.engine import LoadChunk, StoreChunk, TransferEngine
+from tpu_offload.connector.budget import step_bytes
+from tpu_offload.jax_backend.engine import LoadChunk, Pacer, Paced, StoreChunk, TransferEngine
 
 log = logging.getLogger(__name__)
 
@@ -51,16 +52,16 @@ class _Flight:
 
 
 def transfer_path(cfg, devices, ranks: int = 1) -> str:
-    """``auto``: device_put on TPU, where a program's host copies would hold the TensorCore (the next
-    forward waits for them) while a runtime device_put overlaps it; program elsewhere (CPU, tests) and
-    under DP attention, where a chunk lives on one rank's devices (jax_backend/ranks.py)."""
+    """``auto``: the program path everywhere. On TPU its gather/scatter are DMA kernels and its host copies
+    write preallocated slabs in place, so every program a pass runs moves that pass's blocks, nothing
+    more (tests/tpu_compiler). ``device_put`` is an opt-in whose two wrapper programs touch the whole
+    staging buffer on every pass (8,000 MiB per device at Qwen3-32B TP 8 on TPU7x, whatever the pass
+    moves) and which allocates one host array per stored chunk and device."""
     if cfg.transfer_path == "device_put" and ranks > 1:
         raise ConfigError(f"transfer_path='device_put' with {ranks} attention-DP ranks: each rank keeps its chunks "
                           "in its own devices' host memory, which only the program path writes; set "
                           "transfer_path to 'program' or 'auto' (TPU_OFFLOAD_TRANSFER_PATH)")
-    if cfg.transfer_path != "auto":
-        return cfg.transfer_path
-    return "device_put" if devices and devices[0].platform == "tpu" and ranks == 1 else "program"
+    return "program" if cfg.transfer_path == "auto" else cfg.transfer_path
 
 
 class OffloadWorker:
@@ -117,6 +118,16 @@ class OffloadWorker:
         path = self.engine.path
         staging_per_device = self.engine.staging_device_bytes
         self.hbm = HbmInFlight(self.engine.in_flight_device_bytes)
+        self.pacer = None
+        # Host copies in pieces, after the forward; one process only: with several, every host must launch
+        # the same programs in the same order, which pacing by local readiness would not keep.
+        platform = self.engine.layout.mesh.devices.flat[0].platform
+        pace = cfg.transfer_pacing == "on" or (cfg.transfer_pacing == "auto" and platform == "tpu")
+        if pace and path == "program" and self.engine.layout.ranks == 1 and jax.process_count() == 1:
+            kind = getattr(self.engine.layout.mesh.devices.flat[0], "device_kind", "")
+            self.pacer = Pacer(cfg.transfer_piece_bytes, cfg.transfer_inflight_bytes,
+                               step_bytes(cfg.transfer_bandwidth_gbps, cfg.transfer_stall_ms, kind))
+            self.engine.pace(self.pacer)
         self.chunk_bytes = self.engine.chunk_bytes  # what one chunk costs on the host and on the wire
         if cfg.shared_storage_path:
             from tpu_offload.connector.fs import FsMover
@@ -156,6 +167,8 @@ class OffloadWorker:
         if not isinstance(meta, OffloadMetadata) or meta is self._early_meta or self.engine is None:
             return
         self._early_meta = meta
+        if self.pacer is not None:
+            self.pacer.new_step()  # this step's byte budgets
         if meta.early_stores:
             self._count_stores(meta.early_stores)  # first, as in wait_for_save
             self._check_snapshot(meta)
@@ -206,14 +219,25 @@ class OffloadWorker:
             try:
                 # Each pass donates the caches it is given: the runner holds every pass's output
                 # at once, so a later pass that fails leaves it with live caches, never donated ones.
+                # Paced: queued (copies from host in pieces, then the scatter into the runner's caches
+                # of the step that sends it).
                 self.runner.kv_caches, done = self.engine.load(self.runner.kv_caches, chunks,
-                                                               on_pass=self._hand_back)
-            except Exception:  # dispatch failed: nothing was written
-                log.exception("tpu_offload: load dispatch failed; %d chunks will be recomputed", len(chunks))
+                                                               on_pass=self._hand_back,
+                                                               current=lambda: self.runner.kv_caches)
+            except Exception as e:  # dispatch failed: nothing was written
+                if type(e).__name__ == "StagingBusy":
+                    log.warning("tpu_offload: %s; %d chunks will be recomputed", e, len(chunks))
+                else:
+                    log.exception("tpu_offload: load dispatch failed; %d chunks will be recomputed", len(chunks))
                 self._fail_loads(meta.loads, bad)
                 done = None
         self._flights.append(_Flight(done, "load", list(meta.loads), bad, nbytes, time.perf_counter(), t0,
                                      hbm if done is not None else self._untake(hbm)))
+        if isinstance(done, Paced):
+            if any(not op.async_load for op in meta.loads):  # the forward needs it now: sent before it, unpaced
+                self.pacer.pump(only=done)
+            else:  # vLLM starts asynchronous loads after the forward is launched
+                self._pump()
 
     @property
     def sliding_classes(self) -> set[int]:
@@ -240,7 +264,13 @@ class OffloadWorker:
         self._check_snapshot(meta)
         self._releasing.update(meta.release)
         self._dispatch_stores(meta.stores)
+        self._pump()  # after the step's forward (vLLM calls this once the forward is launched)
         self._poll()
+
+    def _pump(self) -> None:
+        """Send queued host-copy pieces within the bounds (engine.Pacer); only ever after the forward."""
+        if self.pacer is not None:
+            self.pacer.pump()
 
     def _count_stores(self, stores) -> None:
         for op in stores:
@@ -259,8 +289,12 @@ class OffloadWorker:
             hbm = self._wait_for_hbm(self.engine.device_moved_bytes(chunks), "store") if self.hbm.enabled else 0
             try:
                 done = self.engine.store(self.runner.kv_caches, chunks)
-            except Exception:
-                log.exception("tpu_offload: store dispatch failed; %d chunks not stored", len(chunks))
+            except Exception as e:
+                if type(e).__name__ == "StagingBusy":  # the link is behind: drop, never wait
+                    log.warning("tpu_offload: %s; %d chunks not stored", e, len(chunks))
+                    self._add("stores_dropped_busy", len(chunks))
+                else:
+                    log.exception("tpu_offload: store dispatch failed; %d chunks not stored", len(chunks))
                 done = None
                 bad = {op.op_id: list(op.slots) for op in stores}
             self._flights.append(_Flight(done, "store", list(stores), bad,
@@ -504,6 +538,9 @@ class OffloadWorker:
             self._at_exit = None
         deadline = time.monotonic() + timeout_s
         while self._flights and time.monotonic() < deadline:
+            if self.pacer is not None:
+                self.pacer.new_step()
+            self._pump()
             self._poll()
             time.sleep(0.001)
         if self._flights:

@@ -282,6 +282,23 @@ _SETTINGS: tuple[_Setting, ...] = (
              scope=TPU, doc="Host-to-device GB/s per chip assumed when pacing loads (TPU7x measured about 47)."),
     _Setting("load_stall_ms", _float(0.001), "TPU_OFFLOAD_LOAD_STALL_MS", ("load_stall_ms",), scope=TPU,
              doc="Stall one step may take for loads; a larger hit spreads over several steps."),
+    # transfer pacing: pieces, bytes in flight, and a byte budget per step and direction
+    _Setting("transfer_piece_bytes", _bytes, "TPU_OFFLOAD_TRANSFER_PIECE_BYTES", ("transfer_piece_bytes",),
+             scope=TPU, doc="Largest host copy sent at once, per device: TPU7x queues DMAs and program launches "
+                            "in one order, so a forward waits behind whatever was queued before it."),
+    _Setting("transfer_inflight_bytes", _bytes, "TPU_OFFLOAD_TRANSFER_INFLIGHT_BYTES", ("transfer_inflight_bytes",),
+             scope=TPU, doc="Host copies dispatched and not yet landed, per device, at most; more waits for a "
+                            "later step."),
+    _Setting("transfer_bandwidth_gbps", _float(0.001), "TPU_OFFLOAD_TRANSFER_BANDWIDTH_GBPS",
+             ("transfer_bandwidth_gbps",), scope=TPU,
+             doc="Host link GB/s per chip assumed for the per-step budget (default: google/tpu-sync's ~152 GB/s "
+                 "per 4-chip VM, fragmented); a chip's devices share it."),
+    _Setting("transfer_stall_ms", _float(0.001), "TPU_OFFLOAD_TRANSFER_STALL_MS", ("transfer_stall_ms",), scope=TPU,
+             doc="Stall one step may take for host copies, per direction: bandwidth x stall is the step's byte "
+                 "budget."),
+    _Setting("transfer_pacing", _choice("auto", "on", "off"), "TPU_OFFLOAD_TRANSFER_PACING", ("transfer_pacing",),
+             scope=TPU, doc="auto: pace on TPU (program path, one attention-DP rank, one JAX process); on: wherever "
+                            "that applies; off: every host copy of a step at once."),
     _Setting("decode_save", _bool, "TPU_OFFLOAD_DECODE_SAVE", ("decode_save",), scope=TPU,
              doc="Also store chunks that decoding fills (vLLM: its own key 'offload_prompt_only': false)."),
     _Setting("store_policy", _choice("write_through", "exclusive"), "TPU_OFFLOAD_STORE_POLICY", ("store_policy",),
@@ -302,7 +319,7 @@ _SETTINGS: tuple[_Setting, ...] = (
     _Setting("transfer_path", _choice("auto", "program", "device_put"), "TPU_OFFLOAD_TRANSFER_PATH",
              ("transfer_path",), scope=TPU,
              doc="program: preallocated host slabs written by compiled programs; device_put: per-slot host "
-                 "arrays the runtime sends, overlapping compute; auto: device_put on TPU, program elsewhere."),
+                 "arrays and two programs over the whole staging buffer every pass (opt-in); auto: program."),
     _Setting("transfer_kernel", _choice("auto", "dma", "loop", "xla"), "TPU_OFFLOAD_TRANSFER_KERNEL",
              ("transfer_kernel",), scope=TPU,
              doc="How gather/scatter move blocks: dma (a Pallas kernel of DMAs), loop (XLA ops, one block per "
@@ -413,6 +430,22 @@ class OffloadConfig:
     # TPU7x measured ~47) x load_stall_ms (the stall one step may take): a larger hit spreads over steps.
     load_bandwidth_gbps: float = 47.0
     load_stall_ms: float = 20.0
+    # Transfer pacing. TPU7x runs a TensorCore's DMAs and program launches through one in-order
+    # queue (google/tpu-sync): a forward queued behind 1 GiB of host copies waits ~19 ms, behind 16 MiB
+    # ~0.5 ms. So every host copy goes out in pieces of at most transfer_piece_bytes, with at most
+    # transfer_inflight_bytes dispatched and not landed, and at most transfer_bandwidth_gbps (GB/s per chip)
+    # x transfer_stall_ms per step and direction (a chip's devices share its link: TPU7x has two). All per
+    # device, counted by the process (every local device moves the same share). Work past a bound waits
+    # for a later step; the step thread never waits. Default bandwidth: tpu-sync's RAW_TRANSFER, ~152 GB/s
+    # per 8-device (4-chip) VM fragmented (~190 contiguous), 38 GB/s per chip.
+    transfer_piece_bytes: int = 16 << 20
+    transfer_inflight_bytes: int = 64 << 20
+    transfer_bandwidth_gbps: float = 38.0
+    transfer_stall_ms: float = 20.0
+    # "auto": pace on TPU (the program path, one attention-DP rank, one JAX process); "on" anywhere that
+    # applies (tests); "off": every host copy of a step at once. A store that finds staging still held by
+    # earlier paced copies (the link behind the steps) is dropped and counted, never waited for.
+    transfer_pacing: str = "auto"
     decode_save: bool = False
     # write_through: every computed chunk goes to the host tier at once. exclusive: a chunk the device's
     # prefix cache still holds is not copied; it is copied when vLLM reuses its block (core/policy.py).
@@ -422,8 +455,9 @@ class OffloadConfig:
     # Host memory the tier must leave for the engine and the rest of the host: a fraction
     # (float) of the host's memory (or its cgroup limit, if smaller), or bytes (int).
     host_memory_margin: int | float = 0.05
-    # TPU host path: "program" (preallocated slabs written by compiled programs), "device_put" (per-slot
-    # host arrays sent by the runtime, overlapping compute), "auto" (device_put on TPU, program elsewhere)
+    # TPU host path: "program" (preallocated slabs written in place by compiled programs; every program a
+    # pass runs scales with what it moves), "device_put" (opt-in: one host array per stored chunk and device,
+    # and two programs over the whole staging buffer every pass), "auto" (program)
     transfer_path: str = "auto"
     # How gather/scatter move blocks: "dma" (a Pallas kernel of DMAs, no TensorCore loop over blocks; on CPU
     # it runs in TPU interpret mode), "loop" (XLA ops, one block per trip), "xla" (one XLA gather/scatter per

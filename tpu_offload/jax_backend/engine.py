@@ -10,15 +10,19 @@ through the same buffer (donation orders them), never truncated.
 
 Two host paths behind the same calls (``path``):
 
-* ``program``: the tier is preallocated slabs, and ``store``/``load`` are
-  compiled programs that write and read them in place. Bounded, no
-  allocation while serving; but a TensorCore runs one program at a time, so
-  the next forward waits for those host copies.
-* ``device_put``: each stored chunk is sliced out of staging and sent with
-  ``jax.device_put`` to its own host-memory-kind array (one per slot, so the
-  tier stays bounded by the slot count). The runtime queues that DMA outside
-  any program, where it overlaps the next forward: what tpu-inference's own
-  connector does on TPU7x. Each store allocates its chunk's host array.
+* ``program`` (the default): the tier is preallocated slabs, and
+  ``store``/``load`` are compiled programs that write and read them in
+  place: one asynchronous copy per chunk, into or out of its slab row. With
+  the DMA gather/scatter every program a pass runs moves that pass's blocks
+  and no more (TPU compiler: tests/tpu_compiler), and host memory is
+  allocated once.
+* ``device_put`` (opt-in): each stored chunk is sliced out of staging and
+  sent with ``jax.device_put`` to its own host-memory-kind array (one per
+  slot). Its cost: ``take_chunks`` outputs every staging chunk and
+  ``put_chunks`` rewrites them all on every pass, so a 16-block pass costs
+  what a full staging buffer does (8,000 MiB accessed per device each at
+  Qwen3-32B TP 8 on TPU7x), and every store allocates host arrays (one
+  mapping per chunk and device, against ``vm.max_map_count``).
 
 ``valid[slot]`` is this process's truth about a slot: cleared when a store
 into it is dispatched, set when that store completed. Loading an invalid
@@ -81,6 +85,134 @@ class Done(tuple):
         for x in self:
             x.block_until_ready()
         return self
+
+
+class StagingBusy(RuntimeError):
+    """Paced transfers still hold the staging chunks a new one needs: it is refused, nothing dispatched."""
+
+
+class Paced:
+    """A store or load whose host copies go out in pieces (``Pacer``): ready once every piece was
+    dispatched and has landed. ``block_until_ready`` dispatches what is left first (shutdown, a slot
+    about to be overwritten): the only place a paced transfer is waited for."""
+
+    def __init__(self, pacer: "Pacer"):
+        self.pacer = pacer
+        self.left = 0  # pieces not dispatched yet
+        self.dones: list = []
+        self.failed = False
+
+    def is_ready(self) -> bool:
+        return self.left == 0 and all(d.is_ready() for d in self.dones)
+
+    def block_until_ready(self):
+        while self.left:
+            self.pacer.pump(force=True)
+        for d in self.dones:
+            d.block_until_ready()
+        if self.failed:
+            raise RuntimeError("a piece of this transfer failed to dispatch")
+        return self
+
+
+@dataclasses.dataclass
+class _Piece:
+    kind: str  # "store" | "load" (host copies) | "scatter" (staging -> caches, no link bytes)
+    nbytes: int  # per device, over the host link
+    run: Callable[[], object]  # dispatches; returns its done array
+    owner: Paced
+    free: np.ndarray  # staging chunks this piece frees once landed
+    done: object = None
+
+
+class Pacer:
+    """Host copies in pieces, few in flight, a byte budget per step and direction (config: transfer pacing).
+
+    TPU7x runs a TensorCore's DMAs and program launches through one in-order queue, so the forward waits
+    for every copy queued before it. Each store/load is cut into pieces of at most ``piece_bytes``
+    (per device); ``pump`` (called after the step's forward is dispatched) sends pieces in order while
+    the bytes dispatched and not landed stay within ``inflight_bytes`` and this step's direction budget
+    (``step_bytes``); the rest waits for a later step. Nothing here waits. ``log`` records every dispatch
+    (kind, bytes, bytes in flight after it) for tests and figures."""
+
+    def __init__(self, piece_bytes: int, inflight_bytes: int, step_bytes: int, log_size: int = 4096):
+        self.piece_bytes = max(1, int(piece_bytes))
+        self.inflight_bytes = max(1, int(inflight_bytes))
+        self.step_bytes = max(1, int(step_bytes))
+        self.queue: list[_Piece] = []
+        self.flying: list[_Piece] = []
+        self.sent = {"store": 0, "load": 0}  # this step's bytes per direction
+        self.log: list[tuple] = []
+        self._log_size = log_size
+        self.on_land: Callable[[_Piece], None] | None = None
+        self.on_send: Callable[[_Piece], None] | None = None  # a recorder (tests)
+
+    @property
+    def in_flight(self) -> int:
+        return sum(p.nbytes for p in self.flying)
+
+    def new_step(self) -> None:
+        self.sent = {"store": 0, "load": 0}
+
+    def poll(self) -> None:
+        still = []
+        for p in self.flying:
+            if p.done is None or p.done.is_ready():
+                if self.on_land is not None:
+                    self.on_land(p)
+            else:
+                still.append(p)
+        self.flying = still
+
+    def pump(self, force: bool = False, only: Paced | None = None) -> int:
+        """Dispatch queued pieces within the bounds. ``force``: the next one regardless, after waiting
+        for what flies (a caller that must wait: shutdown, a slot about to be overwritten). ``only``:
+        every piece of that transfer now, unbounded (a load the next forward needs). Returns the
+        pieces dispatched."""
+        self.poll()
+        if only is not None:
+            mine = [p for p in self.queue if p.owner is only]
+            self.queue = [p for p in self.queue if p.owner is not only]
+            for p in mine:
+                self._send(p)
+            return len(mine)
+        n = 0
+        while self.queue:
+            p = self.queue[0]
+            if not force:
+                direction = "load" if p.kind == "scatter" else p.kind
+                if self.flying and self.in_flight + p.nbytes > self.inflight_bytes:
+                    break
+                if self.sent[direction] and self.sent[direction] + p.nbytes > self.step_bytes:
+                    break
+            else:
+                for q in self.flying:
+                    if q.done is not None:
+                        q.done.block_until_ready()
+                self.poll()
+            self.queue.pop(0)
+            self._send(p)
+            n += 1
+            if force:
+                break
+        return n
+
+    def _send(self, p: _Piece) -> None:
+        try:
+            p.done = p.run()
+        except Exception:
+            logging.getLogger(__name__).exception("tpu_offload: a %s piece failed to dispatch", p.kind)
+            p.owner.failed = True
+            p.done = None
+        p.owner.left -= 1
+        if p.done is not None:
+            p.owner.dones.append(p.done)
+        self.flying.append(p)
+        self.sent["load" if p.kind == "scatter" else p.kind] += p.nbytes
+        if len(self.log) < self._log_size:
+            self.log.append((p.kind, p.nbytes, self.in_flight))
+        if self.on_send is not None:
+            self.on_send(p)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,6 +319,76 @@ class TransferEngine:
         # DMAs the gather/scatter kernels issued: the last call's and the total, per program
         self.dmas = {"gather": 0, "scatter": 0}
         self.last_dmas = {"gather": 0, "scatter": 0}
+        self.pacer: Pacer | None = None  # set by ``pace``: host copies in pieces, across steps
+        self._busy = np.zeros(self.staging_chunks, dtype=bool)  # paced: staging chunks a transfer still holds
+
+    # ---- pacing ------------------------------------------------------------
+    def pace(self, pacer: "Pacer") -> None:
+        """Send host copies through ``pacer`` (the program path, one attention-DP rank): a store gathers at
+        once and queues its copies to host in pieces; a load queues its copies from host, then the scatter.
+        Each holds its staging chunks until it has landed, so later passes use other chunks meanwhile."""
+        if self.path != "program" or self.layout.ranks > 1:
+            raise ValueError("pacing needs the program path and one attention-DP rank")
+        self.pacer = pacer
+        pacer.on_land = self._landed
+
+    def _landed(self, piece: "_Piece") -> None:
+        self._busy[piece.free] = False
+
+    def _claim(self, n: int, what: str) -> np.ndarray:
+        self.pacer.poll()  # pieces that landed since the last pump give their staging chunks back
+        free = np.flatnonzero(~self._busy)
+        if len(free) < n:
+            raise StagingBusy(f"{what} of {n} chunks: only {len(free)} of {self.staging_chunks} staging chunks are "
+                              "free (earlier transfers still wait for the link)")
+        at = free[:n]
+        self._busy[at] = True
+        return at
+
+    def _pieces(self, chunks) -> list[slice]:
+        per = max(1, self.pacer.piece_bytes // max(1, self.layout.device_block_bytes() * self.bpc))
+        return [slice(i, i + per) for i in range(0, len(chunks), per)]
+
+    def _store_paced(self, kv_caches, chunks: Sequence[StoreChunk]) -> Paced:
+        at = self._claim(len(chunks), "a store")
+        lists = self._block_lists(chunks, at)
+        try:
+            self.staging = self.programs.gather()(tuple(kv_caches), self.staging,
+                                                  *self.programs.block_args(lists, "gather"))
+        except Exception:
+            self._busy[at] = False
+            raise
+        self._count_dmas(lists, "gather")
+        moved = [self._chunks_moved(pos) for _, pos in lists]
+        owner, slots = Paced(self.pacer), [c.slot for c in chunks]
+        for sl in self._pieces(chunks):
+            run = lambda s=slots[sl], a=at[sl]: self._staging_to_host(s, a, moved)
+            owner.left += 1
+            self.pacer.queue.append(_Piece("store", self.device_moved_bytes(chunks[sl]), run, owner, at[sl]))
+        return owner
+
+    def load_paced(self, chunks: Sequence[LoadChunk], caches: Callable[[], list],
+                   hand_back: Callable[[list], None]) -> Paced:
+        """Queue a load: its copies from host in pieces, then the scatter into ``caches()`` (the runner's
+        caches when it is dispatched, after that step's forward), whose output goes to ``hand_back``."""
+        at = self._claim(len(chunks), "a load")
+        lists = self._block_lists(chunks, at)
+        moved = [self._chunks_moved(pos) for _, pos in lists]
+        owner, slots = Paced(self.pacer), [c.slot for c in chunks]
+        for sl in self._pieces(chunks):
+            run = lambda s=slots[sl], a=at[sl]: self._host_to_staging(s, a, moved)
+            owner.left += 1
+            self.pacer.queue.append(_Piece("load", self.device_moved_bytes(chunks[sl]), run, owner, at[:0]))
+
+        def scatter():
+            new, done = self.programs.scatter()(tuple(caches()), self.staging, *self.programs.block_args(lists, "scatter"))
+            self._count_dmas(lists, "scatter")
+            hand_back(list(new))
+            return done
+
+        owner.left += 1
+        self.pacer.queue.append(_Piece("scatter", 0, scatter, owner, at))
+        return owner
 
     # ---- public ----------------------------------------------------------
     @property
@@ -231,13 +433,22 @@ class TransferEngine:
         return True
 
     def load(self, kv_caches: list, chunks: Sequence[LoadChunk],
-             on_pass: Callable[[list], None] | None = None) -> tuple[list, jax.Array | None]:
+             on_pass: Callable[[list], None] | None = None,
+             current: Callable[[], list] | None = None) -> tuple[list, jax.Array | None]:
         """Host slots -> paged blocks. Returns the new caches (the old ones are donated).
 
         ``on_pass(caches)`` gets the new caches after every pass: a pass donates
         the caches it was given, so if a later pass raises, the caller must
         already hold the earlier pass's output, not the donated arrays.
+
+        Paced (``pace``): queued; returns ``kv_caches`` unchanged and a ``Paced``. The scatter, when
+        the pacer sends it, reads ``current()`` (the caller's caches then) and hands its output to
+        ``on_pass``.
         """
+        if self.pacer is not None:
+            if current is None or on_pass is None:
+                raise ValueError("a paced load needs current and on_pass: its scatter runs in a later pump")
+            return kv_caches, self.load_paced(chunks, current, on_pass)
         done = None
         for part, at in self._passes(chunks):
             kv_caches, done = self._load_pass(kv_caches, part, at)
@@ -247,6 +458,11 @@ class TransferEngine:
 
     def store(self, kv_caches: list, chunks: Sequence[StoreChunk]) -> jax.Array | None:
         """Paged blocks -> host slots. The caches are only read, so they are not returned."""
+        if self.pacer is not None:
+            done = self._store_paced(kv_caches, chunks)  # before any slot is marked: a refusal changes nothing
+            for c in chunks:
+                self.valid[c.slot] = False
+            return done
         for c in chunks:
             self.valid[c.slot] = False
         done = None
@@ -368,13 +584,16 @@ class TransferEngine:
         for the staging chunks in ``moved[g]``."""
         if self.path == "device_put":
             self._device_put_load(slots, at, moved)
-            return
+            return None
+        dones = []
         for k, pos, rows in self._by_slab(slots):
             pos = np.asarray(at)[pos]
             sel = [np.isin(pos, chunks) for chunks in moved]
             args, cross = self.programs.load_args(k, [rows[m] for m in sel], [pos[m] for m in sel])
-            self.staging, _ = self.programs.load(self.programs.slab_rows[k], cross)(
+            self.staging, done = self.programs.load(self.programs.slab_rows[k], cross)(
                 self.staging, tuple(g[k] for g in self.slabs), *args)
+            dones.append(done)
+        return Done(dones)
 
     def _device_put_load(self, slots: Sequence[int], at, moved: Sequence[np.ndarray]) -> None:
         """device_put path: every chunk the pass needs, checked first (nothing donated before a refusal),
