@@ -288,6 +288,9 @@ _SETTINGS: tuple[_Setting, ...] = (
     # shared tier, round 2 (issue 19): secure by default, bounded I/O
     _Setting("fs_allow_unauthenticated", _bool, "TPU_OFFLOAD_FS_ALLOW_UNAUTHENTICATED", ("fs_allow_unauthenticated",)),
     _Setting("fs_io_timeout_s", _float(0.001), "TPU_OFFLOAD_FS_IO_TIMEOUT_S", ("fs_io_timeout_s",)),
+    # load or recompute (issue 29): a hit is loaded only as far as its load beats recomputing it
+    _Setting("load_decision", _choice("auto", "always", "never"), "TPU_OFFLOAD_LOAD_DECISION", ("load_decision",)),
+    _Setting("load_decision_bias", _float(0.0), "TPU_OFFLOAD_LOAD_DECISION_BIAS", ("load_decision_bias",)),
 )
 # Keys that would put the secret itself into a config JSON (logged, stored, shown in pod specs).
 _SECRET_KEYS = frozenset({"fs_secret", "secret", "fs_key", "fs_secret_key", "fs_hmac_key"})
@@ -382,6 +385,13 @@ class OffloadConfig:
     # Deadline of every file-tier read and write: past it a load fails (the request recomputes) and a
     # write is dropped; no engine thread ever waits longer on the mount.
     fs_io_timeout_s: float = 5.0
+    # load or recompute (issue 29). "auto": each hit loads its longest prefix whose expected load time
+    # (per tier, learned from completed transfers; core/costs.py) x load_decision_bias is at most the
+    # engine's expected time to recompute it (learned from its steps); the rest is recomputed, and a chunk
+    # still being stored is waited for only when that pays. "always": load every hit. "never": recompute.
+    # load_decision_bias > 1 favours recomputing, < 1 loading.
+    load_decision: str = "always"
+    load_decision_bias: float = 1.0
 
     @property
     def load_budget_bytes(self) -> int:
