@@ -32,12 +32,13 @@ _PRIOR = {  # tier -> (bytes/s, latency s)
     PENDING: (5e9, 5e-3),  # finishing a store: device-to-host copy still running
 }
 PRIOR_PREFILL_S_PER_TOKEN = 2e-4
+STALE_S = 600.0  # an outstanding transfer older than this was lost, not slow (every tier I/O has a deadline)
 
 
 class TransferCost:
     """Seconds one tier takes for ``n`` bytes: ``latency + n / bandwidth``, fitted to recent transfers."""
 
-    def __init__(self, bytes_per_s: float, latency_s: float, window: int = 32, prior_weight: float = 2.0,
+    def __init__(self, bytes_per_s: float, latency_s: float, window: int = 16, prior_weight: float = 2.0,
                  clock: Callable[[], float] = time.monotonic):
         self.prior = (float(latency_s), 1.0 / float(bytes_per_s))
         self._fit = self.prior
@@ -58,11 +59,27 @@ class TransferCost:
         if t0 is not None and nbytes > 0:
             self.observe(nbytes, self._clock() - t0)
 
+    def finish_many(self, tags: Sequence[object], nbytes: int) -> None:
+        """One transfer of several outstanding tags (e.g. a job's chunks): timed from the oldest."""
+        starts = [t0 for t0 in (self._open.pop(t, None) for t in tags) if t0 is not None]
+        if starts and nbytes > 0:
+            self.observe(nbytes, self._clock() - min(starts))
+
     def drop(self, tag: object) -> None:
         self._open.pop(tag, None)
 
+    def forget_open(self) -> None:
+        """Outstanding transfers that will never report (a reset)."""
+        self._open.clear()
+
     def oldest_age(self) -> float:
-        return self._clock() - min(self._open.values()) if self._open else 0.0
+        """Age of the oldest transfer still outstanding (one older than ``STALE_S`` was lost: dropped)."""
+        if not self._open:
+            return 0.0
+        now = self._clock()
+        for tag in [t for t, t0 in self._open.items() if now - t0 > STALE_S]:
+            del self._open[tag]
+        return now - min(self._open.values()) if self._open else 0.0
 
     # ---- the model -------------------------------------------------------------
     def observe(self, nbytes: int, seconds: float) -> None:
