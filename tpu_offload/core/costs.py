@@ -38,7 +38,7 @@ STALE_S = 600.0  # an outstanding transfer older than this was lost, not slow (e
 class TransferCost:
     """Seconds one tier takes for ``n`` bytes: ``latency + n / bandwidth``, fitted to recent transfers."""
 
-    def __init__(self, bytes_per_s: float, latency_s: float, window: int = 16, prior_weight: float = 2.0,
+    def __init__(self, bytes_per_s: float, latency_s: float, window: int = 16, prior_weight: float = 0.5,
                  clock: Callable[[], float] = time.monotonic):
         self.prior = (float(latency_s), 1.0 / float(bytes_per_s))
         self._fit = self.prior
