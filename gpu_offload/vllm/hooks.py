@@ -167,9 +167,6 @@ def _build_connector_meta(orig):
 
 def _update_connector_output(orig):
     def update_connector_output(self, connector_output):
-        manager = _our_manager(self)
-        if manager is not None:
-            manager.step_done()
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(meta, FileTierWorkerMetadata) and meta.has_files():
             manager = getattr(getattr(self, "connector_scheduler", None), "manager", None)

@@ -35,7 +35,7 @@ later keys read as misses (recomputed). A chunk whose store is in flight
 (``HIT_PENDING``: vLLM makes the request wait) is offered only when waiting
 for it pays. Costs are learned here from ``prepare_load`` → ``complete_load``
 and ``prepare_store`` → ``complete_store``, and the prefill time per token
-from the steps (``step_sent`` / ``step_done``, called by ``hooks``).
+from the intervals between steps (``step_sent``, called by ``hooks``).
 
 Hits: ``hit_chunks`` / ``fs_hit_chunks`` count chunks handed to loads here
 (tests and the demo read them). The exported ``tpu_offload_hit_*`` series
@@ -133,7 +133,6 @@ class HostTierManager(ManagerCompat, OffloadingManager):
         self._scans: dict[str, _Scan] = {}  # req id -> its current lookup scan's decision
         self._decisions: dict[str, tuple[costs.Decision, int]] = {}  # req id -> (last decision, chunk tokens)
         self._load_t0: dict = {}  # key -> (start, from a file) of its in-flight load
-        self._step: tuple[float, int] | None = None
         self.decision_tokens: dict[tuple[str, str, str], int] = {}  # (action, reason, tier) -> tokens
         self._decision_pending: dict[tuple[str, str, str], int] = {}  # since the last get_stats
         self._saved_pending = 0.0
@@ -230,15 +229,9 @@ class HostTierManager(ManagerCompat, OffloadingManager):
                 self._decision_pending[k] = self._decision_pending.get(k, 0) + n
         self._saved_pending += d.saved_s
 
-    # Step clock (hooks): the prefill time per token the decision weighs loads against.
     def step_sent(self, tokens: int) -> None:
-        self._step = (time.monotonic(), int(tokens or 0))
-
-    def step_done(self) -> None:
-        if self._step is not None:
-            t0, tokens = self._step
-            self._step = None
-            self.costs.prefill.observe(tokens, time.monotonic() - t0)
+        """A step was scheduled (hooks): the engine's prefill time per token the decision weighs loads against."""
+        self.costs.prefill.step(tokens or 0)
 
     def get_load_source(self, key, req_context):
         if key in self._promoting and DISK_HIT_SOURCE is not None:

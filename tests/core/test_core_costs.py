@@ -122,3 +122,17 @@ def test_config_settings():
         OffloadConfig.from_sources({"load_decision": "sometimes"}, env={})
     with pytest.raises(ConfigError, match="load_decision_bias"):
         OffloadConfig.from_sources({"load_decision_bias": -1}, env={})
+
+
+def test_prefill_steps_are_timed_between_schedules_and_idle_gaps_are_clipped():
+    clock = Clock()
+    p = PrefillCost(1e-3, clock=clock)
+    p.step(1000)
+    clock.t = 0.5  # 1000 tokens in 0.5 s
+    p.step(4)  # a decode step: too small to time
+    assert p.s_per_token == pytest.approx(5e-4)
+    clock.t = 0.6
+    p.step(1000)
+    clock.t = 100.6  # the engine went idle after that step: at most CLIP times the estimate
+    p.step(0)
+    assert p.s_per_token <= 5e-4 * PrefillCost.CLIP

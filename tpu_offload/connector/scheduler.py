@@ -30,8 +30,8 @@ Invariants this file keeps (each one a defect of the upstream connector):
 * Load or recompute (``load_decision``, core/costs.py): a hit is offered
   only as far as its load is expected to finish before recomputing it would
   (per tier, from the times between sending each load or promotion and its
-  completion report; prefill time per token from the steps between
-  ``build_connector_meta`` and ``update_connector_output``). The lookup
+  completion report; prefill time per token from the intervals between
+  ``build_connector_meta`` calls). The lookup
   fixes the decision; the allocation uses that one, so the two agree.
 * A chunk is loaded asynchronously for one request at a time: a request
   whose load would include a chunk another request is loading waits (its
@@ -127,7 +127,6 @@ class OffloadScheduler:
         self._start: dict[str, int] = {}  # exclusive: the chunk a request's host lookup started at
         self.costs = costs.CostModel(cfg.load_decision, cfg.load_decision_bias)
         self._decided: dict[str, tuple[int, costs.Decision]] = {}  # the last lookup's (chunks, decision)
-        self._step: tuple[float, int] | None = None  # (sent at, tokens) of the step in flight
         self.shared = None  # DP attention: the other ranks' chunks (connector/dp.py SharedIndex)
         self._fs_lookup = fs  # also when loads are synchronous (it learns resets)
         self.reset_salt = ""  # see reset_cache
@@ -371,8 +370,7 @@ class OffloadScheduler:
         for op in (*meta.stores, *meta.early_stores):
             if op.op_id in self._store_orders:
                 tiers[costs.PENDING].start(op.op_id)
-        tokens = getattr(so, "total_num_scheduled_tokens", 0) or 0
-        self._step = (costs.time.monotonic(), int(tokens)) if tokens else None
+        self.costs.prefill.step(getattr(so, "total_num_scheduled_tokens", 0) or 0)
 
     def _defer(self, direction: str, blocks: int) -> None:
         self.metrics.core.record_deferred(direction, blocks)
@@ -399,10 +397,6 @@ class OffloadScheduler:
 
     # ---- feedback ----------------------------------------------------------
     def update_connector_output(self, output) -> None:
-        if self._step is not None:  # the step's forward ran since its metadata was built
-            t0, tokens = self._step
-            self._step = None
-            self.costs.prefill.observe(tokens, costs.time.monotonic() - t0)
         for req_id in getattr(output, "finished_recving", None) or ():
             self.loading.release(req_id)  # vLLM caches its blocks before it asks about waiting requests
         raw = compat.extract_report(output)

@@ -3,7 +3,7 @@
 A hit is worth loading only while its load finishes before recomputing it
 would. Each tier's time for ``n`` bytes is modelled as ``latency + n /
 bandwidth``, fitted to the tier's last completed transfers (a fixed window:
-it follows a mount that slows down) and pulled toward a modest prior until
+it follows a mount that slows down; transfers of one size: their median) and pulled toward a modest prior until
 enough arrive. A transfer still outstanding counts as at least its age, so a
 hung mount stops being offered after one timeout's worth of waiting, not
 after it fails. The engine's prefill time per token is an EWMA of its own
@@ -100,8 +100,8 @@ class TransferCost:
             inv = max(float(((x - mx) * (y - my)).mean()) / var, 1e-15)
             lat = min(max(my - inv * mx, 0.0), float(y.min()))
             inv = max((my - lat) / mx, 1e-15)  # the fit passes through the mean
-        else:  # one size: scale the prior's shape to what was seen
-            f = my / (lat0 + inv0 * mx)
+        else:  # one size: scale the prior's shape to the median (a first transfer may include compiles)
+            f = float(np.median(y)) / (lat0 + inv0 * float(np.median(x)))
             lat, inv = lat0 * f, inv0 * f
         w = n / (n + self._k)
         return (w * lat + (1 - w) * lat0, w * inv + (1 - w) * inv0)
@@ -123,13 +123,34 @@ class TransferCost:
 
 
 class PrefillCost:
-    """The engine's seconds per prefill token: an EWMA over its own steps."""
+    """The engine's seconds per prefill token: an EWMA over its own steps.
 
-    def __init__(self, s_per_token: float = PRIOR_PREFILL_S_PER_TOKEN, alpha: float = 0.2, min_tokens: int = 16):
+    ``step`` is called as each step is scheduled: the time since the previous call is the previous
+    step's (the engine loop schedules the next step when one ends, with or without async scheduling,
+    where the interval is the pipeline's period). A sample more than ``CLIP`` times off the estimate
+    moves it by only that factor, so an idle gap before a step does not count as compute.
+    """
+
+    CLIP = 4.0
+
+    def __init__(self, s_per_token: float = PRIOR_PREFILL_S_PER_TOKEN, alpha: float = 0.2, min_tokens: int = 16,
+                 clock: Callable[[], float] = time.monotonic):
         self.s_per_token = float(s_per_token)
         self._alpha = alpha
         self._min = min_tokens
+        self._clock = clock
+        self._open: tuple[float, int] | None = None
         self.samples = 0
+
+    def step(self, tokens: int) -> None:
+        """A step of ``tokens`` scheduled tokens starts now (the previous one ended)."""
+        now = self._clock()
+        if self._open is not None:
+            t0, n = self._open
+            if n >= self._min:
+                per = min(max((now - t0) / n, self.s_per_token / self.CLIP), self.s_per_token * self.CLIP)
+                self.observe(n, per * n)
+        self._open = (now, int(tokens)) if tokens else None
 
     def observe(self, tokens: int, seconds: float) -> None:
         """A step that computed ``tokens`` in ``seconds`` (steps too small to say much are skipped)."""
