@@ -6,8 +6,9 @@ One engine (vLLM's CPU backend; ``HostOffloadSpec`` with the file tier written t
 directory). Every file-tier read syscall of this process is delayed by ``delay`` seconds (the file
 tier's fault hook, ``fileio.fault``: a slow mount). For each delay, the decision first learns the tier
 (two untimed file hits in ``auto``); then, per repetition, a fresh prompt is computed and stored, and
-sent once per mode after ``reset_prefix_cache(reset_connector=True)`` (vLLM's prefix cache and our host
-tier emptied, so the hit can only come from files, or be recomputed):
+sent once per mode after vLLM's prefix cache and our host tier's index are emptied, so the hit can only
+come from files, or be recomputed (``reset_connector=True`` would also move the file tier to a new
+namespace, so the host index is replaced directly: its slots are simply reused):
 
 * ``always``: load every hit (the connector without the decision);
 * ``never``: recompute every hit;
@@ -73,7 +74,7 @@ def main() -> int:
             shared_storage_path=os.path.join(tmp, "kv-files"), fs_write_mode="write_through",
             fs_allow_unauthenticated=True, load_decision="auto", fs_io_timeout_s=60)
         llm = LLM(model=path, skip_tokenizer_init=True, dtype=args.dtype, max_model_len=args.tokens + 16,
-                  enforce_eager=True, max_num_seqs=1, kv_transfer_config=ktc)
+                  enforce_eager=True, max_num_seqs=1, disable_log_stats=False, kv_transfer_config=ktc)
         worker, manager = testing.live_workers()[-1], testing.live_managers()[-1]
         fs = worker.fs
 
@@ -86,7 +87,8 @@ def main() -> int:
 
         def file_hit(p, mode):
             manager.costs.mode = mode
-            llm.reset_prefix_cache(reset_connector=True)
+            llm.reset_prefix_cache()
+            manager._lru = manager._new_index()  # the host tier forgets; the files stay
             hits = manager.fs_hit_chunks
             t = ttft(llm, p)
             return t, manager.fs_hit_chunks - hits

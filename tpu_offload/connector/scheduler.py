@@ -211,7 +211,7 @@ class OffloadScheduler:
         rid = request.request_id
         first = num_computed_tokens // self.chunk_tokens
         if len(self.loading) and self._hbm_caching():
-            if self.loading.busy(keys[first:n_hit], rid):
+            if self.loading.busy(keys[first:n_hit], rid):  # worth waiting for: _decide weighed the same load
                 self._waited.add(rid)
                 return None, False  # vLLM asks again next step, when the blocks may be cached
         load_async = not self._sync_after_wait(rid, n, on_fs[first:n_hit])
