@@ -61,10 +61,10 @@ def make():
             m.costs.tiers[HOST].observe(MB, 1e-4)
             if file_s_per_mb is not None:
                 m.costs.tiers[FILE].observe(MB, file_s_per_mb)
-        if pending is not None:
-            m.costs.tiers[PENDING] = pending
         out = m.prepare_store([key(0), key(1)], ctx("w", 0))
         m.complete_store(out.keys_to_store, ctx("w", 0))
+        if pending is not None:  # after that store, which it would learn from
+            m.costs.tiers[PENDING] = pending
         made.append(m)
         return m
 

@@ -3,7 +3,8 @@
 A hit is worth loading only while its load finishes before recomputing it
 would. Each tier's time for ``n`` bytes is modelled as ``latency + n /
 bandwidth``, fitted to the tier's last completed transfers (a fixed window:
-it follows a mount that slows down; transfers of one size: their median) and pulled toward a modest prior until
+it follows a mount that slows down; transfers all of one size scale the
+prior's shape by a geometric EWMA of what they took) and pulled toward a modest prior until
 enough arrive. A transfer still outstanding counts as at least its age, so a
 hung mount stops being offered after one timeout's worth of waiting, not
 after it fails. The engine's prefill time per token is an EWMA of its own
@@ -45,6 +46,7 @@ class TransferCost:
         self._x: collections.deque = collections.deque(maxlen=window)
         self._y: collections.deque = collections.deque(maxlen=window)
         self._k = prior_weight
+        self._logf = 0.0  # EWMA of log(seen / prior) over transfers: the one-size scale
         self._open: dict[object, float] = {}  # outstanding transfers: id -> start time
         self._clock = clock
         self.samples = 0
@@ -85,6 +87,9 @@ class TransferCost:
     def observe(self, nbytes: int, seconds: float) -> None:
         if nbytes <= 0 or not np.isfinite(seconds) or seconds < 0:
             return
+        lat0, inv0 = self.prior
+        a = max(0.5, 1.0 / (self.samples + 1 + self._k))  # the first samples weigh against the prior
+        self._logf += a * (float(np.log(max(seconds, 1e-9) / (lat0 + inv0 * nbytes))) - self._logf)
         self._x.append(float(nbytes))
         self._y.append(float(seconds))
         self.samples += 1
@@ -100,9 +105,9 @@ class TransferCost:
             inv = max(float(((x - mx) * (y - my)).mean()) / var, 1e-15)
             lat = min(max(my - inv * mx, 0.0), float(y.min()))
             inv = max((my - lat) / mx, 1e-15)  # the fit passes through the mean
-        else:  # one size: scale the prior's shape to the median (a first transfer may include compiles)
-            f = float(np.median(y)) / (lat0 + inv0 * float(np.median(x)))
-            lat, inv = lat0 * f, inv0 * f
+        else:  # one size: the prior's shape, scaled by a geometric EWMA (one odd transfer moves it halfway)
+            f = float(np.exp(self._logf))
+            return lat0 * f, inv0 * f
         w = n / (n + self._k)
         return (w * lat + (1 - w) * lat0, w * inv + (1 - w) * inv0)
 
