@@ -150,6 +150,21 @@ def _register_kv_caches(orig):
 
 # ---- scheduler side ------------------------------------------------------------
 
+def _our_manager(connector) -> HostTierManager | None:
+    m = getattr(getattr(connector, "connector_scheduler", None), "manager", None)
+    return m if isinstance(m, HostTierManager) else None
+
+
+def _build_connector_meta(orig):
+    def build_connector_meta(self, scheduler_output):
+        manager = _our_manager(self)
+        if manager is not None:  # the step clock of the load decision (manager.py)
+            manager.step_sent(getattr(scheduler_output, "total_num_scheduled_tokens", 0))
+        return orig(self, scheduler_output)
+
+    return build_connector_meta
+
+
 def _update_connector_output(orig):
     def update_connector_output(self, connector_output):
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
@@ -245,6 +260,7 @@ def install() -> bool:
         _install("get_transfer_results", _get_transfer_results, wrap=True) \
             or _install_missing_transfer_results()
     _install("update_connector_output", _update_connector_output, wrap=True)
+    _install("build_connector_meta", _build_connector_meta, wrap=True)
     _install("build_connector_worker_meta", _build_connector_worker_meta, wrap=True)
     _install("get_kv_connector_stats", _get_kv_connector_stats, wrap=True)
     _install("register_kv_caches", _register_kv_caches, wrap=True)

@@ -27,6 +27,16 @@ host to files. ``prepare_load`` gives a file-resident chunk a host slot
 and marks it ``promote`` in the spec; the worker fills the slot from the
 file, then copies it to the device. The manager never reads or writes a file.
 
+Load or recompute (``load_decision``, core/costs.py): vLLM looks a
+request's keys up one by one, in order, after its device prefix; the first
+lookup of a scan decides, over the rest of the request's keys (their
+positions are in its ``ReqContext``), the longest prefix worth loading, and
+later keys read as misses (recomputed). A chunk whose store is in flight
+(``HIT_PENDING``: vLLM makes the request wait) is offered only when waiting
+for it pays. Costs are learned here from ``prepare_load`` → ``complete_load``
+and ``prepare_store`` → ``complete_store``, and the prefill time per token
+from the intervals between steps (``step_sent``, called by ``hooks``).
+
 Hits: ``hit_chunks`` / ``fs_hit_chunks`` count chunks handed to loads here
 (tests and the demo read them). The exported ``tpu_offload_hit_*`` series
 come from the worker instead (``gpu_offload.vllm.worker``): it knows which
@@ -37,6 +47,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Collection, Iterable
 
+import time
+
+from tpu_offload.core import costs
+
+try:
+    from vllm.v1.kv_offload.base import get_offload_group_idx
+except ImportError:  # pragma: no cover - another vLLM layout: one group
+    get_offload_group_idx = None
 from tpu_offload.core.lru import LRUChunkManager
 from tpu_offload.core.manager import Lookup
 
@@ -77,6 +95,8 @@ class HostTierManager(ManagerCompat, OffloadingManager):
         file_events: "FileEvents | None" = None,
         write_back: bool = False,
         reset_epoch_file: str | None = None,
+        load_decision: str = "always",
+        load_decision_bias: float = 1.0,
     ):
         """``chunk_bytes``: host bytes of one chunk summed over all workers.
         ``file_events``: the file tier's KV events (``file_events``), with events on.
@@ -109,6 +129,13 @@ class HostTierManager(ManagerCompat, OffloadingManager):
         self._pending_stored = 0
         self._evictions_seen = 0
         self._alloc_sizes: list[int] = []
+        self.costs = costs.CostModel(load_decision, load_decision_bias)
+        self._scans: dict[str, _Scan] = {}  # req id -> its current lookup scan's decision
+        self._decisions: dict[str, tuple[costs.Decision, int]] = {}  # req id -> (last decision, chunk tokens)
+        self._load_t0: dict = {}  # key -> (start, from a file) of its in-flight load
+        self.decision_tokens: dict[tuple[str, str, str], int] = {}  # (action, reason, tier) -> tokens
+        self._decision_pending: dict[tuple[str, str, str], int] = {}  # since the last get_stats
+        self._saved_pending = 0.0
         self.closed = False
 
     def shutdown(self) -> None:
@@ -125,10 +152,86 @@ class HostTierManager(ManagerCompat, OffloadingManager):
     def lookup(self, key, req_context) -> LookupResult:
         if key in self._forgotten:
             return LookupResult.MISS
+        if self.costs.mode != "always" and not self._worth_loading(key, req_context):
+            return LookupResult.MISS  # recomputed: its load would finish later than its recompute
         state = self._lru.lookup(key)
         if state is Lookup.MISS and self.files is not None and self.files.contains(key, request_salt(req_context)):
             return LookupResult.HIT  # prepare_load promotes it
         return _LOOKUP[state]
+
+    def _tier(self, key, salt: bytes) -> str | None:
+        if key in self._forgotten:
+            return None
+        state = self._lru.lookup(key)
+        if state is Lookup.HIT:
+            return costs.HOST
+        if state is Lookup.PENDING:
+            return costs.PENDING
+        if self.files is not None and self.files.contains(key, salt):
+            return costs.FILE
+        return None
+
+    def _worth_loading(self, key, req_context) -> bool:
+        """Whether ``key`` is inside the prefix its request's load decision keeps (see the module doc)."""
+        where = getattr(req_context, "get_offload_key_position", None)
+        pos = where(key) if where is not None else None
+        req_id = getattr(req_context, "req_id", None)
+        if pos is None or req_id is None:
+            return True
+        scan = self._scans.get(req_id)
+        if scan is None or pos <= scan.last or scan.group != _group(key):  # a new scan of this request
+            scan = self._scans[req_id] = self._decide(key, pos, req_context)
+        scan.last = pos
+        return pos <= scan.end
+
+    def _decide(self, key, pos: int, req_context) -> "_Scan":
+        group = _group(key)
+        positions = getattr(req_context, "_offload_key_positions", {})
+        later = sorted((p, k) for k, p in positions.items() if p >= pos and _group(k) == group)
+        salt = request_salt(req_context)
+        tiers, ends = [], []
+        for p, k in later:
+            t = self._tier(k, salt)
+            if t is None:
+                break
+            tiers.append(t)
+            ends.append(p)
+        tokens = self.tokens_per_chunk or (ends[1] - ends[0] if len(ends) > 1 else 0)
+        if not tiers or not tokens:
+            return _Scan(group, pos, 1 << 62)
+        d = self.costs.decide(tiers, self.chunk_bytes, tokens)
+        self._decisions[req_context.req_id] = (d, tokens)
+        return _Scan(group, pos, ends[d.load - 1] if d.load else pos - 1)
+
+    def on_schedule_end(self, context) -> None:
+        """Requests admitted this step: count their load decisions once."""
+        for req_id in getattr(context, "new_req_ids", ()):
+            self._scans.pop(req_id, None)
+            got = self._decisions.pop(req_id, None)
+            if got is not None:
+                self._count_decision(*got)
+        parent = getattr(super(), "on_schedule_end", None)
+        if parent is not None:
+            parent(context)
+
+    def on_request_finished(self, req_context) -> None:
+        self._scans.pop(req_context.req_id, None)
+        self._decisions.pop(req_context.req_id, None)
+        parent = getattr(super(), "on_request_finished", None)
+        if parent is not None:
+            parent(req_context)
+
+    def _count_decision(self, d: "costs.Decision", tokens: int) -> None:
+        for action, loaded in (("load", True), ("recompute", False)):
+            for tier, n in d.tokens_by_tier(tokens, loaded).items():
+                k = (action, d.reason, tier)
+                self.decision_tokens[k] = self.decision_tokens.get(k, 0) + n
+                self._decision_pending[k] = self._decision_pending.get(k, 0) + n
+        self._saved_pending += d.saved_s
+
+    def step_sent(self, tokens: int) -> None:
+        """A step was scheduled (hooks): the engine's prefill time per token the decision weighs loads against."""
+        self.costs.prefill.step(tokens or 0)
 
     def get_load_source(self, key, req_context):
         if key in self._promoting and DISK_HIT_SOURCE is not None:
@@ -137,6 +240,10 @@ class HostTierManager(ManagerCompat, OffloadingManager):
 
     def prepare_load(self, keys: Collection, req_context) -> CPULoadStoreSpec:
         keys = list(keys)
+        now = time.monotonic()
+        for k in keys:
+            self._load_t0[k] = (now, self.files is not None and self._lru.lookup(k) is Lookup.MISS)
+            self.costs.tiers[costs.HOST].start(k)
         if self.files is None:
             slots = self._lru.prepare_load(keys)
             self._count_hits(len(keys), 0)
@@ -192,6 +299,7 @@ class HostTierManager(ManagerCompat, OffloadingManager):
         self._lru.touch(keys)
 
     def complete_load(self, keys: Collection, req_context) -> None:
+        self._learn_load(keys)
         if self._promoting or self._unplaced:
             for k in keys:
                 _dec(self._promoting, k)
@@ -215,6 +323,9 @@ class HostTierManager(ManagerCompat, OffloadingManager):
         self._expect_write_back(alloc.evicted)
         if self._forgotten and alloc.evicted:
             self._forgotten.difference_update(alloc.evicted)
+        if alloc.keys:
+            for k in alloc.keys:  # complete_store learns from the oldest of its keys
+                self.costs.tiers[costs.PENDING].start(k)
         slots = alloc.slots.tolist()
         spec = CPULoadStoreSpec(slots) if self.files is None else \
             HostStoreSpec(slots, alloc.keys, alloc.evicted, salt=request_salt(req_context), epoch=self.epoch)
@@ -225,6 +336,9 @@ class HostTierManager(ManagerCompat, OffloadingManager):
         )
 
     def complete_store(self, keys: Collection, req_context, success: bool = True) -> None:
+        keys = list(keys)
+        if keys:
+            self.costs.tiers[costs.PENDING].finish_many(keys, len(keys) * self.chunk_bytes)
         done = self._complete(lambda ks: self._lru.complete_store(ks, success), keys, Lookup.PENDING,
                               "complete_store")
         if success:
@@ -294,6 +408,10 @@ class HostTierManager(ManagerCompat, OffloadingManager):
         self._extra_events.clear()
         self._promoting.clear()
         self._unplaced.clear()
+        self._load_t0.clear()
+        self._scans.clear()
+        for tier in self.costs.tiers.values():
+            tier.forget_open()
         if self.file_events is not None:
             self.file_events.reset()
         if self.files is not None:  # old weights' KV must not come back from files either
@@ -314,7 +432,27 @@ class HostTierManager(ManagerCompat, OffloadingManager):
         )
         self._pending_stored = 0
         self._alloc_sizes = []
+        metrics.add_decisions(out, self._decision_pending, self._saved_pending)
+        self._decision_pending, self._saved_pending = {}, 0.0
         return out
+
+    def _learn_load(self, keys) -> None:
+        """A load job finished: its time teaches the host tier, or the file tier when it read files."""
+        t0s = [self._load_t0.pop(k, None) for k in keys]
+        host = self.costs.tiers[costs.HOST]
+        for k in keys:
+            host.drop(k)
+        t0s = [t for t in t0s if t is not None]
+        if not t0s:
+            return
+        n = len(t0s)
+        took = time.monotonic() - min(t for t, _ in t0s)
+        files = sum(1 for _, f in t0s if f)
+        if files:  # the file reads, less the host-to-device copy every chunk takes
+            self.costs.tiers[costs.FILE].observe(files * self.chunk_bytes,
+                                                 max(took - host.seconds(n * self.chunk_bytes), 1e-6))
+        else:
+            host.observe(n * self.chunk_bytes, took)
 
     def forget_chunks(self, keys: Iterable) -> int:
         """Hide chunks a load failed on; see the module docstring."""
@@ -341,6 +479,20 @@ class HostTierManager(ManagerCompat, OffloadingManager):
     def _ignore(self, what: str, key: bytes) -> None:
         self.ignored_completions += 1
         logger.warning("%s for a chunk this index does not track (reset?): %s", what, bytes(key).hex()[:16])
+
+
+class _Scan:
+    """One pass of vLLM over a request's keys: its group, first position, last seen, and last one to load."""
+
+    __slots__ = ("group", "last", "end")
+
+    def __init__(self, group, start: int, end: int):
+        self.group, self.last, self.end = group, start - 1, end
+
+
+def _group(key) -> int:
+    """The KV-cache group of an offload key (vLLM packs it after the block hash)."""
+    return get_offload_group_idx(key) if get_offload_group_idx is not None else 0
 
 
 class RequestSalt(bytes):

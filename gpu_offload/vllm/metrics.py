@@ -46,6 +46,9 @@ HIT_CHUNKS = "tpu_offload_hit_chunks"
 HIT_TOKENS = "tpu_offload_hit_tokens"
 STORED_CHUNKS = "tpu_offload_stored_chunks"
 EVICTED_CHUNKS = "tpu_offload_evicted_chunks"
+# load or recompute (core/costs.py; the same series as tpu_offload.core.metrics)
+DECISION_TOKENS = "tpu_offload_decision_tokens"
+DECISION_SAVED = "tpu_offload_decision_saved_seconds"
 
 # tpu_offload.core.fs.metrics, sent from the workers.
 FS_BYTES = "tpu_offload_fs_bytes"
@@ -92,6 +95,10 @@ def metric_definitions() -> dict:
         HIT_TOKENS: counter("Tokens loaded instead of recomputed, by the tier they came from.", _T),
         STORED_CHUNKS: counter("Chunks stored into the host tier.", _T),
         EVICTED_CHUNKS: counter("Chunks evicted from the host tier.", _T),
+        DECISION_TOKENS: counter("Hit tokens loaded or recomputed, by the load decision's reason (auto: measured "
+                                 "costs; always/never: the setting) and the tier that held them.",
+                                 ("action", "reason", "tier")),
+        DECISION_SAVED: counter("Seconds the load decision expects to have saved against the other choice."),
         FS_BYTES: counter("Payload bytes moved to/from files", ("tier", "op")),
         FS_OPS: counter("File operations by outcome", ("tier", "op", "result")),
         FS_LATENCY: histogram("Latency of one chunk file read or write", FS_LATENCY_BUCKETS, ("tier", "op")),
@@ -151,6 +158,15 @@ def build_stats(
     if evicted_chunks:
         out.increase_counter(EVICTED_CHUNKS, evicted_chunks, TIER)
     return out
+
+
+def add_decisions(out: OffloadingConnectorStats, tokens: dict[tuple[str, str, str], int], saved_s: float) -> None:
+    """The manager's load decisions since the last call: (action, reason, tier) -> tokens, seconds saved."""
+    for labels, n in tokens.items():
+        if n:
+            out.increase_counter(DECISION_TOKENS, n, labels)
+    if saved_s > 0:
+        out.increase_counter(DECISION_SAVED, saved_s)
 
 
 class _RecordingHistogram:

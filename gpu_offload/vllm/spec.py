@@ -149,6 +149,8 @@ class HostOffloadSpec(HostSpecBase):
                 file_events=FileEvents(self.world_size) if files is not None and self._events_on() else None,
                 write_back=self.offload_config.fs_write_mode == "write_back",
                 reset_epoch_file=self.offload_config.fs_reset_epoch_file,
+                load_decision=self.offload_config.load_decision,
+                load_decision_bias=self.offload_config.load_decision_bias,
             )
             HostOffloadSpec.live_parts.add(self._manager)
             logger.info(

@@ -68,7 +68,8 @@ def main(plan_path: str) -> int:
         if manager is not None:
             llm.generate([{"prompt_token_ids": [1] * 8}], sp, use_tqdm=False)  # runs the deferred stores
             rec.update(host_hits=manager.hit_chunks - before[0], fs_hits=manager.fs_hit_chunks - before[1],
-                       load_error_blocks=worker.stats.load_error_blocks - before[2])
+                       load_error_blocks=worker.stats.load_error_blocks - before[2],
+                       decisions={"/".join(k): n for k, n in getattr(manager, "decision_tokens", {}).items()})
         if step.get("idle_s"):
             time.sleep(step["idle_s"])
         if fs is not None:

@@ -71,3 +71,9 @@ DETERMINISM = Workload.of("determinism", [[prompt(41, 40), prompt(42, 100), prom
                           max_tokens=24)
 # 32-token blocks (an MLA model's latent cache packs 32 tokens per row): the same prompts as roundtrip16.
 ROUNDTRIP[32] = Workload.of("roundtrip32", [[prompt(1, 100), prompt(2, 165), prompt(3, 70)]], block_size=32)
+# The load decision (test_tpu_engine_load_decision.py): a writer publishes four prompts to files; a
+# replica runs a cold prompt of its own (its steps compile the forward and time it), then the four one by
+# one (the file tier's time is learned from the first; the others are decided on).
+DECISION_PUBLISH = Workload.of("decision_publish", [[prompt(292 + i, 96) for i in range(4)]], block_size=16)
+DECISION_REPLICAS = [Workload.of(f"decision_replica{i}", [[prompt(290 - i, 96)]]
+                                 + [[prompt(292 + j, 96)] for j in range(4)], block_size=16) for i in range(2)]

@@ -27,6 +27,7 @@ class Order:
     slots: list[int]
     items: list[int] = dataclasses.field(default_factory=list)  # plan indices (promotions)
     reports: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # process -> bad slots
+    op_id: int = -1  # set when every process has reported it (the cost model's clock)
 
 
 

@@ -27,6 +27,12 @@ Invariants this file keeps (each one a defect of the upstream connector):
 * Sliding-window layers in "window" mode (``connector/windows.py``,
   ``connector/tails.py``): a store carries their blocks only in the tails a
   later request can read, and a hit ends only where its tail holds them.
+* Load or recompute (``load_decision``, core/costs.py): a hit is offered
+  only as far as its load is expected to finish before recomputing it would
+  (per tier, from the times between sending each load or promotion and its
+  completion report; prefill time per token from the intervals between
+  ``build_connector_meta`` calls). The lookup
+  fixes the decision; the allocation uses that one, so the two agree.
 * A chunk is loaded asynchronously for one request at a time: a request
   whose load would include a chunk another request is loading waits (its
   lookup returns ``None``) until vLLM has cached that request's blocks, then
@@ -54,6 +60,7 @@ from tpu_offload.connector.settings import Settings
 from tpu_offload.connector.stats import OffloadStats
 from tpu_offload.connector.stores import StorePlanner
 from tpu_offload.connector.tails import Tails
+from tpu_offload.core import costs
 from tpu_offload.core.keys import ChunkKey, make_chunk_key
 from tpu_offload.core.lru import LRUChunkManager
 from tpu_offload.core.manager import Lookup
@@ -120,6 +127,8 @@ class OffloadScheduler:
         self.exclusive = ExclusiveStores(self) if cfg.store_policy == "exclusive" else None
         self.stores = StorePlanner(self)  # which chunks each step stores (connector/stores.py)
         self._start: dict[str, int] = {}  # exclusive: the chunk a request's host lookup started at
+        self.costs = costs.CostModel(cfg.load_decision, cfg.load_decision_bias)
+        self._decided: dict[str, tuple[int, costs.Decision]] = {}  # the last lookup's (chunks, decision)
         self.shared = None  # DP attention: the other ranks' chunks (connector/dp.py SharedIndex)
         self._fs_lookup = fs  # also when loads are synchronous (it learns resets)
         self.reset_salt = ""  # see reset_cache
@@ -196,6 +205,7 @@ class OffloadScheduler:
         if self.exclusive is not None:
             self._start[request.request_id] = start
         n_hit, on_fs = self._prefix(keys, request_salt(request), start)
+        n_hit = self._decide(request.request_id, n_hit, on_fs, num_computed_tokens)
         hit_tokens = n_hit * self.chunk_tokens
         report = min(hit_tokens, request.num_tokens - 1)  # a full hit still computes one token
         n = max(0, report - num_computed_tokens) if hit_tokens > num_computed_tokens else 0
@@ -204,12 +214,23 @@ class OffloadScheduler:
         rid = request.request_id
         first = num_computed_tokens // self.chunk_tokens
         if len(self.loading) and self._hbm_caching():
-            if self.loading.busy(keys[first:n_hit], rid):
+            if self.loading.busy(keys[first:n_hit], rid):  # worth waiting for: _decide weighed the same load
                 self._waited.add(rid)
                 return None, False  # vLLM asks again next step, when the blocks may be cached
         load_async = not self._sync_after_wait(rid, n, on_fs[first:n_hit])
         self._load_async[rid] = load_async
         return n, load_async
+
+    def _decide(self, req_id: str, n_hit: int, on_fs: list[bool], computed: int) -> int:
+        """Cut the hit to the prefix worth loading (core/costs.py); remembered for the allocation."""
+        first = computed // self.chunk_tokens
+        self._decided.pop(req_id, None)
+        if n_hit <= first or self.costs.mode == "always":
+            return n_hit
+        tiers = [costs.FILE if f else costs.HOST for f in on_fs[first:n_hit]]
+        d = self.costs.decide(tiers, self.s.chunk_bytes, self.chunk_tokens, computed - first * self.chunk_tokens)
+        self._decided[req_id] = (first + d.load, d)
+        return first + d.load
 
     def _sync_after_wait(self, req_id: str, n: int, on_fs: list[bool]) -> bool:
         """Whether a request that waited for another's load loads its rest inside this step.
@@ -237,6 +258,10 @@ class OffloadScheduler:
         self._waited.discard(request.request_id)
         load_async = self._load_async.pop(request.request_id, self.async_load)
         start = self._start.pop(request.request_id, 0)
+        decided, decision = self._decided.pop(request.request_id, (None, None))
+        if decision is not None:  # once per allocation: the lookup that admitted it
+            self.metrics.core.record_decision(decision, self.chunk_tokens)
+            self._add("recomputed_hit_tokens", decision.recomputed * self.chunk_tokens)
         if self.exclusive is not None:
             self.exclusive.handed_out(blocks)
         st = self._reqs.get(request.request_id)
@@ -253,6 +278,8 @@ class OffloadScheduler:
         keys = self._keys(request)
         salt = request_salt(request)
         n_hit, on_fs = self._prefix(keys, salt, start)
+        if decided is not None:  # what the lookup offered (the tier may only have grown since)
+            n_hit = min(n_hit, decided)
         hit_tokens = n_hit * self.chunk_tokens
         local = hit_tokens - num_external_tokens - (1 if hit_tokens >= request.num_tokens else 0)
         if local < 0 or local % self.s.block_size or hit_tokens <= local:
@@ -332,7 +359,21 @@ class OffloadScheduler:
         self._sync_blocks_left = self.s.load_budget_blocks  # lookups after this belong to the next step
         if self.fs is not None:
             self.fs.new_step()
+        self._time_orders(meta, so)
         return meta
+
+    def _time_orders(self, meta: OffloadMetadata, so) -> None:
+        """Start the clocks the cost model learns from: this step's transfers, and the step itself."""
+        tiers = self.costs.tiers
+        for op in meta.loads:
+            if op.op_id in self.loads.load_orders:
+                tiers[costs.HOST].start(op.op_id)
+        for op in meta.promotes:
+            tiers[costs.FILE].start(op.op_id)
+        for op in (*meta.stores, *meta.early_stores):
+            if op.op_id in self._store_orders:
+                tiers[costs.PENDING].start(op.op_id)
+        self.costs.prefill.step(getattr(so, "total_num_scheduled_tokens", 0) or 0)
 
     def _defer(self, direction: str, blocks: int) -> None:
         self.metrics.core.record_deferred(direction, blocks)
@@ -379,12 +420,15 @@ class OffloadScheduler:
             if self._file_events:
                 self.events.files(report.fs_published, report.fs_removed)
             self._fs_bad.difference_update(report.fs_published)  # our own copy is back: offer it again
+        cb = self.s.chunk_bytes
         for order, failed in self._complete(self._store_orders, report.stores):
+            self.costs.tiers[costs.PENDING].finish(order.op_id, len(order.keys) * cb)
             for k in settle_store(self.manager, order, failed):
                 self.events.forget(k)
                 self._slot_of.pop(k, None)
                 self._salt_of.pop(k, None)
         for order, failed in self._complete(self.loads.promote_orders, report.promotes):
+            self.costs.tiers[costs.FILE].finish(order.op_id, len(order.keys) * cb)
             for k in self.loads.promoted(order, failed):
                 self.events.forget(k)
                 self._slot_of.pop(k, None)
@@ -393,6 +437,7 @@ class OffloadScheduler:
             if failed:
                 self.metrics.core.record_load_errors(len(failed), tier="fs")
         for order, failed in self._complete(self.loads.load_orders, report.loads):
+            self.costs.tiers[costs.HOST].finish(order.op_id, len(order.keys) * cb)
             self.manager.complete_load(order.keys)
             for k, s in zip(order.keys, order.slots):
                 if s in failed:
@@ -409,6 +454,7 @@ class OffloadScheduler:
             order.reports[proc] = bad
             if len(order.reports) >= self._procs:
                 del orders[op_id]
+                order.op_id = op_id
                 yield order, set().union(*order.reports.values())
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
@@ -418,6 +464,7 @@ class OffloadScheduler:
         self._waited.discard(req_id)
         self._load_async.pop(req_id, None)
         self._start.pop(req_id, None)
+        self._decided.pop(req_id, None)
         st = self._reqs.get(req_id)
         if st is None:
             return False, None
@@ -471,6 +518,8 @@ class OffloadScheduler:
         self.events.reset()
         self.loads.invalidate()
         self.loading.clear()  # nothing the tier held before may be served: no one waits for it
+        for tier in self.costs.tiers.values():
+            tier.forget_open()  # their orders will never be reported
         for st in self._reqs.values():
             st.cursor = 0
             st.keys.clear()

@@ -19,6 +19,7 @@ COUNTERS = (
     "load_errors", "store_errors",
     "deferred_store_blocks", "deferred_load_blocks", "alloc_failures",
     "lookup_tokens", "hit_tokens",
+    "recomputed_hit_tokens",  # hits the load decision recomputed (core/costs.py)
 )
 
 
@@ -56,6 +57,7 @@ class OffloadStats(KVConnectorStats):
             "Store errors": d.get("store_errors", 0),
             "Deferred blocks": d.get("deferred_store_blocks", 0) + d.get("deferred_load_blocks", 0),
             "Hit tokens": d.get("hit_tokens", 0),
+            "Recomputed hit tokens": d.get("recomputed_hit_tokens", 0),
         }
 
     def is_empty(self) -> bool:

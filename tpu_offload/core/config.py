@@ -389,6 +389,13 @@ _SETTINGS: tuple[_Setting, ...] = (
     _Setting("fs_io_timeout_s", _float(0.001), "TPU_OFFLOAD_FS_IO_TIMEOUT_S", ("fs_io_timeout_s",), scope=BOTH,
              doc="Deadline of each file-tier read and write: past it a load fails (the request recomputes) "
                  "and a write is dropped."),
+    # load or recompute: a hit is loaded only as far as its load beats recomputing it
+    _Setting("load_decision", _choice("auto", "always", "never"), "TPU_OFFLOAD_LOAD_DECISION", ("load_decision",),
+             scope=BOTH, doc="auto: load each hit's longest prefix whose expected load time (per tier, learned "
+                             "from completed transfers) x load_decision_bias is at most the expected time to "
+                             "recompute it, and recompute the rest; always: load every hit; never: recompute."),
+    _Setting("load_decision_bias", _float(0.0), "TPU_OFFLOAD_LOAD_DECISION_BIAS", ("load_decision_bias",),
+             scope=BOTH, doc="With load_decision auto: above 1 favours recomputing, below 1 loading."),
 )
 # Keys that would put the secret itself into a config JSON (logged, stored, shown in pod specs).
 _SECRET_KEYS = frozenset({"fs_secret", "secret", "fs_key", "fs_secret_key", "fs_hmac_key"})
@@ -506,6 +513,13 @@ class OffloadConfig:
     # Deadline of every file-tier read and write: past it a load fails (the request recomputes) and a
     # write is dropped; no engine thread ever waits longer on the mount.
     fs_io_timeout_s: float = 5.0
+    # load or recompute. "auto": each hit loads its longest prefix whose expected load time
+    # (per tier, learned from completed transfers; core/costs.py) x load_decision_bias is at most the
+    # engine's expected time to recompute it (learned from its steps); the rest is recomputed, and a chunk
+    # still being stored is waited for only when that pays. "always": load every hit. "never": recompute.
+    # load_decision_bias > 1 favours recomputing, < 1 loading.
+    load_decision: str = "always"
+    load_decision_bias: float = 1.0
     # Where each explicitly set field came from ((field, "kv_connector_extra_config key 'x'"), ...), and what
     # was given that no setting of ours reads (vLLM's own keys, tpu-inference's variables): for the warning.
     set_by: tuple[tuple[str, str], ...] = dataclasses.field(default=(), repr=False, compare=False)

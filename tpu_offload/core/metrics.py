@@ -102,6 +102,14 @@ class OffloadMetrics:
         self.exclusive_chunks = counter(
             "tpu_offload_exclusive_chunks", "store_policy=exclusive: chunks whose HBM blocks were reused, by outcome "
             "(copied to the host, already there, lost: no staging budget or host slot in time)", ["outcome"])
+        # load or recompute (core/costs.py): each hit's tokens by what was done, why, and where they were
+        self.decision_tokens = counter(
+            "tpu_offload_decision_tokens", "Hit tokens loaded or recomputed, by the load decision's reason "
+            "(auto: measured costs; always/never: the setting) and the tier that held them",
+            ["action", "reason", "tier"])
+        self.decision_saved = counter(
+            "tpu_offload_decision_saved_seconds", "Seconds the load decision expects to have saved against "
+            "the other choice for each hit (loading its prefix, recomputing the rest)")
         self.latency = Histogram(
             "tpu_offload_transfer_latency_seconds", "Latency of one batched transfer",
             ["direction", *ln], buckets=_LATENCY_BUCKETS, registry=r,
@@ -182,6 +190,14 @@ class OffloadMetrics:
     def record_exclusive(self, outcome: str, n: int) -> None:
         if n:
             self.exclusive_chunks.labels(**self._l(outcome=outcome)).inc(n)
+
+    def record_decision(self, decision, chunk_tokens: int) -> None:
+        """A ``core.costs.Decision`` taken for one request's hit."""
+        for action, loaded in (("load", True), ("recompute", False)):
+            for tier, tokens in decision.tokens_by_tier(chunk_tokens, loaded).items():
+                self.decision_tokens.labels(**self._l(action=action, reason=decision.reason, tier=tier)).inc(tokens)
+        if decision.saved_s > 0:
+            self._inc(self.decision_saved, decision.saved_s)
 
     def _inc(self, metric, n) -> None:
         (metric.labels(**self.labels) if self.labels else metric).inc(n)

@@ -1,0 +1,138 @@
+"""The load-or-recompute cost model (core/costs.py): learning and the prefix it picks."""
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from tpu_offload.core.config import ConfigError, OffloadConfig
+from tpu_offload.core.costs import FILE, HOST, PENDING, CostModel, PrefillCost, TransferCost
+from tpu_offload.core.metrics import OffloadMetrics
+
+MB = 1 << 20
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_transfer_cost_starts_at_its_prior_and_learns_latency_and_bandwidth():
+    c = TransferCost(1e9, 5e-3)
+    assert c.seconds(100 * MB) == pytest.approx(5e-3 + 100 * MB / 1e9)
+    for n in (1, 2, 4, 8) * 8:  # a mount at 200 MB/s with 20 ms per transfer
+        c.observe(n * MB, 0.02 + n * MB / 200e6)
+    assert c.bytes_per_s == pytest.approx(200e6, rel=0.1)
+    assert c.latency_s == pytest.approx(0.02, rel=0.15)
+
+
+def test_transfer_cost_of_one_size_scales_the_prior_and_forgets_old_samples():
+    c = TransferCost(1e9, 1e-3, window=8)
+    for _ in range(8):
+        c.observe(4 * MB, 0.004)  # healthy
+    fast = c.seconds(4 * MB)
+    for _ in range(8):
+        c.observe(4 * MB, 0.4)  # the same mount, 100x slower now
+    assert fast < 0.01 and c.seconds(4 * MB) > 0.3
+
+
+def test_an_outstanding_transfer_counts_as_at_least_its_age():
+    clock = Clock()
+    c = TransferCost(1e9, 1e-3, clock=clock)
+    c.start("op1")
+    clock.t = 3.0  # a hung read
+    assert c.seconds(MB) >= 3.0
+    c.finish("op1", MB)
+    assert c.samples == 1 and c.oldest_age() == 0.0
+    c.start("op2")
+    c.drop("op2")
+    assert c.oldest_age() == 0.0
+
+
+def test_prefill_cost_replaces_its_prior_and_skips_tiny_steps():
+    p = PrefillCost(1e-3)
+    p.observe(4, 100.0)  # too few tokens to say anything
+    assert p.s_per_token == 1e-3
+    p.observe(1000, 0.1)
+    assert p.s_per_token == pytest.approx(1e-4)
+    assert p.seconds(500) == pytest.approx(0.05)
+
+
+def _model(mode="auto", bias=1.0, fs_s_per_mb=None):
+    m = CostModel(mode, bias)
+    m.prefill = PrefillCost(1e-4)  # 10k tokens/s
+    for _ in range(8):
+        m.tiers[HOST].observe(MB, 1e-4)
+    if fs_s_per_mb is not None:
+        for _ in range(8):
+            m.tiers[FILE].observe(MB, fs_s_per_mb)
+    return m
+
+
+def test_decision_moves_from_load_to_recompute_as_the_file_tier_slows():
+    tiers = [HOST] * 2 + [FILE] * 6  # 1 MiB, 256-token chunks: recompute 25.6 ms each
+    loads = [_model(fs_s_per_mb=s).decide(tiers, MB, 256).load for s in (0.001, 0.02, 0.05, 1.0)]
+    assert loads[0] == 8 and loads[-1] == 2
+    assert loads == sorted(loads, reverse=True)
+
+
+def test_decision_keeps_a_long_prefix_when_a_tier_latency_pays_off_later():
+    m = _model()
+    m.tiers[FILE] = TransferCost(1e9, 0.05)  # 50 ms to start, fast after
+    d = m.decide([FILE] * 8, MB, 256)  # one chunk: 51 ms > 25.6; eight: 58 ms < 205 ms
+    assert d.load == 8 and d.reason == "auto" and d.saved_s > 0.1
+
+
+def test_decision_waits_for_a_pending_store_only_when_that_pays():
+    m = _model()
+    m.tiers[PENDING] = TransferCost(1e9, 0.5)  # stores finishing in half a second
+    assert m.decide([HOST, PENDING], MB, 256).load == 1
+    m.tiers[PENDING] = TransferCost(1e9, 0.001)
+    assert m.decide([HOST, PENDING], MB, 256).load == 2
+
+
+def test_modes_and_bias():
+    tiers = [HOST, FILE, FILE]
+    assert _model("always", fs_s_per_mb=10).decide(tiers, MB, 256).load == 3
+    d = _model("never").decide(tiers, MB, 256)
+    assert d.load == 0 and d.reason == "never"
+    assert _model(bias=1000.0).decide(tiers, MB, 256).load == 0  # loads must be 1000x cheaper
+    assert _model(bias=0.0, fs_s_per_mb=10).decide(tiers, MB, 256).load == 3
+    with pytest.raises(ValueError, match="allowed"):
+        CostModel("sometimes")
+
+
+def test_decision_metrics_count_tokens_by_action_reason_and_tier():
+    reg = CollectorRegistry()
+    m = OffloadMetrics(registry=reg)
+    d = _model(fs_s_per_mb=1.0).decide([HOST, HOST, FILE], MB, 256)
+    m.record_decision(d, 256)
+    get = reg.get_sample_value
+    assert get("tpu_offload_decision_tokens_total", {"action": "load", "reason": "auto", "tier": "cpu"}) == 512
+    assert get("tpu_offload_decision_tokens_total", {"action": "recompute", "reason": "auto", "tier": "fs"}) == 256
+    assert get("tpu_offload_decision_saved_seconds_total") > 0.5  # a ~1 s file read not waited for
+
+
+def test_config_settings():
+    c = OffloadConfig.from_sources({"load_decision": "auto", "load_decision_bias": 2}, env={})
+    assert (c.load_decision, c.load_decision_bias) == ("auto", 2.0)
+    assert OffloadConfig.from_sources({}, env={"TPU_OFFLOAD_LOAD_DECISION": "never"}).load_decision == "never"
+    with pytest.raises(ConfigError, match="load_decision.*'sometimes'.*allowed: one of 'auto'"):
+        OffloadConfig.from_sources({"load_decision": "sometimes"}, env={})
+    with pytest.raises(ConfigError, match="load_decision_bias"):
+        OffloadConfig.from_sources({"load_decision_bias": -1}, env={})
+
+
+def test_prefill_steps_are_timed_between_schedules_and_idle_gaps_are_clipped():
+    clock = Clock()
+    p = PrefillCost(1e-3, clock=clock)
+    p.step(1000)
+    clock.t = 0.5  # 1000 tokens in 0.5 s
+    p.step(4)  # a decode step: too small to time
+    assert p.s_per_token == pytest.approx(5e-4)
+    clock.t = 0.6
+    p.step(1000)
+    clock.t = 100.6  # the engine went idle after that step: at most CLIP times the estimate
+    p.step(0)
+    assert p.s_per_token <= 5e-4 * PrefillCost.CLIP

@@ -1,0 +1,71 @@
+"""The load decision under vLLM's real scheduler (stand-in runner verifying every step's KV).
+
+A request whose hit includes chunks another request is loading normally waits for that load, then
+hits vLLM's prefix cache. With ``load_decision: auto`` it waits only while that pays: waiting for those
+chunks costs what loading them does (the host tier's expected time, at least the age of its oldest
+outstanding load), so when that exceeds recomputing them, the lookup offers none of them and the request
+recomputes them instead of waiting.
+"""
+
+import pytest
+
+from tpu_standin import prompt
+from tpu_offload.core.costs import HOST, PrefillCost, TransferCost
+
+pytestmark = pytest.mark.engine
+
+BS = 16
+N = 2  # the stand-in checks KV as it was before the step: two requests recomputing one prefix in one step would share blocks
+CHUNKS = 6
+
+
+@pytest.fixture
+def make(harnesses):
+    def _make(**extra):
+        return harnesses({"num_cpu_chunks": 64, "staging_blocks": 64, "blocks_per_chunk": 1, **extra},
+                         num_blocks=128, max_num_batched_tokens=512)
+
+    return _make
+
+
+def _run_shared(h, wait_s: float):
+    """Store a prefix, drop it from HBM, then send N requests sharing it at once. The first decides to load
+    it; by the others' lookups the host tier's model says its loads take ``wait_s`` (as measurements that
+    arrived meanwhile would), so they weigh waiting for the first's load against recomputing."""
+    p = prompt(CHUNKS * h.sch.chunk_tokens, 1)
+    h.add(p, max_tokens=1)
+    h.run()
+    assert h.sched.reset_prefix_cache()
+    sch = h.sch
+    sch.costs.prefill = PrefillCost(1e-3)  # 16 ms per chunk to recompute
+    lookups = []
+    orig_lookup = h.conn_s.get_num_new_matched_tokens
+
+    def lookup(request, computed):
+        r = orig_lookup(request, computed)
+        lookups.append(r)
+        if len(lookups) == 1:
+            sch.costs.tiers[HOST] = TransferCost(1e9, wait_s)
+        return r
+
+    h.conn_s.get_num_new_matched_tokens = lookup
+    ids = [h.add(p + prompt(BS + 3, 100 + i), max_tokens=3) for i in range(N)]
+    h.run()
+    assert set(ids) <= set(h.finished)
+    return lookups
+
+
+def test_an_in_flight_load_is_not_waited_for_when_recomputing_costs_less(make):
+    h = make(load_decision="auto")
+    lookups = _run_shared(h, wait_s=30.0)
+    assert (None, False) not in lookups  # nobody held back behind the stalled load
+    assert h.wrk.totals["loaded_chunks"] == CHUNKS  # the first request's load only
+    assert h.sch.totals["recomputed_hit_tokens"] >= (N - 1) * CHUNKS * BS
+
+
+def test_an_in_flight_load_is_waited_for_when_that_pays(make):
+    h = make(load_decision="auto")
+    lookups = _run_shared(h, wait_s=1e-4)
+    assert (None, False) in lookups  # held back, then vLLM's prefix cache had it
+    assert h.wrk.totals["loaded_chunks"] == CHUNKS
+    assert h.sch.totals.get("recomputed_hit_tokens", 0) == 0

@@ -1,0 +1,247 @@
+"""Load or recompute: per-tier transfer costs and the engine's prefill cost, learned online.
+
+A hit is worth loading only while its load finishes before recomputing it
+would. Each tier's time for ``n`` bytes is modelled as ``latency + n /
+bandwidth``, fitted to the tier's last completed transfers (a fixed window:
+it follows a mount that slows down; transfers all of one size scale the
+prior's shape by a geometric EWMA of what they took) and pulled toward a modest prior until
+enough arrive. A transfer still outstanding counts as at least its age, so a
+hung mount stops being offered after one timeout's worth of waiting, not
+after it fails. The engine's prefill time per token is an EWMA of its own
+prefill steps. ``decide`` returns the longest prefix of a hit whose expected
+load time (scaled by ``bias``) is at most its recompute time; the rest is
+recomputed. Backend-neutral: callers time their own transfers and steps.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import Callable, Sequence
+
+import numpy as np
+
+HOST, FILE, PENDING = "cpu", "fs", "pending"  # host tier, file tier, a chunk whose store is in flight
+TIERS = (HOST, FILE, PENDING)
+MODES = ("auto", "always", "never")
+
+# Priors: modest figures a healthy tier beats, so decisions start close to "always load".
+_PRIOR = {  # tier -> (bytes/s, latency s)
+    HOST: (10e9, 1e-3),
+    FILE: (1e9, 5e-3),
+    PENDING: (5e9, 5e-3),  # finishing a store: device-to-host copy still running
+}
+PRIOR_PREFILL_S_PER_TOKEN = 2e-4
+STALE_S = 600.0  # an outstanding transfer older than this was lost, not slow (every tier I/O has a deadline)
+
+
+class TransferCost:
+    """Seconds one tier takes for ``n`` bytes: ``latency + n / bandwidth``, fitted to recent transfers."""
+
+    def __init__(self, bytes_per_s: float, latency_s: float, window: int = 16, prior_weight: float = 0.5,
+                 clock: Callable[[], float] = time.monotonic):
+        self.prior = (float(latency_s), 1.0 / float(bytes_per_s))
+        self._fit = self.prior
+        self._x: collections.deque = collections.deque(maxlen=window)
+        self._y: collections.deque = collections.deque(maxlen=window)
+        self._k = prior_weight
+        self._logf = 0.0  # EWMA of log(seen / prior) over transfers: the one-size scale
+        self._open: dict[object, float] = {}  # outstanding transfers: id -> start time
+        self._clock = clock
+        self.samples = 0
+
+    # ---- outstanding transfers ---------------------------------------------
+    def start(self, tag: object) -> None:
+        self._open.setdefault(tag, self._clock())
+
+    def finish(self, tag: object, nbytes: int) -> None:
+        """A transfer started with ``start(tag)`` completed, well or not: learn its time."""
+        t0 = self._open.pop(tag, None)
+        if t0 is not None and nbytes > 0:
+            self.observe(nbytes, self._clock() - t0)
+
+    def finish_many(self, tags: Sequence[object], nbytes: int) -> None:
+        """One transfer of several outstanding tags (e.g. a job's chunks): timed from the oldest."""
+        starts = [t0 for t0 in (self._open.pop(t, None) for t in tags) if t0 is not None]
+        if starts and nbytes > 0:
+            self.observe(nbytes, self._clock() - min(starts))
+
+    def drop(self, tag: object) -> None:
+        self._open.pop(tag, None)
+
+    def forget_open(self) -> None:
+        """Outstanding transfers that will never report (a reset)."""
+        self._open.clear()
+
+    def oldest_age(self) -> float:
+        """Age of the oldest transfer still outstanding (one older than ``STALE_S`` was lost: dropped)."""
+        if not self._open:
+            return 0.0
+        now = self._clock()
+        for tag in [t for t, t0 in self._open.items() if now - t0 > STALE_S]:
+            del self._open[tag]
+        return now - min(self._open.values()) if self._open else 0.0
+
+    # ---- the model -------------------------------------------------------------
+    def observe(self, nbytes: int, seconds: float) -> None:
+        if nbytes <= 0 or not np.isfinite(seconds) or seconds < 0:
+            return
+        lat0, inv0 = self.prior
+        a = max(0.5, 1.0 / (self.samples + 1 + self._k))  # the first samples weigh against the prior
+        self._logf += a * (float(np.log(max(seconds, 1e-9) / (lat0 + inv0 * nbytes))) - self._logf)
+        self._x.append(float(nbytes))
+        self._y.append(float(seconds))
+        self.samples += 1
+        self._fit = self._refit()
+
+    def _refit(self) -> tuple[float, float]:
+        x, y = np.asarray(self._x), np.asarray(self._y)
+        n = len(x)
+        lat0, inv0 = self.prior
+        mx, my = float(x.mean()), float(y.mean())
+        var = float(((x - mx) ** 2).mean())
+        if n >= 3 and var > (0.05 * mx) ** 2:  # sizes differ: latency and bandwidth separate
+            inv = max(float(((x - mx) * (y - my)).mean()) / var, 1e-15)
+            lat = min(max(my - inv * mx, 0.0), float(y.min()))
+            inv = max((my - lat) / mx, 1e-15)  # the fit passes through the mean
+        else:  # one size: the prior's shape, scaled by a geometric EWMA (one odd transfer moves it halfway)
+            f = float(np.exp(self._logf))
+            return lat0 * f, inv0 * f
+        w = n / (n + self._k)
+        return (w * lat + (1 - w) * lat0, w * inv + (1 - w) * inv0)
+
+    def seconds(self, nbytes: int) -> float:
+        """Expected seconds for ``nbytes``; at least the age of the oldest transfer still outstanding."""
+        if nbytes <= 0:
+            return 0.0
+        lat, inv = self._fit
+        return max(lat + inv * nbytes, self.oldest_age())
+
+    @property
+    def bytes_per_s(self) -> float:
+        return 1.0 / self._fit[1]
+
+    @property
+    def latency_s(self) -> float:
+        return self._fit[0]
+
+
+class PrefillCost:
+    """The engine's seconds per prefill token: an EWMA over its own steps.
+
+    ``step`` is called as each step is scheduled: the time since the previous call is the previous
+    step's (the engine loop schedules the next step when one ends, with or without async scheduling,
+    where the interval is the pipeline's period). A sample more than ``CLIP`` times off the estimate
+    moves it by only that factor, so an idle gap before a step does not count as compute.
+    """
+
+    CLIP = 4.0
+
+    def __init__(self, s_per_token: float = PRIOR_PREFILL_S_PER_TOKEN, alpha: float = 0.2, min_tokens: int = 16,
+                 clock: Callable[[], float] = time.monotonic):
+        self.s_per_token = float(s_per_token)
+        self._alpha = alpha
+        self._min = min_tokens
+        self._clock = clock
+        self._open: tuple[float, int] | None = None
+        self.samples = 0
+
+    def step(self, tokens: int) -> None:
+        """A step of ``tokens`` scheduled tokens starts now (the previous one ended)."""
+        now = self._clock()
+        if self._open is not None:
+            t0, n = self._open
+            if n >= self._min:
+                per = min(max((now - t0) / n, self.s_per_token / self.CLIP), self.s_per_token * self.CLIP)
+                self.observe(n, per * n)
+        self._open = (now, int(tokens)) if tokens else None
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """A step that computed ``tokens`` in ``seconds`` (steps too small to say much are skipped)."""
+        if tokens < self._min or not np.isfinite(seconds) or seconds <= 0:
+            return
+        a = max(self._alpha, 1.0 / (self.samples + 1))  # the first samples replace the prior quickly
+        self.s_per_token += a * (seconds / tokens - self.s_per_token)
+        self.samples += 1
+
+    def seconds(self, tokens: int) -> float:
+        return self.s_per_token * tokens
+
+
+@dataclasses.dataclass
+class Decision:
+    """What to do with a hit of ``len(tiers)`` chunks: load the first ``load``, recompute the rest."""
+
+    tiers: list[str]
+    load: int
+    reason: str  # "auto", "always", "never"
+    load_s: float = 0.0  # expected seconds to load the first ``load`` chunks
+    recompute_s: float = 0.0  # expected seconds to recompute them
+    saved_s: float = 0.0  # expected seconds saved against the other choice for the whole hit
+
+    @property
+    def recomputed(self) -> int:
+        return len(self.tiers) - self.load
+
+    def tokens_by_tier(self, chunk_tokens: int, loaded: bool) -> dict[str, int]:
+        part = self.tiers[: self.load] if loaded else self.tiers[self.load :]
+        out: dict[str, int] = {}
+        for t in part:
+            out[t] = out.get(t, 0) + chunk_tokens
+        return out
+
+
+class CostModel:
+    """Every tier's ``TransferCost`` and the engine's ``PrefillCost``, with the deployment's settings."""
+
+    def __init__(self, mode: str = "auto", bias: float = 1.0, host_bytes_per_s: float | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        if mode not in MODES:
+            raise ValueError(f"load decision mode {mode!r}; allowed: {', '.join(MODES)}")
+        self.mode = mode
+        self.bias = float(bias)
+        self.tiers = {t: TransferCost(*_PRIOR[t], clock=clock) for t in TIERS}
+        if host_bytes_per_s:
+            self.tiers[HOST] = TransferCost(host_bytes_per_s, _PRIOR[HOST][1], clock=clock)
+        self.prefill = PrefillCost()
+
+    def load_seconds(self, counts: dict[str, int], chunk_bytes: int) -> float:
+        """Expected seconds to load chunks from several tiers: each tier's part, then the device copy of all.
+
+        Parts run one after another (a conservative sum): a file is read into a host slot and a pending
+        store must finish before the host-to-device copy that every chunk takes.
+        """
+        total = sum(counts.values())
+        s = self.tiers[HOST].seconds(total * chunk_bytes)
+        for t in (FILE, PENDING):
+            if counts.get(t):
+                s += self.tiers[t].seconds(counts[t] * chunk_bytes)
+        return s
+
+    def decide(self, tiers: Sequence[str], chunk_bytes: int, chunk_tokens: int, skip_tokens: int = 0) -> Decision:
+        """The longest prefix of a hit (one tier name per chunk) worth loading.
+
+        ``skip_tokens``: tokens of the first chunk the engine already holds (not recomputed either way).
+        """
+        tiers = list(tiers)
+        n = len(tiers)
+        if not n or self.mode == "always":
+            return Decision(tiers, n, "always")
+        if self.mode == "never":
+            return Decision(tiers, 0, "never", saved_s=0.0)
+        counts = {t: 0 for t in TIERS}
+        best, best_l, best_r = 0, 0.0, 0.0
+        tokens = -skip_tokens
+        load_all = rec_all = 0.0
+        for i, t in enumerate(tiers):
+            counts[t] = counts.get(t, 0) + 1
+            tokens += chunk_tokens
+            load_all = self.load_seconds(counts, chunk_bytes)
+            rec_all = self.prefill.seconds(tokens)
+            if self.bias * load_all <= rec_all:
+                best, best_l, best_r = i + 1, load_all, rec_all
+        # against loading everything: what the cut saves; the loaded part saves its recompute time
+        rest = max(0.0, (load_all - best_l) - (rec_all - best_r))
+        return Decision(tiers, best, "auto", best_l, best_r, max(0.0, best_r - best_l) + rest)
+
