@@ -53,7 +53,9 @@ def test_an_idle_engine_publishes_its_chunks_within_the_lag(make, tmp_path):
         slot = h.sch.manager.slot_of(key)
         assert file_bytes(h, key) == slot_bytes(h, slot)
     # Evicting them later does not write them again.
+    assert h.wrk.fs.tier.flush(timeout=30)  # a file is visible before its write is counted
     writes = h.wrk.fs.tier.counters()["writes_ok"]
+    assert writes == 6
     h2 = h  # the same engine: a 32-slot tier, 40 new chunks evict the first 6
     h2.add(prompt(40 * BS, 2), max_tokens=1)
     h2.run()

@@ -1,4 +1,4 @@
-"""Paced host copies (engine.Pacer): pieces of at most ``piece_bytes`` per device, at most
+"""Paced host copies (pacing.Pacer): pieces of at most ``piece_bytes`` per device, at most
 ``inflight_bytes`` dispatched and not landed, a byte budget per step; the rest waits for a later pump,
 and nothing waits. Bytes still arrive bit for bit."""
 
@@ -9,7 +9,7 @@ import pytest
 from conftest import make_mesh
 from test_tpu_roundtrip import bits, make_caches
 from tpu_offload.jax_backend import KVLayout, LoadChunk, StoreChunk, TransferEngine
-from tpu_offload.jax_backend.engine import Pacer, StagingBusy
+from tpu_offload.jax_backend.pacing import Pacer, StagingBusy
 
 pytestmark = pytest.mark.jax
 

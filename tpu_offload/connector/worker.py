@@ -34,7 +34,8 @@ from tpu_offload.connector.settings import Settings
 from tpu_offload.connector.stats import OffloadStats
 from tpu_offload.core.config import ConfigError
 from tpu_offload.connector.budget import step_bytes
-from tpu_offload.jax_backend.engine import LoadChunk, Pacer, Paced, StoreChunk, TransferEngine
+from tpu_offload.jax_backend.engine import LoadChunk, StoreChunk, TransferEngine
+from tpu_offload.jax_backend.pacing import Paced, Pacer
 
 log = logging.getLogger(__name__)
 
@@ -268,7 +269,7 @@ class OffloadWorker:
         self._poll()
 
     def _pump(self) -> None:
-        """Send queued host-copy pieces within the bounds (engine.Pacer); only ever after the forward."""
+        """Send queued host-copy pieces within the bounds (pacing.Pacer); only ever after the forward."""
         if self.pacer is not None:
             self.pacer.pump()
 
