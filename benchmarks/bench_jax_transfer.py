@@ -152,16 +152,14 @@ class Case:
 
     # ---- one program per direction, output not in place ----------------------------
     def one_program(self, reps):
-        cache_sh = self.cache_sh
         sh = NamedSharding(self.mesh, P(None, None, None, "model", None))
-        host_sh, src, dst = sh.with_memory_kind(self.kind), jnp.asarray(self.src), jnp.asarray(self.dst)
+        host_sh, src = sh.with_memory_kind(self.kind), jnp.asarray(self.src)
         gather = jax.jit(lambda kv, ids: jnp.stack([c[ids] for c in kv], axis=1), out_shardings=host_sh)
         to_dev = jax.jit(lambda x: x, out_shardings=sh)
         st = timed(lambda: gather(self.kv, src).block_until_ready(), reps)
         on_host = gather(self.kv, src)
         ld = timed(lambda: to_dev(on_host).block_until_ready(), reps)
         ok = np.array_equal(np.asarray(on_host)[:, 0].view(np.uint8), np.asarray(self.kv[0])[self.src].view(np.uint8))
-        del cache_sh, dst
         return st, ld, 1, 1, ok
 
     # ---- tpu-inference ----------------------------------------------------

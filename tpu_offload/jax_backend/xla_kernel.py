@@ -66,6 +66,7 @@ class Bucketed:
         return self._by_size[self.sizes[-1]].memory_analysis()
 
     def cost_analysis(self):
+        """The largest bucket's (the self-check's figures read it as they read any compiled program)."""
         return self._by_size[self.sizes[-1]].cost_analysis()
 
     @property
