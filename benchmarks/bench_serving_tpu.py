@@ -88,7 +88,7 @@ def start(name: str, model: str, blocks: int, host_bytes: int, w, work: Path, ar
     cmd = [
         str(TPU_PY), str(SERVE), "--model", model, "--dtype", args.dtype, "--seed", "0",
         "--block-size", str(BLOCK), "--num-gpu-blocks-override", str(blocks),
-        "--max-model-len", str(w.system_prompt_len + w.question_len + w.output_len + 256),
+        "--max-model-len", str(w.max_model_len),
         "--max-num-seqs", str(max(w.concurrency, 4)), "--max-num-batched-tokens", str(args.max_batched_tokens),
         "--host", "127.0.0.1", "--port", str(port), "--kv-events-config", json.dumps(ev),
         "--enable-prompt-tokens-details", "--disable-uvicorn-access-log",

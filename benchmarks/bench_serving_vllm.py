@@ -68,7 +68,7 @@ def start(name: str, model: str, blocks: int, host_bytes: int, w, work: Path, ar
     ev = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint}
     cmd = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype", "float32",
-        "--max-model-len", str(w.system_prompt_len + w.question_len + w.output_len + 256),
+        "--max-model-len", str(w.max_model_len),
         "--enforce-eager", "--max-num-seqs", str(max(w.concurrency, 4)), "--num-gpu-blocks-override", str(blocks),
         "--host", "127.0.0.1", "--port", str(port), "--kv-events-config", json.dumps(ev),
         "--enable-prompt-tokens-details", "--disable-uvicorn-access-log",

@@ -51,22 +51,31 @@ def add_args(ap: argparse.ArgumentParser, configs: tuple[str, ...], out: str) ->
     ap.add_argument("--host-fraction", type=float, default=None,
                     help="host tier = this x working set (default: it holds the working set; --soak: 0.5, "
                          "so the tier evicts all the time)")
+    ap.add_argument("--workload", default="shared_prefix", choices=["shared_prefix", "conversations"],
+                    help="conversations: inference-perf's conversation_replay (multi-turn sessions, growing contexts)")
+    ap.add_argument("--conversations", type=int, default=12)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--shared-system-len", type=int, default=512)
+    ap.add_argument("--dynamic-system-len", type=int, default=256)
+    ap.add_argument("--turn-input-len", type=int, default=96)
+    ap.add_argument("--turn-output-len", type=int, default=32)
     ap.add_argument("--code", default=None, help="import gpu_offload/tpu_offload from this directory")
     ap.add_argument("--label", default="", help="stored with the results (machine, conditions)")
     ap.add_argument("--out", default=out)
     ap.add_argument("--report", metavar="JSON", help="only print/redraw a stored result")
 
 
-def sizes(w: perf.Workload, ratio: float, block: int) -> dict:
+def sizes(w, ratio: float, block: int) -> dict:
     """Device blocks per scenario and host-tier blocks, from the workload's working set."""
-    prefix_blocks = -(-w.system_prompt_len // block)
-    ws_blocks = w.groups * prefix_blocks
-    running = w.concurrency * (-(-(w.system_prompt_len + w.question_len + w.output_len) // block))
-    high = max(int(ws_blocks / ratio), running + prefix_blocks)
+    request_blocks = w.request_blocks(block)
+    ws_blocks = w.working_set_blocks(block)
+    running = w.concurrency * request_blocks
+    high = max(int(ws_blocks / ratio), running + request_blocks)
     return {
         "working_set_blocks": ws_blocks, "running_blocks": running,
         "high": high,  # working set = ratio x device cache
-        "low": ws_blocks + running + 2 * prefix_blocks,  # all of it fits
+        "low": ws_blocks + running + 2 * request_blocks,  # all of it fits
         # working set < device + host; the probes and their filler (~1.5 x High device) fit after the run
         "host_blocks": int(ws_blocks * 1.5) + 2 * high,
     }
@@ -82,10 +91,9 @@ def run(eng: Engine, args) -> int:
         # No probes: a tier at half the working set cannot keep them while the filler runs.
         args.scenarios, args.repeats, args.probes = ["high"], 1, 0
         args.out = f"{args.out}_soak"
-    requests = args.soak or args.requests or args.groups * args.prompts_per_group
-    w = perf.Workload(groups=args.groups, system_prompt_len=args.system_prompt_len, question_len=args.question_len,
-                      output_len=args.output_len, prompts_per_group=args.prompts_per_group, requests=requests,
-                      concurrency=args.concurrency)
+    w = workload(args)
+    if w.kind != "shared_prefix":
+        args.out = f"{args.out}_{w.kind}"
     m, block = eng.model, eng.block
     sz = sizes(w, args.high_ratio, block)
     fraction = args.host_fraction if args.host_fraction is not None else (0.5 if args.soak else None)
@@ -99,7 +107,7 @@ def run(eng: Engine, args) -> int:
     tmp = Path(tempfile.mkdtemp(prefix=f"bench_serving_{eng.name}_"))
     try:
         model = build(str(tmp / "model"), m, eng.dtype)
-        probe_len = w.system_prompt_len + w.question_len
+        probe_len = w.probe_len
         probe_set = harness.probe_prompts(args.probes, probe_len, m.vocab_size)
         t0 = time.time()
         for rep in range(args.repeats):
@@ -136,7 +144,7 @@ def run(eng: Engine, args) -> int:
                                  "sizes": sz, "block_tokens": block, "host_bytes": host_bytes, "model": repr(m),
                                  "dtype": eng.dtype, "table": rows, "verdict": verdict, "records": records,
                                  "args": vars(args)})
-    plot.draw(rows, records, args.out, f"{eng.title}: inference-perf shared-prefix")
+    plot.draw(rows, records, args.out, f"{eng.title}: inference-perf {w.kind}")
     fig = next((r["router"] for r in records if r.get("router") and r["router"]["capacity_chunks_gauge"]), None)
     if fig:  # router values for this benchmark's own server, from its gauge
         (path.parent / f"{args.out}_router.values.yaml").write_text(
@@ -145,13 +153,28 @@ def run(eng: Engine, args) -> int:
     return 0 if verdict["ok"] else 1
 
 
-def report(records: list[dict], title: str, w: perf.Workload) -> tuple[dict, list[dict]]:
+def workload(args):
+    if args.workload == "conversations":
+        return perf.Conversations(conversations=args.conversations, shared_system_len=args.shared_system_len,
+                                  dynamic_system_len=args.dynamic_system_len, turns=args.turns,
+                                  turn_input_len=args.turn_input_len, output_len=args.turn_output_len,
+                                  rounds=args.rounds, concurrency=args.concurrency)
+    requests = args.soak or args.requests or args.groups * args.prompts_per_group
+    return perf.Workload(groups=args.groups, system_prompt_len=args.system_prompt_len, question_len=args.question_len,
+                         output_len=args.output_len, prompts_per_group=args.prompts_per_group, requests=requests,
+                         concurrency=args.concurrency)
+
+
+def stored_workload(d: dict):
+    return perf.Conversations(**d) if "conversations" in d else perf.Workload(**d)
+
+
+def report(records: list[dict], title: str, w) -> tuple[dict, list[dict]]:
     from _common import print_table
 
     verdict = check(records)
     rows = harness.compare(records)
-    print_table(rows, title=f"{title}: {w.groups} groups x {w.system_prompt_len}-token system prompt, "
-                            f"{w.question_len}-token questions, {w.output_len} output tokens, concurrency {w.concurrency}")
+    print_table(rows, title=f"{title}: {w.describe()}")
     for line in verdict["lines"]:
         print(line)
     return verdict, rows
@@ -162,8 +185,9 @@ def rereport(path: str, title: str) -> int:
     import json
 
     data = json.loads(Path(path).read_text())
-    verdict, rows = report(data["records"], title, perf.Workload(**data["workload"]))
-    plot.draw(rows, data["records"], Path(path).stem, f"{title}: inference-perf shared-prefix")
+    w = stored_workload(data["workload"])
+    verdict, rows = report(data["records"], title, w)
+    plot.draw(rows, data["records"], Path(path).stem, f"{title}: inference-perf {w.kind}")
     return 0 if verdict["ok"] else 1
 
 

@@ -1,9 +1,15 @@
-"""The guides' workload, driven by inference-perf (run from its own venv, ``.venv-bench``).
+"""The workloads, driven by inference-perf (run from its own venv, ``.venv-bench``).
 
-llm-d's tiered-prefix-cache benchmark is inference-perf with ``load.type: concurrent``
-over ``data.type: shared_prefix``: ``num_groups`` long system prompts, each followed by
-``num_prompts_per_group`` short questions, sent in a shuffled order. Here every size is a
-parameter so the same shape fits a 2-core machine.
+* ``Workload``: llm-d's tiered-prefix-cache benchmark, inference-perf with ``load.type:
+  concurrent`` over ``data.type: shared_prefix``: ``num_groups`` long system prompts, each
+  followed by ``num_prompts_per_group`` short questions, sent in a shuffled order.
+* ``Conversations``: inference-perf's own ``conversation_replay`` generator (its workload
+  catalog, shipped in the package, nothing downloaded): multi-turn sessions whose context
+  grows every turn (a shared system prompt, a per-session one, then each turn's prompt and
+  the model's answer), dispatched round-robin over the sessions, so a session comes back
+  after every other session had a turn.
+
+Every size is a parameter so the same shapes fit a 2-core machine.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ BENCH_VENV = ROOT / ".venv-bench"
 
 @dataclasses.dataclass(frozen=True)
 class Workload:
+    kind = "shared_prefix"
     groups: int = 24
     system_prompt_len: int = 1024
     question_len: int = 64
@@ -45,14 +52,110 @@ class Workload:
         firsts = min(self.groups, visits)
         return (visits - firsts) * (self.system_prompt_len // block) * block
 
+    def working_set_blocks(self, block: int) -> int:
+        return self.groups * -(-self.system_prompt_len // block)
 
-def config(w: Workload, url: str, model: str, report_dir: Path) -> dict:
+    def request_blocks(self, block: int) -> int:
+        """Blocks of the longest request (prompt and output)."""
+        return -(-(self.system_prompt_len + self.question_len + self.output_len) // block)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.system_prompt_len + self.question_len + self.output_len + 256
+
+    @property
+    def probe_len(self) -> int:
+        return self.system_prompt_len + self.question_len
+
+    def describe(self) -> str:
+        return (f"{self.groups} groups x {self.system_prompt_len}-token system prompt, {self.question_len}-token "
+                f"questions, {self.output_len} output tokens, concurrency {self.concurrency}")
+
+    def data(self) -> dict:
+        return {"type": "shared_prefix", "shared_prefix": {
+            "num_groups": self.groups, "num_prompts_per_group": self.prompts_per_group,
+            "system_prompt_len": self.system_prompt_len, "question_len": self.question_len,
+            "output_len": self.output_len, "seed": self.seed}}
+
+
+@dataclasses.dataclass(frozen=True)
+class Conversations:
+    """inference-perf's ``conversation_replay``: ``conversations`` sessions of ``turns`` turns,
+    ``rounds`` times over (a session that ends starts again with the same system prompts)."""
+
+    kind = "conversations"
+    conversations: int = 12
+    shared_system_len: int = 512
+    dynamic_system_len: int = 256
+    turns: int = 4
+    turn_input_len: int = 96
+    output_len: int = 32
+    rounds: int = 2
+    concurrency: int = 4
+    seed: int = 7
+
+    @property
+    def requests(self) -> int:
+        return self.conversations * self.turns * self.rounds
+
+    @property
+    def final_context_tokens(self) -> int:
+        """A session's context before its last answer (text round trips may add a few tokens)."""
+        return self.shared_system_len + self.dynamic_system_len + self.turns * (self.turn_input_len + self.output_len)
+
+    @property
+    def working_set_tokens(self) -> int:
+        return self.conversations * self.final_context_tokens
+
+    def working_set_blocks(self, block: int) -> int:
+        return self.conversations * -(-self.final_context_tokens // block)
+
+    def request_blocks(self, block: int) -> int:
+        return -(-self.final_context_tokens // block)
+
+    def reusable_tokens(self, block: int) -> int:
+        """Prompt tokens a perfect cache could serve (whole blocks): a turn reuses its session's
+        context so far; a session's first turn reuses the shared system prompt (the whole system
+        prompt from the second round on), except the very first request."""
+        sys_len = self.shared_system_len + self.dynamic_system_len
+        total = 0
+        for rnd in range(self.rounds):
+            for conv in range(self.conversations):
+                first = self.shared_system_len if rnd == 0 else sys_len
+                if rnd == 0 and conv == 0:
+                    first = 0
+                total += first // block * block
+                for t in range(1, self.turns):
+                    total += (sys_len + t * (self.turn_input_len + self.output_len)) // block * block
+        return total
+
+    @property
+    def max_model_len(self) -> int:
+        return 2 * self.final_context_tokens + self.output_len + 256  # random-token text re-tokenizes longer
+
+    @property
+    def probe_len(self) -> int:
+        return self.shared_system_len + self.dynamic_system_len + self.turn_input_len
+
+    def describe(self) -> str:
+        return (f"{self.conversations} conversations x {self.turns} turns x {self.rounds} rounds "
+                f"({self.shared_system_len}+{self.dynamic_system_len}-token system prompts, "
+                f"{self.turn_input_len}-token turns, {self.output_len} output tokens), concurrency {self.concurrency}")
+
+    def data(self) -> dict:
+        fixed = lambda n: {"type": "fixed", "mean": n, "min": n, "max": n, "std_dev": 0}  # noqa: E731
+        return {"type": "conversation_replay", "conversation_replay": {
+            "seed": self.seed, "num_conversations": self.conversations,
+            "shared_system_prompt_len": self.shared_system_len,
+            "dynamic_system_prompt_len": fixed(self.dynamic_system_len),
+            "turns_per_conversation": fixed(self.turns), "input_tokens_per_turn": fixed(self.turn_input_len),
+            "output_tokens_per_turn": fixed(self.output_len), "max_model_len": self.max_model_len}}
+
+
+def config(w: Workload | Conversations, url: str, model: str, report_dir: Path) -> dict:
     return {
         "api": {"type": "completion", "streaming": True},
-        "data": {"type": "shared_prefix", "shared_prefix": {
-            "num_groups": w.groups, "num_prompts_per_group": w.prompts_per_group,
-            "system_prompt_len": w.system_prompt_len, "question_len": w.question_len,
-            "output_len": w.output_len, "seed": w.seed}},
+        "data": w.data(),
         "load": {"type": "concurrent", "stages": [{"num_requests": w.requests, "concurrency_level": w.concurrency}],
                  "num_workers": 1, "worker_max_concurrency": max(w.concurrency, 1), "base_seed": w.seed,
                  "request_timeout": 600},
@@ -64,7 +167,7 @@ def config(w: Workload, url: str, model: str, report_dir: Path) -> dict:
     }
 
 
-def run(w: Workload, url: str, model: str, workdir: Path, label: str, timeout_s: float = 1800) -> dict:
+def run(w: Workload | Conversations, url: str, model: str, workdir: Path, label: str, timeout_s: float = 1800) -> dict:
     """Run inference-perf once; return its ``summary_lifecycle_metrics`` report (plus wall time)."""
     exe = BENCH_VENV / "bin" / "inference-perf"
     if not exe.exists():
@@ -132,7 +235,7 @@ def figures(summary: dict) -> dict:
     return {
         "requests_ok": ok.get("count", 0),
         "requests_failed": (summary.get("failures") or {}).get("count", 0),
-        "ttft_mean": ttft.get("mean"), "ttft_p90": ttft.get("p90"),
+        "ttft_mean": ttft.get("mean"), "ttft_p50": ttft.get("median"), "ttft_p90": ttft.get("p90"),
         "e2e_mean": e2e.get("mean"), "e2e_p90": e2e.get("p90"),
         "input_tps": tp.get("input_tokens_per_sec"), "output_tps": tp.get("output_tokens_per_sec"),
         "total_tps": tp.get("total_tokens_per_sec"),
