@@ -29,12 +29,12 @@ def generate(llm, prompts, n_out: int = 8):
     return llm.generate(prompts, sp, use_tqdm=False)
 
 
-def test_interleaved_blocks_are_all_reused_from_the_nearest_place(engine, monkeypatch):
-    llm, worker, manager = engine
+def interleave(llm, manager, monkeypatch, seed: int):
+    """Run a 4-block prompt, then leave blocks 0 and 2 on the device, 1 and 3 in our tier.
+    Returns (prompt, first output, the device blocks of each chunk)."""
     device = manager.device
     assert device is not None, "the tiny Llama's layout supports device sources: the block pool must be bound"
-    p = prompt(29, 4 * BLOCK + 50)  # 4 full blocks and a tail
-
+    p = prompt(seed, 4 * BLOCK + 50)  # 4 full blocks and a tail
     stored: list = []
     orig = manager.prepare_store
 
@@ -47,13 +47,17 @@ def test_interleaved_blocks_are_all_reused_from_the_nearest_place(engine, monkey
     monkeypatch.undo()
     keys = stored[:4]
     assert len(keys) == 4 and all(manager.index.lookup(k).name == "HIT" for k in keys)
-
     pool = device.pool
     gpu = [pool.get_cached_block(k[:-4], [device.group_id]) for k in keys]
     assert all(g is not None for g in gpu), "the first run left every block in vLLM's prefix cache"
     pool.evict_blocks({gpu[1][0].block_id, gpu[3][0].block_id})  # device: 0 and 2
     assert manager.index.discard([keys[2]]) == [keys[2]]  # tier: 0, 1 and 3
+    return p, first, [g[0].block_id for g in gpu]
 
+
+def test_interleaved_blocks_are_all_reused_from_the_nearest_place(engine, monkeypatch):
+    llm, worker, manager = engine
+    p, first, _ = interleave(llm, manager, monkeypatch, 29)
     host, dev, hbm = manager.hit_chunks, manager.device_hit_chunks, list(worker.hits["hbm"])
     second = generate(llm, [p])[0]
     assert list(second.outputs[0].token_ids) == list(first.outputs[0].token_ids)
@@ -61,5 +65,21 @@ def test_interleaved_blocks_are_all_reused_from_the_nearest_place(engine, monkey
     assert manager.device_hit_chunks - dev == 1  # block 2 copied from the device's cache
     assert worker.hits["hbm"][0] - hbm[0] == 1 and worker.hits["hbm"][1] - hbm[1] == BLOCK
     # vLLM's own hit (block 0) + the connector's 3 blocks: the whole prefix, nothing recomputed
+    # (without device sources: 256, blocks 0 and 1)
     assert second.num_cached_tokens == 4 * BLOCK
-    assert device.pinned_blocks == 0  # every reference on a source block was given back
+    assert device_pins(manager) == 0  # every reference on a source block was given back
+
+
+def test_the_model_reads_the_block_copied_from_the_device(engine, monkeypatch):
+    """Zeroing the device source of block 2 changes the output, so the test above can fail."""
+    llm, worker, manager = engine
+    p, first, gpu = interleave(llm, manager, monkeypatch, 30)
+    for t in worker.engine:
+        t[gpu[2]] = 0
+    second = generate(llm, [p])[0]
+    assert second.num_cached_tokens == 4 * BLOCK
+    assert list(second.outputs[0].token_ids) != list(first.outputs[0].token_ids)
+
+
+def device_pins(manager) -> int:
+    return manager.device.pinned_blocks
