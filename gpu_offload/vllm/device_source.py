@@ -20,6 +20,11 @@ reset. A request whose previous lookup kept pins but was not allocated (no
 room) is looked up once without device sources, so pins cannot starve its
 allocation.
 
+The first chunk after vLLM's own hit is never taken from the device: it can
+be on the device only where vLLM capped its hit on purpose (it recomputes
+at least a prompt's last token), and a device copy there would turn that
+synchronous recompute into an asynchronous load.
+
 Copies run in the worker after the step's forward (the source may be a
 block this very step computes). Supported for one full-attention KV group
 whose engine block is one hash block (``compat.device_source_group``); any
@@ -49,6 +54,7 @@ class DeviceSource:
         self.k = blocks_per_chunk
         self.tokens_per_block = tokens_per_block
         self._hashes: dict[str, Any] = {}  # req id -> its block hashes, during its lookup
+        self._start: dict[str, int] = {}  # req id -> tokens vLLM's own hit covers, during its lookup
         self._pins: dict[str, dict] = {}  # req id -> {key: blocks} pinned by lookups, not yet loaded
         self._loads: dict[str, dict] = {}  # req id -> {key: blocks} of its load in flight
         self._skip_once: set[str] = set()  # requests whose next lookup takes no device source
@@ -56,7 +62,7 @@ class DeviceSource:
         self.pinned_blocks = 0  # references held now (tests)
 
     # ---- lookups ------------------------------------------------------------------
-    def begin(self, req_id: str, block_hashes) -> None:
+    def begin(self, req_id: str, block_hashes, num_computed_tokens: int | None = None) -> None:
         """vLLM starts looking ``req_id`` up. Pins still held from its last lookup were never
         allocated (vLLM had no room): drop them, and take no device source this time."""
         if self._pins.get(req_id):
@@ -65,10 +71,13 @@ class DeviceSource:
         elif self._skip_once:
             self._skip_once.discard(req_id)
         self._hashes[req_id] = block_hashes
+        if num_computed_tokens is not None:
+            self._start[req_id] = num_computed_tokens
 
     def end(self, req_id: str, hit_tokens) -> None:
         """The lookup is over; without a hit nothing will be allocated, so its pins go now."""
         self._hashes.pop(req_id, None)
+        self._start.pop(req_id, None)
         if not hit_tokens:
             self.release(req_id)
 
@@ -79,11 +88,14 @@ class DeviceSource:
             return None
         if get_offload_group_idx(key) != self.group_id:
             return None
+        where = getattr(req_context, "get_offload_key_position", None)
+        pos = where(key) if where is not None else None
+        start = self._start.get(req_id)
+        if start is not None and pos is not None and pos - self.k * self.tokens_per_block <= start:
+            return None  # the first chunk after vLLM's own hit (see the module doc)
         if self.k == 1:
             hashes = [get_offload_block_hash(key)]
         else:
-            where = getattr(req_context, "get_offload_key_position", None)
-            pos = where(key) if where is not None else None
             all_hashes = self._hashes.get(req_id)
             if pos is None or all_hashes is None or pos % (self.k * self.tokens_per_block):
                 return None
@@ -158,6 +170,7 @@ class DeviceSource:
         self.release(req_id)
         self._skip_once.discard(req_id)
         self._hashes.pop(req_id, None)
+        self._start.pop(req_id, None)
 
     def reset(self) -> None:
         """vLLM's reset drops every job in flight without completing it (the workers flush them

@@ -239,7 +239,7 @@ def _get_num_new_matched_tokens(orig):
         if device is None:
             return orig(self, request, num_computed_tokens, *args, **kw)
         req_id = request.request_id
-        device.begin(req_id, request.block_hashes)
+        device.begin(req_id, request.block_hashes, num_computed_tokens)
         hit = None
         try:
             out = orig(self, request, num_computed_tokens, *args, **kw)

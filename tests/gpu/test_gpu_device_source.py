@@ -68,7 +68,8 @@ def parts():
 
 
 def lookup(mgr, c, keys, block_hashes=()):
-    """One vLLM lookup of a request, as the hooks scope it; stops at the first miss."""
+    """One vLLM lookup of a request, as the hooks scope it; stops at the first miss. vLLM's own hit
+    is not given (the rule for the first chunk after it is tested on its own)."""
     mgr.device.begin(c.req_id, list(block_hashes))
     hits = []
     for k in keys:
@@ -219,3 +220,14 @@ def test_a_malformed_device_source_fails_the_job_not_the_engine():
     eng.submit_load(9, src, dst)
     assert [r.job_id for r in eng.get_finished()] == [9]
     assert eng.take_load_errors() == ({7}, {9})
+
+
+def test_the_first_chunk_after_vllms_own_hit_is_left_to_vllm(parts):
+    """There vLLM capped its hit on purpose (a prompt's last token is recomputed)."""
+    pool, mgr = parts
+    cache(pool, [h(0), h(1)])
+    c = ctx("r", 2)
+    mgr.device.begin("r", [], num_computed_tokens=TPB)  # vLLM holds chunk 0 and stopped before chunk 1
+    assert mgr.lookup(key(1), c) is LookupResult.MISS
+    mgr.device.end("r", 0)
+    assert mgr.device.pinned_blocks == 0
