@@ -258,7 +258,7 @@ class CudaLane:
             start.record(self.stream)
             nbytes = self.copier.copy(plan, to_host) if plan.num_pages else 0
             if device_pages:
-                nbytes += self.device_copier.copy(device_pages)
+                job.device_nbytes = self.device_copier.copy(device_pages)
             end.record(self.stream)
         job.events = (start, end)
         self.inflight.append(job)

@@ -78,7 +78,8 @@ class _Job:
     failed: list[int] = dataclasses.field(default_factory=list)  # load: blocks left unfilled
     failed_keys: list | None = None  # load: chunk keys of the slots that were not valid (None: all/unknown)
     hits: dict | None = None  # load: {tier: (chunks, tokens)} it moves, counted once it lands
-    nbytes: int = 0
+    nbytes: int = 0  # between the device and host RAM (what vLLM's transfer metrics count)
+    device_nbytes: int = 0  # load: copied device block to device block
     seconds: float | None = None
     error: BaseException | None = None
     events: Any = None
@@ -100,6 +101,7 @@ class EngineStats:
     load_error_jobs: int = 0
     load_error_blocks: int = 0
     loaded_tokens: int = 0  # tokens whose KV loads landed (partial chunks count their part)
+    device_copied_bytes: int = 0  # loaded from the device's own prefix cache, block to block
 
 
 @dataclasses.dataclass
@@ -125,7 +127,7 @@ class _SyncLane:
         t0 = time.perf_counter()
         nbytes = self.copier.copy(plan, to_host) if plan.num_pages else 0
         if device_pages:
-            nbytes += self.device_copier.copy(device_pages)
+            job.device_nbytes = self.device_copier.copy(device_pages)
         job.seconds = time.perf_counter() - t0
         return nbytes
 
@@ -557,6 +559,7 @@ class HostTransferEngine:
                     self._failed_load_keys[job.job_id] = job.failed_keys
             if job.error is None:
                 s.loaded_bytes += job.nbytes
+                s.device_copied_bytes += job.device_nbytes
                 s.load_seconds += job.seconds or 0.0
                 for tier, (chunks, tokens) in (job.hits or {}).items():
                     self.hits[tier][0] += chunks

@@ -209,6 +209,8 @@ def test_worker_copies_device_chunks_after_the_forward_and_counts_them(strategy)
         assert torch.equal(t[20], b[4]) and torch.equal(t[21], b[5])
         assert torch.equal(t[22], b[10]) and torch.equal(t[23], b[11])
     assert eng.hits["hbm"] == [1, 2 * TPB] and eng.hits["cpu"] == [1, 2 * TPB]
+    # vLLM's transfer metrics count bytes over the bus only
+    assert eng.stats.loaded_bytes == 2 * 2 * 2048 and eng.stats.device_copied_bytes == 2 * 2 * 2048
     assert eng.take_load_errors() == (set(), set())
 
 

@@ -59,11 +59,14 @@ def test_interleaved_blocks_are_all_reused_from_the_nearest_place(engine, monkey
     llm, worker, manager = engine
     p, first, _ = interleave(llm, manager, monkeypatch, 29)
     host, dev, hbm = manager.hit_chunks, manager.device_hit_chunks, list(worker.hits["hbm"])
+    bus, copied = worker.stats.loaded_bytes, worker.stats.device_copied_bytes
     second = generate(llm, [p])[0]
     assert list(second.outputs[0].token_ids) == list(first.outputs[0].token_ids)
     assert manager.hit_chunks - host == 2  # blocks 1 and 3 from the host tier
     assert manager.device_hit_chunks - dev == 1  # block 2 copied from the device's cache
     assert worker.hits["hbm"][0] - hbm[0] == 1 and worker.hits["hbm"][1] - hbm[1] == BLOCK
+    chunk = worker.layout.chunk_bytes
+    assert (worker.stats.loaded_bytes - bus, worker.stats.device_copied_bytes - copied) == (2 * chunk, chunk)
     # vLLM's own hit (block 0) + the connector's 3 blocks: the whole prefix, nothing recomputed
     # (without device sources: 256, blocks 0 and 1)
     assert second.num_cached_tokens == 4 * BLOCK
