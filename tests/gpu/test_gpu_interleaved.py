@@ -86,3 +86,16 @@ def test_the_model_reads_the_block_copied_from_the_device(engine, monkeypatch):
 
 def device_pins(manager) -> int:
     return manager.device.pinned_blocks
+
+
+def test_a_failed_interleaved_load_is_recomputed_once_and_frees_its_sources(engine, monkeypatch):
+    from gpu_offload import testing
+
+    llm, worker, manager = engine
+    p, first, _ = interleave(llm, manager, monkeypatch, 31)
+    jobs = worker.stats.load_jobs
+    testing.fail_next_loads(worker, 1)
+    second = generate(llm, [p])[0]
+    assert list(second.outputs[0].token_ids) == list(first.outputs[0].token_ids)
+    assert worker.stats.load_jobs - jobs == 1  # no reload loop, from the tier or the device
+    assert device_pins(manager) == 0
