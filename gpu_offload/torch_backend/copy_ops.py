@@ -256,8 +256,8 @@ SCRATCH_BYTES = 8 << 20
 class DevicePageCopier:
     """Engine pages -> engine pages. ``upload``: index arrays to the device (None: numpy on CPU tensors)."""
 
-    def __init__(self, engine: list[torch.Tensor], page_bytes, upload: Callable[[np.ndarray], torch.Tensor] | None = None,
-                 scratch_bytes: int = SCRATCH_BYTES):
+    def __init__(self, engine: list[torch.Tensor], page_bytes,
+                 upload: Callable[[np.ndarray], torch.Tensor] | None = None, scratch_bytes: int = SCRATCH_BYTES):
         self.engine = engine
         self.page_bytes = tuple(int(p) for p in page_bytes)
         self.upload = upload

@@ -7,7 +7,8 @@ tier B, the device C but our tier not: our LRU dropped a chunk the device
 still caches, or its store was dropped), everything from C on would be
 recomputed. Here a chunk whose every block the device block pool still
 caches is a hit sourced from the device: the worker copies it block to block
-into the request's own blocks. When both the device and a tier hold a
+into the request's own blocks (vLLM's allocator gives a request fresh blocks
+past its own hit, so the copy is one extra block per chunk while it lives). When both the device and a tier hold a
 chunk, the device copy is taken (no bus traffic).
 
 Source blocks are protected from reuse with ``block_pool.touch`` (a
@@ -36,10 +37,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any
 
-from gpu_offload._log import get_logger
 from gpu_offload.vllm.compat import get_offload_block_hash, get_offload_group_idx, make_offload_key
-
-logger = get_logger(__name__)
 
 DEVICE = "hbm"  # tier name in our metrics and load decisions
 _REFUSED_MAX = 4096
