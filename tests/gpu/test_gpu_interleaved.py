@@ -60,6 +60,7 @@ def test_interleaved_blocks_are_all_reused_from_the_nearest_place(engine, monkey
     p, first, _ = interleave(llm, manager, monkeypatch, 29)
     host, dev, hbm = manager.hit_chunks, manager.device_hit_chunks, list(worker.hits["hbm"])
     bus, copied = worker.stats.loaded_bytes, worker.stats.device_copied_bytes
+    sources = by_source(llm)
     second = generate(llm, [p])[0]
     assert list(second.outputs[0].token_ids) == list(first.outputs[0].token_ids)
     assert manager.hit_chunks - host == 2  # blocks 1 and 3 from the host tier
@@ -70,6 +71,9 @@ def test_interleaved_blocks_are_all_reused_from_the_nearest_place(engine, monkey
     # vLLM's own hit (block 0) + the connector's 3 blocks: the whole prefix, nothing recomputed
     # (without device sources: 256, blocks 0 and 1)
     assert second.num_cached_tokens == 4 * BLOCK
+    # vLLM's own count by source: device = its hit (block 0) + our device copy (block 2); host = 1 and 3
+    gained = {k: v - sources.get(k, 0) for k, v in by_source(llm).items() if v - sources.get(k, 0)}
+    assert gained == {"device": 2 * BLOCK, "host": 2 * BLOCK}
     assert device_pins(manager) == 0  # every reference on a source block was given back
 
 
@@ -82,6 +86,15 @@ def test_the_model_reads_the_block_copied_from_the_device(engine, monkeypatch):
     second = generate(llm, [p])[0]
     assert second.num_cached_tokens == 4 * BLOCK
     assert list(second.outputs[0].token_ids) != list(first.outputs[0].token_ids)
+
+
+def by_source(llm) -> dict:
+    """``vllm:prompt_tokens_cached_by_source`` per source (vLLM's hits by source, local hits as device)."""
+    out: dict = {}
+    for m in llm.get_metrics():
+        if m.name == "vllm:prompt_tokens_cached_by_source":
+            out[m.labels["source"]] = out.get(m.labels["source"], 0) + m.value
+    return out
 
 
 def device_pins(manager) -> int:
