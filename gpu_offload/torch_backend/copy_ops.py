@@ -1,4 +1,4 @@
-"""The two ways pages move between engine KV blocks and host slots.
+"""The ways pages move between engine KV blocks and host slots, and between engine blocks.
 
 ``DirectCopier``: engine tensors and the host slab share a device (vLLM's CPU
 platform). Runs of pages that are consecutive on both sides become one
@@ -17,6 +17,11 @@ transfer is cut into pieces of at most a half and at most ``piece_bytes``. Row
 runs are also cut at multiples of ``piece_rows`` (the host slab's
 registration pieces), so no memcpy straddles two registrations. The same code
 runs on CPU tensors, which is how CI checks it.
+
+``DevicePageCopier``: engine block to engine block, for chunks the engine's
+own prefix cache holds (a load sourced from the device). CPU: numpy. On an
+accelerator: per tensor, a gather into a scratch buffer allocated once and a
+scatter, in pieces of at most the scratch's size.
 """
 
 from __future__ import annotations
@@ -243,6 +248,54 @@ class StagedCopier:
                 staged.copy_(host, non_blocking=self.nb)
             if self.row_copies is not None:
                 self.row_copies.append((s0 + off, m))
+
+
+SCRATCH_BYTES = 8 << 20
+
+
+class DevicePageCopier:
+    """Engine pages -> engine pages. ``upload``: index arrays to the device (None: numpy on CPU tensors)."""
+
+    def __init__(self, engine: list[torch.Tensor], page_bytes,
+                 upload: Callable[[np.ndarray], torch.Tensor] | None = None, scratch_bytes: int = SCRATCH_BYTES):
+        self.engine = engine
+        self.page_bytes = tuple(int(p) for p in page_bytes)
+        self.upload = upload
+        self.scratch_bytes = max(int(scratch_bytes), max(self.page_bytes))
+        self.device_bytes = 0
+        self._np = [t.numpy() for t in engine] if upload is None else None
+        self._views = None  # (engine views, scratch views) in the widest word, made at the first copy
+
+    def copy(self, pages) -> int:
+        """``pages``: (tensor indices, source block ids, destination block ids) per KV group. Returns bytes."""
+        nbytes = 0
+        for tensors, src, dst in pages:
+            if not len(src):
+                continue
+            for t in tensors:
+                nbytes += len(src) * self.page_bytes[t]
+                if self._np is not None:
+                    self._np[t][dst] = self._np[t][src]  # fancy indexing reads all sources first
+            if self._np is None:
+                self._copy_indexed(tensors, src, dst)
+        return nbytes
+
+    def _copy_indexed(self, tensors, src: np.ndarray, dst: np.ndarray) -> None:
+        if self._views is None:
+            scratch = torch.empty(self.scratch_bytes, dtype=torch.int8, device=self.engine[0].device)
+            self.device_bytes = scratch.numel()
+            scr = [scratch[: (self.scratch_bytes // p) * p].view(-1, p) for p in self.page_bytes]
+            self._views = _widest(lambda dt: ([e.view(dt) for e in self.engine], [x.view(dt) for x in scr]))[1]
+        eng, scr = self._views
+        n = len(src)
+        idx = self.upload(np.concatenate([src, dst]).astype(np.int64))
+        for t in tensors:
+            rows = scr[t].shape[0]
+            for a in range(0, n, rows):
+                b = min(n, a + rows)
+                buf = scr[t][: b - a]
+                torch.index_select(eng[t], 0, idx[a:b], out=buf)
+                eng[t].index_copy_(0, idx[n + a:n + b], buf)
 
 
 def _widest(make: Callable[[torch.dtype], tuple]):

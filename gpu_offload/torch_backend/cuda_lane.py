@@ -40,7 +40,7 @@ import torch
 
 from gpu_offload._log import get_logger
 from gpu_offload.torch_backend import cuda_rt
-from gpu_offload.torch_backend.copy_ops import StagedCopier
+from gpu_offload.torch_backend.copy_ops import DevicePageCopier, StagedCopier
 from gpu_offload.torch_backend.layout import HostLayout, PagedRows
 
 logger = get_logger(__name__)
@@ -239,22 +239,26 @@ class CudaLane:
             buffers=buffers, pipe=CudaPipe(self.stream, buffers, priority), piece_bytes=piece_bytes,
         )
         self.staging_bytes = staging.numel()
+        # Device-sourced chunks: engine block to engine block on this stream (scratch made at first use).
+        self.device_copier = DevicePageCopier(engine, layout.page_bytes, upload=self._ring.upload)
         self.inflight: collections.deque = collections.deque()
         self._free_events: list[torch.cuda.Event] = []
 
     @property
     def device_bytes(self) -> int:
-        return self.staging_bytes + self._ring.device_bytes
+        return self.staging_bytes + self._ring.device_bytes + self.device_copier.device_bytes
 
     def _event(self) -> torch.cuda.Event:
         return self._free_events.pop() if self._free_events else torch.cuda.Event(enable_timing=True)
 
-    def submit(self, job, plan, to_host: bool) -> int:
+    def submit(self, job, plan, to_host: bool, device_pages=()) -> int:
         start, end = self._event(), self._event()
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             start.record(self.stream)
-            nbytes = self.copier.copy(plan, to_host)
+            nbytes = self.copier.copy(plan, to_host) if plan.num_pages else 0
+            if device_pages:
+                job.device_nbytes = self.device_copier.copy(device_pages)
             end.record(self.stream)
         job.events = (start, end)
         self.inflight.append(job)

@@ -17,6 +17,12 @@ load error too.
 With a file tier attached (``attach_files``), ``fs_link`` does the file I/O: a load whose spec promotes chunks waits (off the engine
 thread) for their file reads, then runs as a normal load; loads touching
 those slots wait behind it, in order.
+
+Device sources. A load spec may say, per chunk, the engine blocks it is
+copied from (``device_blocks``: the engine's own prefix cache holds it);
+those pages move engine block to engine block on the same lane, inside the
+job. Such a job is run from ``get_finished``, after the step's forward: its
+source may be a block that very forward writes.
 """
 
 from __future__ import annotations
@@ -29,13 +35,22 @@ import numpy as np
 import torch
 
 from gpu_offload._log import get_logger
-from gpu_offload.torch_backend.copy_ops import DirectCopier, StagedCopier
+from gpu_offload.torch_backend.copy_ops import DevicePageCopier, DirectCopier, StagedCopier
 from gpu_offload.torch_backend.fs_link import FileLink, Promotion
 from gpu_offload.torch_backend.layout import HostLayout, PagedRows
 from gpu_offload.torch_backend.plan import TransferPlan, TransferPlanner
 from tpu_offload.core.pool import PAGE, HostChunkPool
 
 logger = get_logger(__name__)
+
+
+def _device_positions(src_spec) -> np.ndarray | None:
+    """Per spec position, whether its chunk is copied from the device's own cache (None: no such chunk)."""
+    blocks = getattr(src_spec, "device_blocks", None)
+    if not blocks:
+        return None
+    mask = np.fromiter((b is not None for b in blocks), dtype=bool, count=len(blocks))
+    return mask if mask.any() else None
 
 
 class InjectedFailure(RuntimeError):
@@ -63,7 +78,8 @@ class _Job:
     failed: list[int] = dataclasses.field(default_factory=list)  # load: blocks left unfilled
     failed_keys: list | None = None  # load: chunk keys of the slots that were not valid (None: all/unknown)
     hits: dict | None = None  # load: {tier: (chunks, tokens)} it moves, counted once it lands
-    nbytes: int = 0
+    nbytes: int = 0  # between the device and host RAM (what vLLM's transfer metrics count)
+    device_nbytes: int = 0  # load: copied device block to device block
     seconds: float | None = None
     error: BaseException | None = None
     events: Any = None
@@ -85,6 +101,7 @@ class EngineStats:
     load_error_jobs: int = 0
     load_error_blocks: int = 0
     loaded_tokens: int = 0  # tokens whose KV loads landed (partial chunks count their part)
+    device_copied_bytes: int = 0  # loaded from the device's own prefix cache, block to block
 
 
 @dataclasses.dataclass
@@ -102,12 +119,15 @@ class _DeferredLoad:
 class _SyncLane:
     """CPU: a transfer completes inside submit."""
 
-    def __init__(self, copier):
+    def __init__(self, copier, device_copier: DevicePageCopier):
         self.copier = copier
+        self.device_copier = device_copier
 
-    def submit(self, job: _Job, plan: TransferPlan, to_host: bool) -> int:
+    def submit(self, job: _Job, plan: TransferPlan, to_host: bool, device_pages=()) -> int:
         t0 = time.perf_counter()
-        nbytes = self.copier.copy(plan, to_host)
+        nbytes = self.copier.copy(plan, to_host) if plan.num_pages else 0
+        if device_pages:
+            job.device_nbytes = self.device_copier.copy(device_pages)
         job.seconds = time.perf_counter() - t0
         return nbytes
 
@@ -174,7 +194,7 @@ class HostTransferEngine:
         self.host_rows = torch.from_numpy(self.pool.slab).view(torch.int8)
         self.planner = TransferPlanner(blocks_per_chunk, group_tensors, self.num_engine_blocks, num_slots)
         self.stats = EngineStats()
-        self.hits = {"cpu": [0, 0], "fs": [0, 0]}  # tier -> [chunks, tokens] of loads that landed
+        self.hits = {"cpu": [0, 0], "fs": [0, 0], "hbm": [0, 0]}  # tier -> [chunks, tokens] of loads that landed
         self.closed = False
         self._done: list[_Job] = []
         self._load_errors: set[int] = set()
@@ -187,6 +207,8 @@ class HostTransferEngine:
         self.fs: FileLink | None = None
         self._deferred: list[_DeferredLoad] = []
         self._promoting_slots: set[int] = set()
+        self._after_forward: list[tuple] = []  # loads with device sources, run from get_finished
+        self._running_after_forward = False
         if self.is_cuda and pin:
             from gpu_offload.torch_backend import cuda_lane
 
@@ -261,10 +283,16 @@ class HostTransferEngine:
         return True
 
     def submit_load(self, job_id: int, src_spec, dst_spec, expedited: bool = False) -> bool:
+        on_device = _device_positions(src_spec)
+        if on_device is not None and not self._running_after_forward:
+            self._after_forward.append((job_id, src_spec, dst_spec, expedited))
+            return True
         if self.fs is not None:
             self.fs.follow_epoch(getattr(src_spec, "epoch", ""))
             promote = getattr(src_spec, "promote", None)
             slots = np.asarray(src_spec.block_ids)
+            if on_device is not None:
+                slots = slots[~on_device]
             if promote is not None and promote.any() and slots.min(initial=0) >= 0:
                 idx = np.flatnonzero(promote)
                 p = self.fs.start_promotion(slots[idx].tolist(), [src_spec.keys[i] for i in idx],
@@ -284,18 +312,29 @@ class HostTransferEngine:
             if self._forced_load_failures > 0:
                 self._forced_load_failures -= 1
                 raise InjectedFailure(f"injected failure of load job {job_id} (test hook)")
+            slots = np.asarray(src_spec.block_ids)
+            on_device = _device_positions(src_spec)
+            if on_device is not None:  # those positions never touch the host: any in-range slot plans them
+                slots = np.where(on_device, 0, slots)
             plan = self.planner.plan(dst_spec.block_ids, dst_spec.group_sizes,
-                                     dst_spec.block_indices, src_spec.block_ids)
+                                     dst_spec.block_indices, slots)
+            device_pages, device_hits = [], None
+            if on_device is not None:
+                plan, device_pages, device_hits = self._split_device(plan, on_device, src_spec.device_blocks)
             plan = self._drop_invalid(plan, job)
             if job.failed:  # which chunks: the spec's keys of the slots that are not valid
                 keys = getattr(src_spec, "keys", None)
-                slots = np.asarray(src_spec.block_ids)
                 if keys is not None and len(keys) == len(slots):
-                    job.failed_keys = [k for k, s in zip(keys, slots.tolist()) if s < 0 or not self.pool.valid[s]]
+                    job.failed_keys = [k for i, (k, s) in enumerate(zip(keys, slots.tolist()))
+                                       if (on_device is None or not on_device[i]) and
+                                       (s < 0 or not self.pool.valid[s])]
             job.hits = self._hits_of(plan, filed_slots)
+            if device_hits:
+                job.hits["hbm"] = device_hits
             self.stats.loaded_pages += plan.num_pages
             lane = self._lane_for(expedited)
-            job.nbytes = lane.submit(job, plan, to_host=False) if plan.num_pages else 0
+            job.nbytes = lane.submit(job, plan, to_host=False, device_pages=device_pages) \
+                if plan.num_pages or device_pages else 0
         except Exception as e:
             job.error = e
             self._settle(self._lane_for(expedited))
@@ -304,6 +343,8 @@ class HostTransferEngine:
         return True
 
     def get_finished(self) -> list[JobResult]:
+        if self._after_forward:
+            self._run_after_forward()
         if self._deferred:
             self._run_ready_loads()
         done, self._done = self._done, []
@@ -314,6 +355,8 @@ class HostTransferEngine:
         return [self._finish(job) for job in done]
 
     def wait(self, job_ids: set[int]) -> None:
+        if self._after_forward and any(a[0] in job_ids for a in self._after_forward):
+            self._run_after_forward()
         if self._deferred and any(d.job_id in job_ids for d in self._deferred):
             last = max(i for i, d in enumerate(self._deferred) if d.job_id in job_ids)
             for d in self._deferred[: last + 1]:
@@ -365,6 +408,42 @@ class HostTransferEngine:
         return self.take_load_errors()[0]
 
     # ---- internals -------------------------------------------------------------
+    def _run_after_forward(self) -> None:
+        """Submit the loads with device sources queued this step (their sources are written by now)."""
+        todo, self._after_forward = self._after_forward, []
+        self._running_after_forward = True
+        try:
+            for job_id, src_spec, dst_spec, expedited in todo:
+                self.submit_load(job_id, src_spec, dst_spec, expedited)
+        finally:
+            self._running_after_forward = False
+
+    def _split_device(self, plan: TransferPlan, on_device: np.ndarray, device_blocks) -> tuple:
+        """(the plan's host pages, [(tensors, source blocks, destination blocks)] of its device pages,
+        (chunks, tokens) they move). Raises ValueError on a malformed source (the job fails)."""
+        k = self.planner.k
+        groups, pages, tokens, chunks = [], [], 0, set()
+        for g in plan.groups:
+            m = on_device[g.pos]
+            if not m.any():
+                groups.append(g)
+                continue
+            pos, sub = g.pos[m], g.sub[m]
+            src = np.empty(len(pos), dtype=np.int64)
+            for i, (p, j) in enumerate(zip(pos.tolist(), sub.tolist())):
+                blocks = device_blocks[p]
+                if len(blocks) != k:
+                    raise ValueError(f"device source of chunk {p} has {len(blocks)} blocks, a chunk has {k}")
+                src[i] = blocks[j]
+            if src.min() < 0 or src.max() >= self.num_engine_blocks:
+                raise ValueError(f"device source block out of range [0, {self.num_engine_blocks})")
+            pages.append((g.tensors, src, g.gpu[m].copy()))
+            tokens = max(tokens, len(src) * self.tokens_per_block[g.index])
+            chunks.update(pos.tolist())
+            if not m.all():
+                groups.append(g.select(~m))
+        return TransferPlan(groups, plan.slots), pages, (len(chunks), tokens) if chunks else None
+
     def _run_ready_loads(self) -> None:
         """Submit deferred loads in order, up to the first whose reads are not in."""
         while self._deferred:
@@ -399,7 +478,8 @@ class HostTransferEngine:
             copier = StagedCopier(self.engine, self.host_rows, PagedRows(staging, self.layout),
                                   upload=torch.from_numpy, non_blocking=False, piece_rows=self._piece_rows,
                                   buffers=2)  # the halves as on CUDA, in call order
-        sync = _SyncLane(copier)
+        sync = _SyncLane(copier, DevicePageCopier(self.engine, self.layout.page_bytes,
+                                                  upload=None if self.strategy == "direct" else torch.from_numpy))
         return sync, sync, lambda: sync
 
     def _lane_for(self, expedited: bool):
@@ -479,6 +559,7 @@ class HostTransferEngine:
                     self._failed_load_keys[job.job_id] = job.failed_keys
             if job.error is None:
                 s.loaded_bytes += job.nbytes
+                s.device_copied_bytes += job.device_nbytes
                 s.load_seconds += job.seconds or 0.0
                 for tier, (chunks, tokens) in (job.hits or {}).items():
                     self.hits[tier][0] += chunks

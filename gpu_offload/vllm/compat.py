@@ -33,6 +33,9 @@ try:
         ReqContext,
         RequestOffloadingContext,
         TransferResult,
+        get_offload_block_hash,
+        get_offload_group_idx,
+        make_offload_key,
     )
     from vllm.v1.kv_offload.config import OffloadingConfig  # noqa: F401
     from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec  # noqa: F401
@@ -63,8 +66,9 @@ try:
 
     HOST_HIT_SOURCE: Any = CacheHitSource.HOST
     DISK_HIT_SOURCE: Any = getattr(CacheHitSource, "DISK", None)  # file-tier hits
+    DEVICE_HIT_SOURCE: Any = getattr(CacheHitSource, "DEVICE", None)  # copied from the device's own cache
 except ImportError:  # before get_load_source existed (< 0.32)
-    HOST_HIT_SOURCE = DISK_HIT_SOURCE = None
+    HOST_HIT_SOURCE = DISK_HIT_SOURCE = DEVICE_HIT_SOURCE = None
 
 
 # ---- feature detection -------------------------------------------------------
@@ -128,3 +132,44 @@ def current_load_failure_policy() -> str | None:
     cfg = get_current_vllm_config_or_none()
     ktc = getattr(cfg, "kv_transfer_config", None) if cfg is not None else None
     return getattr(ktc, "kv_load_failure_policy", None)
+
+
+def device_source_group(connector, block_pool) -> tuple[int, int] | str:
+    """(KV group id, tokens per block) for sourcing chunks from the device block pool, or why not.
+
+    Reads the connector's scheduler config (vLLM internals of 0.32). Only one
+    full-attention KV group, no other KV-cache group, prefix caching on, an
+    engine block of one hash block, no speculative drafter group, no
+    partial-tail hand-off and no decode context parallelism: there a
+    chunk's device blocks are exactly the pool's cached blocks under the
+    request's block hashes. Sliding-window and hybrid models (several groups,
+    Mamba state) keep the plain prefix lookup.
+    """
+    sched = getattr(connector, "connector_scheduler", None)
+    cfg = getattr(sched, "config", None)
+    groups = getattr(cfg, "kv_group_configs", None)
+    kv_cfg = getattr(connector, "_kv_cache_config", None)
+    if cfg is None or groups is None or kv_cfg is None:
+        return "this vLLM's offloading scheduler has no config we know"
+    if len(groups) != 1 or len(kv_cfg.kv_cache_groups) != 1:
+        return f"{len(kv_cfg.kv_cache_groups)} KV-cache groups (hybrid model)"
+    g = groups[0]
+    try:
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+    except ImportError:  # pragma: no cover
+        return "vllm.v1.kv_cache_interface has moved"
+    spec = g.kv_cache_spec
+    if not isinstance(spec, FullAttentionSpec) or isinstance(spec, SlidingWindowSpec) \
+            or g.sliding_window_size_in_chunks is not None:
+        return f"KV group of {type(spec).__name__} (not full attention)"
+    if getattr(g, "is_eagle_group", False) or getattr(g, "requires_cow_source", False):
+        return "a drafter or recurrent-state KV group"
+    if getattr(cfg, "supports_partial_tail", False) or getattr(cfg, "dcp_world_size", 1) != 1:
+        return "partial-tail loads or decode context parallelism"
+    if g.tokens_per_block != cfg.tokens_per_hash:
+        return f"engine blocks of {g.tokens_per_block} tokens hashed per {cfg.tokens_per_hash}"
+    if not getattr(block_pool, "enable_caching", False):
+        return "prefix caching is off"
+    if not all(hasattr(block_pool, m) for m in ("get_cached_block", "touch", "free_blocks")):
+        return "this vLLM's block pool lacks get_cached_block/touch/free_blocks"
+    return g.group_idx, g.tokens_per_block

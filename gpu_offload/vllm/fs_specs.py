@@ -53,11 +53,15 @@ class HostStoreSpec(CPULoadStoreSpec):
 
 
 class HostLoadSpec(CPULoadStoreSpec):
-    """Host slots of a load; ``promote[i]``: fill slot i from its file first."""
+    """Host slots of a load; ``promote[i]``: fill slot i from its file first.
+
+    ``device_blocks[i]``: the engine block ids chunk i is copied from, when the
+    device's own prefix cache holds it (``device_source``); its slot is -1.
+    """
 
     def __init__(
         self, slots: Sequence[int], keys: Sequence[bytes], promote: Sequence[bool], evicted: Sequence[bytes] = (),
-        salt: bytes = b"", epoch: str = "",
+        salt: bytes = b"", epoch: str = "", device_blocks: Sequence[tuple[int, ...] | None] | None = None,
     ):
         super().__init__(slots)
         self.keys = list(keys)
@@ -65,6 +69,7 @@ class HostLoadSpec(CPULoadStoreSpec):
         self.evicted = list(evicted)
         self.salt = salt
         self.epoch = epoch
+        self.device_blocks = list(device_blocks) if device_blocks is not None else None
 
 
 def fingerprint(config, rank: int) -> LayoutFingerprint:

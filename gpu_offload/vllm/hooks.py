@@ -28,6 +28,13 @@ vLLM 0.32's connector asserts ``TransferResult.success``, has no
   ``cache_salt``; with the file tier's secret our manager needs it (files are
   named and signed per tenant), so the context factory of vLLM's offloading
   scheduler is wrapped to store it (``RequestSalt``).
+* Device sources (``device_source``). vLLM binds its device block pool to
+  every connector (``bind_gpu_block_pool``); ours hands it to our manager
+  when the KV layout allows (``compat.device_source_group``), so a chunk the
+  device still caches is a hit even past a chunk only our tier holds. The
+  request's lookup (``get_num_new_matched_tokens``) and allocation
+  (``update_state_after_alloc``) are wrapped to scope the references it
+  holds on source blocks.
 * One engine per process. vLLM keeps one worker-side connector per process;
   a second engine in the same process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
   would register its KV caches on the first engine's connector, and its
@@ -41,7 +48,8 @@ vLLM may implement one), and only once.
 from __future__ import annotations
 
 from gpu_offload._log import get_logger
-from gpu_offload.vllm.compat import OffloadingConnector
+from gpu_offload.vllm.compat import OffloadingConnector, device_source_group
+from gpu_offload.vllm.device_source import DeviceSource
 from gpu_offload.vllm.file_events import FileTierWorkerMetadata
 from gpu_offload.vllm.manager import HostTierManager, RequestSalt
 from gpu_offload.vllm.worker import HostOffloadWorker
@@ -207,6 +215,54 @@ def _forget_failed_loads(connector, connector_output) -> None:
             manager.forget_chunks(status.keys if keys is None else [k for k in status.keys if k in set(keys)])
 
 
+def _bind_gpu_block_pool(self, gpu_block_pool) -> None:
+    manager = _our_manager(self)
+    if manager is None:
+        return
+    try:
+        got = device_source_group(self, gpu_block_pool)
+        if isinstance(got, str):
+            logger.info("device prefix cache is not a load source (%s): a hit stops at the first chunk "
+                        "our tiers lack", got)
+            return
+        group_id, tokens_per_block = got
+        manager.bind_device(DeviceSource(gpu_block_pool, group_id, manager.blocks_per_chunk, tokens_per_block))
+        logger.info("device prefix cache bound as a load source (KV group %d)", group_id)
+    except Exception:  # never let this take the engine down: plain prefix lookups
+        logger.exception("could not bind the device block pool as a load source")
+
+
+def _get_num_new_matched_tokens(orig):
+    def get_num_new_matched_tokens(self, request, num_computed_tokens, *args, **kw):
+        manager = _our_manager(self)
+        device = manager.device if manager is not None else None
+        if device is None:
+            return orig(self, request, num_computed_tokens, *args, **kw)
+        req_id = request.request_id
+        device.begin(req_id, request.block_hashes, num_computed_tokens)
+        hit = None
+        try:
+            out = orig(self, request, num_computed_tokens, *args, **kw)
+            hit = out[0] if isinstance(out, tuple) else out
+            return out
+        finally:
+            device.end(req_id, hit)
+
+    return get_num_new_matched_tokens
+
+
+def _update_state_after_alloc(orig):
+    def update_state_after_alloc(self, request, blocks, num_external_tokens, *args, **kw):
+        try:
+            return orig(self, request, blocks, num_external_tokens, *args, **kw)
+        finally:
+            manager = _our_manager(self)
+            if manager is not None and manager.device is not None:
+                manager.device.settle(request.request_id)
+
+    return update_state_after_alloc
+
+
 # ---- installation ----------------------------------------------------------------
 
 def _install(name: str, make, wrap: bool) -> bool:
@@ -264,6 +320,9 @@ def install() -> bool:
     _install("build_connector_worker_meta", _build_connector_worker_meta, wrap=True)
     _install("get_kv_connector_stats", _get_kv_connector_stats, wrap=True)
     _install("register_kv_caches", _register_kv_caches, wrap=True)
+    if _install("bind_gpu_block_pool", _bind_gpu_block_pool, wrap=False):
+        _install("get_num_new_matched_tokens", _get_num_new_matched_tokens, wrap=True)
+        _install("update_state_after_alloc", _update_state_after_alloc, wrap=True)
     return ok
 
 

@@ -37,7 +37,14 @@ for it pays. Costs are learned here from ``prepare_load`` → ``complete_load``
 and ``prepare_store`` → ``complete_store``, and the prefill time per token
 from the intervals between steps (``step_sent``, called by ``hooks``).
 
-Hits: ``hit_chunks`` / ``fs_hit_chunks`` count chunks handed to loads here
+Device sources (``device_source``): once ``hooks`` binds vLLM's device
+block pool (``bind_device``), a chunk whose blocks the device still caches
+is a hit copied from there, taken before any tier (see that module); its
+spec position carries the source block ids (``HostLoadSpec.device_blocks``)
+and no slot. The load decision counts it as a host chunk (a device copy is
+never slower).
+
+Hits: ``hit_chunks`` / ``fs_hit_chunks`` / ``device_hit_chunks`` count chunks handed to loads here
 (tests and the demo read them). The exported ``tpu_offload_hit_*`` series
 come from the worker instead (``gpu_offload.vllm.worker``): it knows which
 blocks actually landed, including loads that cover only part of a chunk.
@@ -48,6 +55,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Collection, Iterable
 
 import time
+
+import numpy as np
 
 from tpu_offload.core import costs
 
@@ -61,6 +70,7 @@ from tpu_offload.core.manager import Lookup
 from gpu_offload._log import get_logger
 from gpu_offload.vllm import metrics
 from gpu_offload.vllm.compat import (
+    DEVICE_HIT_SOURCE,
     DISK_HIT_SOURCE,
     HOST_HIT_SOURCE,
     CPULoadStoreSpec,
@@ -71,6 +81,7 @@ from gpu_offload.vllm.compat import (
     RequestOffloadingContext,
     make_event,
 )
+from gpu_offload.vllm.device_source import DEVICE, DeviceSource
 from gpu_offload.vllm.fs_specs import HostLoadSpec, HostStoreSpec
 
 if TYPE_CHECKING:
@@ -115,6 +126,8 @@ class HostTierManager(ManagerCompat, OffloadingManager):
         # Monotonic, across resets (read by tests and the demo).
         self.hit_chunks = 0  # loaded from host RAM
         self.fs_hit_chunks = 0  # promoted from files, then loaded
+        self.device_hit_chunks = 0  # copied from the device's own prefix cache
+        self.device: DeviceSource | None = None  # bind_device
         self.unplaced_chunks = 0  # file hits with no free host slot: failed loads, recomputed
         self.stored_chunks = 0
         self.resets = 0
@@ -148,18 +161,28 @@ class HostTierManager(ManagerCompat, OffloadingManager):
     def index(self) -> LRUChunkManager:
         return self._lru
 
+    def bind_device(self, device: DeviceSource | None) -> None:
+        """vLLM's device block pool, as a load source (``hooks``, when the engine's KV layout allows)."""
+        self.device = device
+
     # ---- lookups and loads ----------------------------------------------------
     def lookup(self, key, req_context) -> LookupResult:
-        if key in self._forgotten:
+        on_device = self.device.cached(key, req_context) if self.device is not None else None
+        if key in self._forgotten and on_device is None:
             return LookupResult.MISS
         if self.costs.mode != "always" and not self._worth_loading(key, req_context):
             return LookupResult.MISS  # recomputed: its load would finish later than its recompute
+        if on_device is not None:
+            self.device.pin(req_context.req_id, key, on_device)
+            return LookupResult.HIT
         state = self._lru.lookup(key)
         if state is Lookup.MISS and self.files is not None and self.files.contains(key, request_salt(req_context)):
             return LookupResult.HIT  # prepare_load promotes it
         return _LOOKUP[state]
 
-    def _tier(self, key, salt: bytes) -> str | None:
+    def _tier(self, key, salt: bytes, req_context=None) -> str | None:
+        if self.device is not None and req_context is not None and self.device.cached(key, req_context):
+            return DEVICE
         if key in self._forgotten:
             return None
         state = self._lru.lookup(key)
@@ -191,7 +214,7 @@ class HostTierManager(ManagerCompat, OffloadingManager):
         salt = request_salt(req_context)
         tiers, ends = [], []
         for p, k in later:
-            t = self._tier(k, salt)
+            t = self._tier(k, salt, req_context)
             if t is None:
                 break
             tiers.append(t)
@@ -215,6 +238,8 @@ class HostTierManager(ManagerCompat, OffloadingManager):
             parent(context)
 
     def on_request_finished(self, req_context) -> None:
+        if self.device is not None:
+            self.device.finished(req_context.req_id)
         self._scans.pop(req_context.req_id, None)
         self._decisions.pop(req_context.req_id, None)
         parent = getattr(super(), "on_request_finished", None)
@@ -234,12 +259,30 @@ class HostTierManager(ManagerCompat, OffloadingManager):
         self.costs.prefill.step(tokens or 0)
 
     def get_load_source(self, key, req_context):
+        if self.device is not None and DEVICE_HIT_SOURCE is not None and \
+                self.device.sourced(getattr(req_context, "req_id", None), key):
+            return DEVICE_HIT_SOURCE
         if key in self._promoting and DISK_HIT_SOURCE is not None:
             return DISK_HIT_SOURCE
         return HOST_HIT_SOURCE if HOST_HIT_SOURCE is not None else super().get_load_source(key, req_context)
 
     def prepare_load(self, keys: Collection, req_context) -> CPULoadStoreSpec:
         keys = list(keys)
+        on_device = self.device.take(req_context.req_id, keys) if self.device is not None else {}
+        if not on_device:
+            return self._prepare_tier_load(keys, req_context)
+        self.device_hit_chunks += len(on_device)
+        tier_keys = [k for k in keys if k not in on_device]
+        tier = self._prepare_tier_load(tier_keys, req_context) if tier_keys else None
+        slots = iter(tier.block_ids.tolist() if tier is not None else ())
+        promote = iter(getattr(tier, "promote", np.zeros(len(tier_keys), bool)).tolist())
+        merged = [(-1, False, tuple(b.block_id for b in on_device[k])) if k in on_device
+                  else (next(slots), next(promote), None) for k in keys]
+        return HostLoadSpec([m[0] for m in merged], keys, [m[1] for m in merged],
+                            getattr(tier, "evicted", ()), salt=request_salt(req_context), epoch=self.epoch,
+                            device_blocks=[m[2] for m in merged])
+
+    def _prepare_tier_load(self, keys: list, req_context) -> CPULoadStoreSpec:
         now = time.monotonic()
         for k in keys:
             self._load_t0[k] = (now, self.files is not None and self._lru.lookup(k) is Lookup.MISS)
@@ -299,6 +342,10 @@ class HostTierManager(ManagerCompat, OffloadingManager):
         self._lru.touch(keys)
 
     def complete_load(self, keys: Collection, req_context) -> None:
+        if self.device is not None:
+            done = self.device.complete(req_context.req_id, keys)
+            if done:
+                keys = [k for k in keys if k not in done]
         self._learn_load(keys)
         if self._promoting or self._unplaced:
             for k in keys:
@@ -410,6 +457,8 @@ class HostTierManager(ManagerCompat, OffloadingManager):
         self._unplaced.clear()
         self._load_t0.clear()
         self._scans.clear()
+        if self.device is not None:
+            self.device.reset()
         for tier in self.costs.tiers.values():
             tier.forget_open()
         if self.file_events is not None:
@@ -456,6 +505,9 @@ class HostTierManager(ManagerCompat, OffloadingManager):
 
     def forget_chunks(self, keys: Iterable) -> int:
         """Hide chunks a load failed on; see the module docstring."""
+        keys = list(keys)
+        if self.device is not None:
+            self.device.refuse(keys)
         fresh = [k for k in keys if k not in self._forgotten and self._lru.lookup(k) is not Lookup.MISS]
         if not fresh:
             return 0

@@ -202,7 +202,7 @@ class WorkerStats:
         self.rank = rank
         self.fs_interval_s = fs_interval_s
         self._next_fs = 0.0
-        self._hits_sent = {"cpu": [0, 0], "fs": [0, 0]}
+        self._hits_sent = {"cpu": [0, 0], "fs": [0, 0], "hbm": [0, 0]}
         self._fs_sent: dict[tuple, float] = {}
         self._lock = threading.Lock()
 
@@ -210,7 +210,7 @@ class WorkerStats:
         out = OffloadingConnectorStats()
         if self.rank == 0:
             for tier, (chunks, tokens) in hits.items():
-                sent = self._hits_sent[tier]
+                sent = self._hits_sent.setdefault(tier, [0, 0])
                 if chunks > sent[0]:
                     out.increase_counter(HIT_CHUNKS, chunks - sent[0], (tier,))
                 if tokens > sent[1]:

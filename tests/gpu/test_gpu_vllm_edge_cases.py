@@ -54,6 +54,7 @@ def test_a_clean_restart_in_the_same_process_works(engines):
 def test_hybrid_model_failed_load_is_recomputed_not_a_crash(hybrid_engine):
     llm, worker, manager = hybrid_engine
     assert len(worker.planner.group_tensors) == 2  # sliding window + full attention
+    assert manager.device is None  # two KV-cache groups: no device sources, the plain prefix lookup
     p = [prompt(103, 600)]
     first = generate(llm, p)
     jobs, errs = worker.stats.load_jobs, worker.stats.load_error_jobs
