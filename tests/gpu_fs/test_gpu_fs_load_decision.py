@@ -16,8 +16,8 @@ import pytest
 from gpu_fs_helpers import EngineRun, shipped_kv_transfer_config
 
 pytestmark = pytest.mark.engine
-DELAY_S = 5.0  # per file read of the slow replica
-DEADLINE_S = 15.0
+DELAY_S = 10.0  # per file read of the slow replica (well above a recompute even on a loaded 2-core machine)
+DEADLINE_S = 30.0
 
 
 def ids(seed: int, n: int) -> list[int]:
