@@ -98,7 +98,7 @@ class ConnectorMetrics:
                                           ("fs", fs_chunks, fs_tokens), ("hbm", hbm_chunks, hbm_tokens)) if n]
         self.core.record_lookup(queried_tokens, hits)
         self.lookups.inc()
-        self.hits.inc(hit_tokens)
+        self.hits.inc(hit_tokens - hbm_tokens)  # the host tier's (and files' through it), as documented
         self.misses.inc(max(0, queried_tokens - hit_tokens))
 
     def transfer(self, direction: str, nbytes: int, seconds: float, chunks: int) -> None:
