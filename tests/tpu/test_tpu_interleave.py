@@ -90,6 +90,7 @@ def test_alternating_prefix_is_served_whole_from_hbm_and_host(make):
     assert w == {"loaded_chunks": 2, "hbm_copied_chunks": 3, "load_errors": 0}, w
     assert pins and min(pins) >= 1
     assert h.sch.hbm.pinned == 0 and not h.sch.loads.hbm_orders  # every source block went back to vLLM
+    assert h.check_tier() >= 6  # chunks 2 and 4, copied from HBM, are stored again from their new blocks
     from prometheus_client import REGISTRY
 
     assert (REGISTRY.get_sample_value("tpu_offload_hit_chunks_total", {"tier": "hbm"}) or 0) >= 3
@@ -137,3 +138,28 @@ def test_hbm_chunks_cost_next_to_nothing_in_the_load_decision():
     d = m.decide([costs.HBM, costs.HBM, costs.HOST], 1 << 20, 16)
     assert d.load == 2 and d.tiers[:2] == [costs.HBM, costs.HBM]
     assert m.load_seconds({costs.HBM: 4}, 1 << 20) < 1e-3
+
+
+def test_abort_while_the_copy_waits_for_its_budget_releases_the_sources(make):
+    """A load spread over steps by the load budget (one chunk a step): the request is aborted after its
+    first part; the HBM sources of parts never sent go back to vLLM's pool at once, sent ones when
+    reported. Nothing stays pinned, nothing is left in flight."""
+    from vllm.v1.request import RequestStatus
+
+    h = make(load_bandwidth_gbps=0.001, load_stall_ms=70)  # 70,000 B per device: one 2-block chunk a step
+    assert h.sch.s.load_budget_blocks == BPC
+    p = prompt(6 * BPC * BS, 24)
+    interleave(h, p)
+    rid = h.add(p + [7, 8, 9], max_tokens=2)
+    h.step()
+    plan = h.sch.loads.plans[rid]
+    held = [i for ids in plan.src if ids for i in ids]
+    assert held and plan.emitted < len(plan.keys)
+    assert all(pool(h).blocks[i].ref_cnt >= 1 for i in held)
+    h.sched.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
+    h.run()
+    for _ in range(3):
+        h.step()
+    assert not h.runner.failures
+    assert h.sch.hbm.pinned == 0 and not h.sch.loads.hbm_orders and not h.sch.has_pending_work()
+    assert all(pool(h).blocks[i].ref_cnt == 0 for i in held)

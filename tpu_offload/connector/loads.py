@@ -70,6 +70,9 @@ class InFlight:
             else:
                 del self._count[k]
 
+    def has(self, req_id: str) -> bool:
+        return req_id in self._by_req
+
     def busy(self, keys: list[ChunkKey], req_id: str) -> bool:
         """Whether another request is loading any of ``keys``."""
         own = self._by_req.get(req_id, frozenset())

@@ -538,6 +538,10 @@ class OffloadScheduler:
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
         req_id = request.request_id
+        # Finished while its asynchronous load is outstanding (aborted): vLLM frees its blocks when the
+        # load is reported, whatever we answer, and blocks whose load was never sent (or an HBM copy
+        # still on its way) hold no KV: nothing of it is stored.
+        waiting = self.loading.has(req_id)
         self.loads.cancel(req_id)  # aborted while its load waited: release what was never sent
         self.loading.release(req_id)  # its blocks will not be cached: others load for themselves
         self._waited.discard(req_id)
@@ -549,6 +553,8 @@ class OffloadScheduler:
         if st is None:
             return False, None
         st.request = request
+        if waiting:
+            st.stale = True
         if self.stores.unstored(st, block_ids):
             st.finishing = True
             st.final_blocks = compat.block_ids_by_group(block_ids)
