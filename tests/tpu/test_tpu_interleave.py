@@ -65,8 +65,9 @@ def make(harnesses, request):
     return _make
 
 
-def test_alternating_prefix_is_served_whole_from_hbm_and_host(make):
-    h = make()
+@pytest.mark.parametrize("pacing", ["off", "on"])
+def test_alternating_prefix_is_served_whole_from_hbm_and_host(make, pacing):
+    h = make(transfer_pacing=pacing)  # on: the copy is a queued piece, sent after the forward (program path)
     p = prompt(6 * BPC * BS, 21)
     interleave(h, p)
     s0, w0 = dict(h.sch.totals), dict(h.wrk.totals)
