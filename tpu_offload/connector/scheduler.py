@@ -232,14 +232,18 @@ class OffloadScheduler:
                 if self.manager.lookup(k) is Lookup.HIT and k not in self._quarantine:
                     room -= 1
                 elif self.fs is not None and not self._fs_off and k not in self._fs_bad \
-                        and self.manager.lookup(k) is Lookup.MISS and self.fs.contains(k, salt) \
-                        and n_fs < room:
+                        and self.manager.lookup(k) is Lookup.MISS and self.fs.contains(k, salt):
                     fs = True
                     n_fs += 1
                 elif limit is not None:
                     ids = []  # offered by the lookup, gone now: a load error
                 else:
                     break
+                if n_fs > room:  # the file chunks so far could not all get a host slot
+                    if limit is None:
+                        break
+                    n_fs -= fs
+                    ids, fs = [], False
             on_fs.append(fs)
             src.append(ids)
             n += 1
