@@ -32,7 +32,7 @@ INJECT = {  # guard path -> (half, attribute holder, attribute, replacement)
     "get_finished": ("worker", None, "_maybe_release", _boom),
     "get_block_ids_with_load_errors": ("worker", None, "get_block_ids_with_load_errors", _boom),
     "take_report": ("worker", None, "take_report", _boom),
-    "get_num_new_matched_tokens": ("scheduler", None, "_prefix", _boom),
+    "get_num_new_matched_tokens": ("scheduler", None, "_decide", _boom),  # both lookup walks end in it
     "update_state_after_alloc": ("scheduler", "manager", "prepare_load", _boom),
     "build_connector_meta": ("scheduler", "stores", "plan", _boom),
     "request_finished": ("scheduler", "stores", "storable", _boom),

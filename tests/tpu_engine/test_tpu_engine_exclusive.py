@@ -122,6 +122,61 @@ def test_exclusive_aborted_request_leaves_right_bytes(both):
     assert delta(t1, t0, "hit_tokens") > 0
 
 
+def test_interleaved_prefix_is_served_whole_from_hbm_and_host(both):
+    """A prefix whose chunks alternate between HBM and the host tier (exclusive: each chunk is in one
+    place) is reused whole: vLLM's own hit ends at the first chunk HBM lacks; the rest comes from HBM
+    (copied on the device) and the host, chunk by chunk. Tokens equal the no-connector engine's."""
+    eng = both[2][0]
+    s = sch(eng)
+    settle(eng)
+    eng.reset_prefix_cache(reset_connector=True)  # a known start: HBM and host tier empty
+    p, want = W.prompts[0], both[0][0]  # 7 one-block chunks
+    seen: list = []
+    real = eng.scheduler_connector.get_num_new_matched_tokens
+
+    def spy(request, num_computed_tokens):
+        n, is_async = real(request, num_computed_tokens)
+        if list(request.prompt_token_ids) == p:
+            seen.append((list(request.block_hashes), num_computed_tokens, n))
+        return n, is_async
+
+    eng.scheduler_connector.get_num_new_matched_tokens = spy
+    try:
+        assert eng.generate([p]) == [want]
+        hashes = seen[0][0]
+        pool = eng.core.scheduler.kv_cache_manager.block_pool
+
+        def in_hbm(c):
+            got = pool.get_cached_block(hashes[c], [0])
+            return got[0].block_id if got else None
+
+        # HBM lets go of chunks 1, 3, 5 first (their blocks head vLLM's free queue); the next prompt's
+        # allocation takes exactly them, and exclusive copies those chunks to the host before its forward.
+        gone = [pool.blocks[in_hbm(c)] for c in (1, 3, 5)]
+        pool.evict_blocks({b.block_id for b in gone})
+        pool.touch(gone)
+        pool.free_blocks(gone)
+        eng.generate([prompt(99, 40)])  # three blocks
+        settle(eng)
+        keys = s._keys(type("R", (), {"block_hashes": hashes})())
+        layout = [(in_hbm(c) is not None, s.manager.lookup(keys[c]).name == "HIT") for c in range(7)]
+        assert layout == [(True, False), (False, True)] * 3 + [(True, False)], layout
+        t0 = totals(eng)
+        assert eng.generate([p]) == [want]
+        settle(eng)
+        t1 = totals(eng)
+    finally:
+        del eng.scheduler_connector.get_num_new_matched_tokens
+    d = {k: delta(t1, t0, k) for k in ("hit_tokens", "hbm_hit_chunks", "hbm_copied_chunks", "loaded_chunks",
+                                       "load_errors")}
+    print(f"\ninterleaved: vLLM's own hit {seen[-1][1]} tokens, ours {seen[-1][2]}: {d}")
+    assert seen[-1][1:] == (16, 111 - 16)  # HBM's hit is chunk 0; ours is every other chunk (less one token)
+    # every chunk reused: 1 by vLLM, 3 copied from HBM (2, 4, 6), 3 loaded from the host (1, 3, 5)
+    assert d == {"hit_tokens": 95, "hbm_hit_chunks": 3, "hbm_copied_chunks": 3, "loaded_chunks": 3,
+                 "load_errors": 0}, d
+    assert s.hbm.pinned == 0
+
+
 def test_exclusive_reset_forgets_watched_chunks(both):
     """reset_prefix_cache(reset_connector=True): nothing HBM held may reach the host tier afterwards."""
     eng = both[2][0]

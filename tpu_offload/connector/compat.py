@@ -41,9 +41,9 @@ except ImportError:  # pragma: no cover
 try:  # vLLM >= 0.31: per-tier hit accounting
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-    HIT_HOST, HIT_DISK = CacheHitSource.HOST, CacheHitSource.DISK
+    HIT_HOST, HIT_DISK, HIT_DEVICE = CacheHitSource.HOST, CacheHitSource.DISK, CacheHitSource.DEVICE
 except ImportError:  # pragma: no cover
-    HIT_HOST, HIT_DISK = None, None
+    HIT_HOST, HIT_DISK, HIT_DEVICE = None, None, None
 
 # Connector class names tpu-inference's platform accepts (tpu_platform.py, #2336).
 TPU_INFERENCE_CONNECTOR_NAMES = ("TPUConnector", "TPUConnectorHMA", "TPUOffloadConnector", "RaidenOffloadConnector")
@@ -79,6 +79,22 @@ def block_tag_reader(kv_cache_manager):
     if not blocks or not hasattr(blocks[0], "block_hash"):
         return None
     return lambda i: blocks[i].block_hash
+
+
+def hbm_block_pool(kv_cache_manager):
+    """The block pool vLLM's scheduler allocates HBM blocks from, if it has what an interleaved lookup uses
+    (``get_cached_block``, ``touch``, ``free_blocks``, ``blocks[i].block_hash``); else None.
+
+    vLLM 0.32 binds it through ``KVConnectorBase_V1.bind_kv_cache_manager`` (``kv_cache_manager.block_pool``).
+    tpu-inference keeps vLLM's ``KVCacheManager``; with Mamba layers its coordinator swaps in a
+    ``TPUDualBlockPool`` that routes the same calls to its attention pool, but the connector refuses Mamba
+    groups (``group_windows``), so here it is vLLM's own ``BlockPool``."""
+    pool = getattr(kv_cache_manager, "block_pool", None)
+    if pool is None or not all(hasattr(pool, a) for a in ("get_cached_block", "touch", "free_blocks", "blocks")):
+        return None
+    if not pool.blocks or not hasattr(pool.blocks[0], "block_hash"):
+        return None
+    return pool
 
 
 def group_windows(kv_cache_config) -> tuple[int | None, ...]:

@@ -89,7 +89,9 @@ class TPUOffloadConnector(KVConnectorBase_V1, compat.SupportsHMA):
             return super().get_external_cache_hit_sources(request, num_external_tokens)
         disk = min(num_external_tokens, self.guard.call("file_hit_tokens", self.scheduler.file_hit_tokens,
                                                          request.request_id, default=0))
-        out = {compat.HIT_HOST: num_external_tokens - disk, compat.HIT_DISK: disk}
+        hbm = min(num_external_tokens - disk, self.guard.call("hbm_hit_tokens", self.scheduler.hbm_hit_tokens,
+                                                              request.request_id, default=0))
+        out = {compat.HIT_HOST: num_external_tokens - disk - hbm, compat.HIT_DISK: disk, compat.HIT_DEVICE: hbm}
         return {k: v for k, v in out.items() if v}
 
     def build_connector_meta(self, scheduler_output) -> OffloadMetadata:

@@ -229,7 +229,8 @@ class Guard:
     def build_meta(self, sched, so) -> OffloadMetadata:
         meta = OffloadMetadata(restored_id=sched.restored_id, snapshot_id=sched.snapshot_id,
                                reset_salt=sched.reset_salt)
-        before = (set(sched._store_orders), set(sched.loads.load_orders), set(sched.loads.promote_orders))
+        before = (set(sched._store_orders), set(sched.loads.load_orders), set(sched.loads.promote_orders),
+                  set(sched.loads.hbm_orders))
         try:
             return sched.build_connector_meta(so, meta)
         except Exception as e:
@@ -250,6 +251,8 @@ class Guard:
         sent = {op.op_id for op in meta.loads}
         for op_id in set(sched.loads.load_orders) - before[1] - sent:
             sched.manager.complete_load(sched.loads.load_orders.pop(op_id).keys)
+        for op_id in set(sched.loads.hbm_orders) - before[3] - sent:  # copies never sent: sources back to vLLM
+            sched._unpin_hbm(sched.loads.hbm_orders.pop(op_id).items)
         sent = {op.op_id for op in meta.promotes}
         for op_id in set(sched.loads.promote_orders) - before[2] - sent:
             order = sched.loads.promote_orders.pop(op_id)

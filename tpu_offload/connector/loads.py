@@ -70,6 +70,9 @@ class InFlight:
             else:
                 del self._count[k]
 
+    def has(self, req_id: str) -> bool:
+        return req_id in self._by_req
+
     def busy(self, keys: list[ChunkKey], req_id: str) -> bool:
         """Whether another request is loading any of ``keys``."""
         own = self._by_req.get(req_id, frozenset())
@@ -96,6 +99,7 @@ class LoadPlan:
     salt: bytes = b""  # the request's cache_salt (file tier: the tenant keys of its files)
     groups: list[list[int]] = dataclasses.field(default_factory=list)  # ids per layer class (LoadOp.groups)
     restart: int = -1  # LoadOp.restart
+    src: list[list[int] | None] = dataclasses.field(default_factory=list)  # per chunk: HBM source ids (pinned)
     emitted: int = 0
     cancelled: bool = False
 
@@ -108,6 +112,8 @@ class LoadPlanner:
         self.plans: dict[str, LoadPlan] = {}
         self.load_orders: dict[int, Order] = {}
         self.promote_orders: dict[int, Order] = {}
+        self.hbm_orders: dict[int, Order] = {}  # op -> HBM source blocks pinned until every process reports it
+        self.unpin_hbm: Callable[[list[int]], None] = lambda ids: None  # connector/interleave.py
 
     def add(self, plan: LoadPlan) -> None:
         self.plans[plan.req_id] = plan
@@ -155,13 +161,25 @@ class LoadPlanner:
         a, b = plan.emitted, plan.emitted + take
         plan.emitted = b
         last = plan.cancelled or b == len(plan.keys)
+        src = plan.src[a:b] if plan.src else []
         op = LoadOp(self._next_id(), plan.req_id, plan.slots[a:b], plan.blocks[a * self.bpc : b * self.bpc],
                     async_load=plan.async_load, last=last,
-                    groups=[g[a * self.bpc : b * self.bpc] for g in plan.groups], restart=plan.restart)
+                    groups=[g[a * self.bpc : b * self.bpc] for g in plan.groups], restart=plan.restart,
+                    src=[i for ids in src for i in (ids or [-1] * self.bpc)] if any(src) else [])
         pinned = [(k, s) for k, s in zip(plan.keys[a:b], plan.slots[a:b]) if s >= 0]
         if pinned:
             self.load_orders[op.op_id] = Order(plan.req_id, [k for k, _ in pinned], [s for _, s in pinned])
+        held = [i for ids in src if ids for i in ids]
+        if held:
+            self.hbm_orders[op.op_id] = Order(plan.req_id, [], [], items=held)
         return op
+
+    def _unpin_unsent(self, plan: LoadPlan) -> None:
+        """HBM source blocks of chunks never sent go back to vLLM's pool."""
+        for i in range(plan.emitted, len(plan.src)):
+            if plan.src[i]:
+                self.unpin_hbm(plan.src[i])
+                plan.src[i] = None
 
     def promoted(self, order: Order, failed: set[int]) -> list[ChunkKey]:
         """A promotion finished on every process: the chunks join their plan. Returns failed keys."""
@@ -189,6 +207,7 @@ class LoadPlanner:
         pinned = [plan.keys[i] for i in unsent if plan.ready[i] and plan.slots[i] >= 0]
         if pinned:
             self.manager.complete_load(pinned)
+        self._unpin_unsent(plan)
         if plan.to_promote:  # slots allocated for reads that were never sent
             self.manager.complete_store([plan.keys[i] for i in plan.to_promote], False)
             plan.to_promote = []
@@ -204,6 +223,7 @@ class LoadPlanner:
             pinned = [plan.keys[i] for i in unsent if plan.ready[i] and plan.slots[i] >= 0]
             if pinned:
                 self.manager.complete_load(pinned)
+            self._unpin_unsent(plan)
             if plan.to_promote:
                 self.manager.complete_store([plan.keys[i] for i in plan.to_promote], False)
                 plan.to_promote = []
@@ -211,4 +231,4 @@ class LoadPlanner:
                 plan.slots[i], plan.ready[i] = -1, True
 
     def pending(self) -> bool:
-        return bool(self.plans or self.load_orders or self.promote_orders)
+        return bool(self.plans or self.load_orders or self.promote_orders or self.hbm_orders)

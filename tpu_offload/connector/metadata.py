@@ -33,6 +33,9 @@ class LoadOp:
     # With windowed layers: the request's first loaded block. A failed chunk recomputes the request from
     # there, not from the chunk: a later restart would need sliding-window KV the load never brought.
     restart: int = -1
+    # Interleaved lookups (connector/interleave.py): for a chunk with slot HBM_SLOT (-2), its source HBM
+    # blocks (blocks_per_chunk per slot, as ``blocks``), copied on the device; -1 elsewhere. Empty: none.
+    src: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass

@@ -88,14 +88,17 @@ class ConnectorMetrics:
         g(_P + "staging_buffer_free", "Staging blocks free in the last step", lambda: staging_total - staging_used())
 
     def lookup(self, queried_tokens: int, hit_tokens: int, hit_chunks: int, fs_chunks: int = 0,
-               chunk_tokens: int = 0) -> None:
-        """``fs_chunks`` of the ``hit_chunks`` come from the file tier (promoted through host RAM)."""
+               chunk_tokens: int = 0, hbm_chunks: int = 0) -> None:
+        """``fs_chunks`` of the ``hit_chunks`` come from the file tier (promoted through host RAM),
+        ``hbm_chunks`` from blocks HBM's prefix cache still held past vLLM's own hit (tier "hbm")."""
         fs_tokens = min(fs_chunks * chunk_tokens, hit_tokens)
-        hits = [(t, c, n) for t, c, n in (("cpu", hit_chunks - fs_chunks, hit_tokens - fs_tokens),
-                                          ("fs", fs_chunks, fs_tokens)) if n]
+        hbm_tokens = min(hbm_chunks * chunk_tokens, hit_tokens - fs_tokens)
+        hits = [(t, c, n) for t, c, n in (("cpu", hit_chunks - fs_chunks - hbm_chunks,
+                                           hit_tokens - fs_tokens - hbm_tokens),
+                                          ("fs", fs_chunks, fs_tokens), ("hbm", hbm_chunks, hbm_tokens)) if n]
         self.core.record_lookup(queried_tokens, hits)
         self.lookups.inc()
-        self.hits.inc(hit_tokens)
+        self.hits.inc(hit_tokens - hbm_tokens)  # the host tier's (and files' through it), as documented
         self.misses.inc(max(0, queried_tokens - hit_tokens))
 
     def transfer(self, direction: str, nbytes: int, seconds: float, chunks: int) -> None:

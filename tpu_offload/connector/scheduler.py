@@ -33,6 +33,11 @@ Invariants this file keeps (each one a defect of the upstream connector):
   completion report; prefill time per token from the intervals between
   ``build_connector_meta`` calls). The lookup
   fixes the decision; the allocation uses that one, so the two agree.
+* Interleaved lookups (``interleaved_lookups``, connector/interleave.py):
+  past vLLM's own hit, a chunk HBM's prefix cache still holds is copied on
+  the device (preferred), one the tiers hold is loaded; the hit ends where
+  neither has the chunk. Source blocks stay pinned in vLLM's pool until the
+  worker reports the copy.
 * A chunk is loaded asynchronously for one request at a time: a request
   whose load would include a chunk another request is loading waits (its
   lookup returns ``None``) until vLLM has cached that request's blocks, then
@@ -53,6 +58,7 @@ from typing import Any
 from tpu_offload.connector import compat, dp
 from tpu_offload.connector.events import EventTranslator
 from tpu_offload.connector.exclusive import ExclusiveStores
+from tpu_offload.connector.interleave import HBM_SLOT, HbmHits
 from tpu_offload.connector.loads import InFlight, LoadPlan, LoadPlanner, Order, settle_store
 from tpu_offload.connector.metadata import OffloadMetadata, OffloadReport
 from tpu_offload.connector.metrics import ConnectorMetrics
@@ -130,6 +136,9 @@ class OffloadScheduler:
         self.costs = costs.CostModel(cfg.load_decision, cfg.load_decision_bias)
         self._decided: dict[str, tuple[int, costs.Decision]] = {}  # the last lookup's (chunks, decision)
         self.shared = None  # DP attention: the other ranks' chunks (connector/dp.py SharedIndex)
+        self.hbm = HbmHits(self) if cfg.interleaved_lookups else None
+        self.loads.unpin_hbm = self._unpin_hbm
+        self._walked: dict[str, tuple[int, int]] = {}  # interleaved: the last lookup's (first chunk, chunks offered)
         self._fs_lookup = fs  # also when loads are synchronous (it learns resets)
         self.reset_salt = ""  # see reset_cache
         self.restored_id = self.snapshot_id = ""  # warm restart: see connector/snapshot.py
@@ -198,14 +207,65 @@ class OffloadScheduler:
             on_fs = on_fs[:n]
         return n, on_fs
 
+    def _interleaved(self) -> bool:
+        return self.hbm is not None and self.shared is None and self.hbm.active()
+
+    def _walk(self, request, keys: list[ChunkKey], salt: bytes, first: int, limit: int | None = None,
+              exclude=frozenset()) -> tuple[int, list[bool], list[list[int] | None]]:
+        """Interleaved lookups: chunks from ``first`` (vLLM's own hit ends in it) on, each from HBM (its
+        block ids), else the host or file tier (None); stops at the first chunk neither holds.
+
+        ``limit`` (the allocation re-walking what its lookup offered): exactly that many chunks, a chunk
+        that left HBM since the lookup (vLLM handed out its blocks) taken from the tiers, else marked
+        ``[]`` (a load error: recomputed). File chunks stop where their promotions would exceed the
+        host slots free or evictable, as ``_prefix``'s do."""
+        on_fs: list[bool] = [False] * first
+        src: list[list[int] | None] = [None] * first
+        st = self.manager.stats()
+        room = st.capacity_chunks - st.pinned_chunks - st.pending_chunks
+        n, n_fs, end = first, 0, len(keys) if limit is None else min(limit, len(keys))
+        while n < end:
+            k = keys[n]
+            ids = self.hbm.chunk_blocks(request, n, exclude)
+            fs = False
+            if ids is None:
+                if self.manager.lookup(k) is Lookup.HIT and k not in self._quarantine:
+                    room -= 1
+                elif self.fs is not None and not self._fs_off and k not in self._fs_bad \
+                        and self.manager.lookup(k) is Lookup.MISS and self.fs.contains(k, salt):
+                    fs = True
+                    n_fs += 1
+                elif limit is not None:
+                    ids = []  # offered by the lookup, gone now: a load error
+                else:
+                    break
+                if n_fs > room:  # the file chunks so far could not all get a host slot
+                    if limit is None:
+                        break
+                    n_fs -= fs
+                    ids, fs = [], False
+            on_fs.append(fs)
+            src.append(ids)
+            n += 1
+        return n, on_fs, src
+
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens any tier can serve beyond what vLLM computed; no side effects."""
         keys = self._keys(request)
-        start = num_computed_tokens // self.chunk_tokens if self.exclusive is not None else 0
-        if self.exclusive is not None:
-            self._start[request.request_id] = start
-        n_hit, on_fs = self._prefix(keys, request_salt(request), start)
-        n_hit = self._decide(request.request_id, n_hit, on_fs, num_computed_tokens)
+        rid = request.request_id
+        self._walked.pop(rid, None)
+        src: list = []
+        if self._interleaved():
+            first = num_computed_tokens // self.chunk_tokens
+            n_hit, on_fs, src = self._walk(request, keys, request_salt(request), first)
+        else:
+            start = num_computed_tokens // self.chunk_tokens if self.exclusive is not None else 0
+            if self.exclusive is not None:
+                self._start[rid] = start
+            n_hit, on_fs = self._prefix(keys, request_salt(request), start)
+        n_hit = self._decide(rid, n_hit, on_fs, num_computed_tokens, src)
+        if src:
+            self._walked[rid] = (num_computed_tokens // self.chunk_tokens, n_hit)
         hit_tokens = n_hit * self.chunk_tokens
         report = min(hit_tokens, request.num_tokens - 1)  # a full hit still computes one token
         n = max(0, report - num_computed_tokens) if hit_tokens > num_computed_tokens else 0
@@ -221,13 +281,15 @@ class OffloadScheduler:
         self._load_async[rid] = load_async
         return n, load_async
 
-    def _decide(self, req_id: str, n_hit: int, on_fs: list[bool], computed: int) -> int:
-        """Cut the hit to the prefix worth loading (core/costs.py); remembered for the allocation."""
+    def _decide(self, req_id: str, n_hit: int, on_fs: list[bool], computed: int, src=()) -> int:
+        """Cut the hit to the prefix worth loading (core/costs.py); remembered for the allocation.
+        ``src``: per chunk, HBM source blocks (interleaved lookups: a device copy, near free) or None."""
         first = computed // self.chunk_tokens
         self._decided.pop(req_id, None)
         if n_hit <= first or self.costs.mode == "always":
             return n_hit
-        tiers = [costs.FILE if f else costs.HOST for f in on_fs[first:n_hit]]
+        tiers = [costs.HBM if src and src[c] else costs.FILE if on_fs[c] else costs.HOST
+                 for c in range(first, n_hit)]
         d = self.costs.decide(tiers, self.s.chunk_bytes, self.chunk_tokens, computed - first * self.chunk_tokens)
         self._decided[req_id] = (first + d.load, d)
         return first + d.load
@@ -258,6 +320,7 @@ class OffloadScheduler:
         self._waited.discard(request.request_id)
         load_async = self._load_async.pop(request.request_id, self.async_load)
         start = self._start.pop(request.request_id, 0)
+        walked = self._walked.pop(request.request_id, None)
         decided, decision = self._decided.pop(request.request_id, (None, None))
         if decision is not None:  # once per allocation: the lookup that admitted it
             self.metrics.core.record_decision(decision, self.chunk_tokens)
@@ -277,7 +340,14 @@ class OffloadScheduler:
             return
         keys = self._keys(request)
         salt = request_salt(request)
-        n_hit, on_fs = self._prefix(keys, salt, start)
+        by_group = compat.block_ids_by_group(blocks)
+        block_ids = by_group[self.s.full_group]
+        src: list = []
+        if walked is not None:  # interleaved: what the lookup offered, each chunk from where it is now
+            n_hit, on_fs, src = self._walk(request, keys, salt, walked[0], limit=walked[1],
+                                           exclude=frozenset(block_ids))
+        else:
+            n_hit, on_fs = self._prefix(keys, salt, start)
         if decided is not None:  # what the lookup offered (the tier may only have grown since)
             n_hit = min(n_hit, decided)
         hit_tokens = n_hit * self.chunk_tokens
@@ -289,13 +359,19 @@ class OffloadScheduler:
             )
         first = local // self.chunk_tokens
         skip = local // self.s.block_size  # blocks already computed locally
-        by_group = compat.block_ids_by_group(blocks)
-        block_ids = by_group[self.s.full_group]
         load_keys = keys[first:n_hit]
-        fs_idx = [i for i in range(len(load_keys)) if on_fs[first + i]]
-        host_idx = [i for i in range(len(load_keys)) if not on_fs[first + i]]
+        hbm_src: list[list[int] | None] = list(src[first:n_hit]) if src else []
+        fs_idx = [i for i in range(len(load_keys)) if on_fs[first + i] and not (hbm_src and hbm_src[i] is not None)]
+        host_idx = [i for i in range(len(load_keys)) if not on_fs[first + i]
+                    and not (hbm_src and hbm_src[i] is not None)]
         slots = [-1] * len(load_keys)
         ready = [False] * len(load_keys)
+        for i, ids in enumerate(hbm_src):
+            if ids is not None:  # from HBM ([]: left it since the lookup, a load error)
+                ready[i] = True
+                if ids:
+                    slots[i] = HBM_SLOT
+                    self.hbm.pin(ids)  # vLLM neither reuses nor frees them until the copy is reported
         if self.shared is not None:  # chunks of other DP ranks: loaded straight from their slots
             host_idx = self.shared.place(self.manager, load_keys, host_idx, slots, ready)
         for i, slot in zip(host_idx, self.manager.prepare_load([load_keys[i] for i in host_idx])):
@@ -331,15 +407,20 @@ class OffloadScheduler:
                 lst.extend(i if b >= skip else -1 for b, i in zip(span, ids))
         restart = next(b for b in dst if b >= 0) if groups and not self.s.hybrid else -1
         self.loads.add(LoadPlan(request.request_id, load_async, load_keys, slots, dst, ready,
-                                to_promote=fs_idx, evict=evict, salt=salt, groups=groups, restart=restart))
+                                to_promote=fs_idx, evict=evict, salt=salt, groups=groups, restart=restart,
+                                src=[ids or None for ids in hbm_src]))
         if load_async:
             self.loading.add(request.request_id, load_keys)
         if not st.looked_up:
             st.looked_up = True
             queried = request.num_tokens - local
-            self.metrics.lookup(queried, num_external_tokens, len(load_keys), len(fs_idx), self.chunk_tokens)
+            n_hbm = sum(1 for ids in hbm_src if ids)
+            self.metrics.lookup(queried, num_external_tokens, len(load_keys), len(fs_idx), self.chunk_tokens,
+                                hbm_chunks=n_hbm)
             self._add("lookup_tokens", queried)
             self._add("hit_tokens", num_external_tokens)
+            if n_hbm:
+                self._add("hbm_hit_chunks", n_hbm)
 
     # ---- per step --------------------------------------------------------
     def build_connector_meta(self, so, meta: OffloadMetadata | None = None) -> OffloadMetadata:
@@ -436,6 +517,8 @@ class OffloadScheduler:
                 self._fs_bad.add(k)
             if failed:
                 self.metrics.core.record_load_errors(len(failed), tier="fs")
+        for order, _ in self._complete(self.loads.hbm_orders, report.loads):
+            self._unpin_hbm(order.items)  # the copy is done (or failed): vLLM may reuse the source blocks
         for order, failed in self._complete(self.loads.load_orders, report.loads):
             self.costs.tiers[costs.HOST].finish(order.op_id, len(order.keys) * cb)
             self.manager.complete_load(order.keys)
@@ -459,16 +542,23 @@ class OffloadScheduler:
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
         req_id = request.request_id
+        # Finished while its asynchronous load is outstanding (aborted): vLLM frees its blocks when the
+        # load is reported, whatever we answer, and blocks whose load was never sent (or an HBM copy
+        # still on its way) hold no KV: nothing of it is stored.
+        waiting = self.loading.has(req_id)
         self.loads.cancel(req_id)  # aborted while its load waited: release what was never sent
         self.loading.release(req_id)  # its blocks will not be cached: others load for themselves
         self._waited.discard(req_id)
         self._load_async.pop(req_id, None)
         self._start.pop(req_id, None)
+        self._walked.pop(req_id, None)
         self._decided.pop(req_id, None)
         st = self._reqs.get(req_id)
         if st is None:
             return False, None
         st.request = request
+        if waiting:
+            st.stale = True
         if self.stores.unstored(st, block_ids):
             st.finishing = True
             st.final_blocks = compat.block_ids_by_group(block_ids)
@@ -480,6 +570,15 @@ class OffloadScheduler:
         """Tokens of the request's planned load that come from the filesystem tier."""
         plan = self.loads.plans.get(req_id)
         return 0 if plan is None else len(plan.to_promote) * self.chunk_tokens
+
+    def hbm_hit_tokens(self, req_id: str) -> int:
+        """Tokens of the request's planned load copied from HBM blocks (interleaved lookups)."""
+        plan = self.loads.plans.get(req_id)
+        return 0 if plan is None else sum(1 for ids in plan.src if ids) * self.chunk_tokens
+
+    def _unpin_hbm(self, ids) -> None:
+        if self.hbm is not None:
+            self.hbm.release(ids)
 
     # ---- housekeeping -------------------------------------------------------
     def has_pending_work(self) -> bool:

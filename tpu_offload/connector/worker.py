@@ -34,7 +34,8 @@ from tpu_offload.connector.settings import Settings
 from tpu_offload.connector.stats import OffloadStats
 from tpu_offload.core.config import ConfigError
 from tpu_offload.connector.budget import step_bytes
-from tpu_offload.jax_backend.engine import LoadChunk, StoreChunk, TransferEngine
+from tpu_offload.connector.interleave import HBM_SLOT
+from tpu_offload.jax_backend.engine import CopyChunk, Done, LoadChunk, StoreChunk, TransferEngine
 from tpu_offload.jax_backend.pacing import Paced, Pacer
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,8 @@ class _Flight:
     started: float
     dispatched: float = 0.0  # loads: before the dispatch (started: after it)
     hbm: int = 0  # HBM per device it holds until it lands (connector/hbm.py)
+    copied: int = 0  # loads: chunks copied between HBM blocks (interleaved lookups), bytes: copy_bytes
+    copy_bytes: int = 0
 
 
 def transfer_path(cfg, devices, ranks: int = 1) -> str:
@@ -197,12 +200,23 @@ class OffloadWorker:
         if not meta.loads:
             return
         chunks: list[LoadChunk] = []
+        copies: list[CopyChunk] = []
+        copy_ops: list[tuple[LoadOp, list[int]]] = []
         bad: dict[int, list[int]] = {}
         bpc = self.s.blocks_per_chunk
         lockstep = jax.process_count() > 1  # every host must launch the same programs on the same lists
         for op in meta.loads:
             for i, slot in enumerate(op.slots):
                 blocks = op.blocks[i * bpc : (i + 1) * bpc]
+                if slot == HBM_SLOT:  # interleaved lookup: copied from HBM blocks vLLM keeps for it
+                    src = op.src[i * bpc : (i + 1) * bpc]
+                    if len(src) == bpc and all(s >= 0 for s, d in zip(src, blocks) if d >= 0):
+                        copies.append(CopyChunk(src, blocks))
+                        copy_ops.append((op, blocks))
+                    else:
+                        bad.setdefault(op.op_id, []).append(slot)
+                        self._load_failed(op, blocks)
+                    continue
                 ok = slot >= 0 and self.engine.check_loadable(slot)
                 if ok or (lockstep and slot >= 0):
                     # A host that cannot serve a chunk still loads it (and reports its blocks as
@@ -213,8 +227,22 @@ class OffloadWorker:
                     bad.setdefault(op.op_id, []).append(slot)
                     self._load_failed(op, blocks)
         nbytes = self.engine.moved_bytes(chunks)
-        done = None
+        done = cdone = None
         t0 = time.perf_counter()  # dispatch: the ready histogram counts from here
+        if copies:
+            try:  # device to device: no host link, no HBM beyond staging
+                self.runner.kv_caches, cdone = self.engine.copy(self.runner.kv_caches, copies,
+                                                                on_pass=self._hand_back,
+                                                                current=lambda: self.runner.kv_caches)
+            except Exception as e:
+                if type(e).__name__ == "StagingBusy":
+                    log.warning("tpu_offload: %s; %d chunks will be recomputed", e, len(copies))
+                else:
+                    log.exception("tpu_offload: HBM copy dispatch failed; %d chunks will be recomputed", len(copies))
+                for op, blocks in copy_ops:
+                    bad.setdefault(op.op_id, []).append(HBM_SLOT)
+                    self._load_failed(op, blocks)
+                cdone, copies = None, []
         hbm = self._wait_for_hbm(self.engine.device_moved_bytes(chunks), "load") if self.hbm.enabled and chunks else 0
         if chunks:
             try:
@@ -232,11 +260,18 @@ class OffloadWorker:
                     log.exception("tpu_offload: load dispatch failed; %d chunks will be recomputed", len(chunks))
                 self._fail_loads(meta.loads, bad)
                 done = None
-        self._flights.append(_Flight(done, "load", list(meta.loads), bad, nbytes, time.perf_counter(), t0,
-                                     hbm if done is not None else self._untake(hbm)))
-        if isinstance(done, Paced):
+        copied = len(copies) if cdone is not None else 0
+        flight = _Flight(done, "load", list(meta.loads), bad, nbytes, time.perf_counter(), t0,
+                         hbm if done is not None else self._untake(hbm), copied,
+                         self.engine.moved_bytes([c.target() for c in copies]) if copied else 0)
+        if cdone is not None:
+            flight.done = cdone if done is None else Done((cdone, done))
+        self._flights.append(flight)
+        paced = [d for d in (cdone, done) if isinstance(d, Paced)]
+        if paced:
             if any(not op.async_load for op in meta.loads):  # the forward needs it now: sent before it, unpaced
-                self.pacer.pump(only=done)
+                for p in paced:
+                    self.pacer.pump(only=p)
             else:  # vLLM starts asynchronous loads after the forward is launched
                 self._pump()
 
@@ -480,11 +515,17 @@ class OffloadWorker:
             if op.last and op.async_load:
                 self._finished_recving.add(op.req_id)
         if ok and f.done is not None:
-            n = sum(len(op.slots) for op in f.ops) - sum(len(v) for v in f.bad.values())
-            self._add("load_bytes", f.nbytes)
-            self._add("load_seconds", seconds)
-            self._add("loaded_chunks", n)
-            self.metrics.transfer("load", f.nbytes, seconds, n)
+            n = (sum(1 for op in f.ops for s in op.slots if s != HBM_SLOT)
+                 - sum(1 for v in f.bad.values() for s in v if s != HBM_SLOT))
+            if n or not f.copied:
+                self._add("load_bytes", f.nbytes)
+                self._add("load_seconds", seconds)
+                self._add("loaded_chunks", n)
+                self.metrics.transfer("load", f.nbytes, seconds, n)
+            if f.copied:  # interleaved lookups: counted apart, tier "hbm" (no host link involved)
+                self._add("hbm_copied_chunks", f.copied)
+                self._add("hbm_copy_bytes", f.copy_bytes)
+                self.metrics.core.record_transfer("load", f.copy_bytes, seconds, f.copied, tier="hbm")
             self.metrics.load_ready.observe(time.perf_counter() - f.dispatched)
 
     def _maybe_release(self) -> None:

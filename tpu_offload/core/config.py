@@ -396,6 +396,12 @@ _SETTINGS: tuple[_Setting, ...] = (
                              "recompute it, and recompute the rest; always: load every hit; never: recompute."),
     _Setting("load_decision_bias", _float(0.0), "TPU_OFFLOAD_LOAD_DECISION_BIAS", ("load_decision_bias",),
              scope=BOTH, doc="With load_decision auto: above 1 favours recomputing, below 1 loading."),
+    # interleaved lookups: a hit goes on past the device's own prefix-cache hit through chunks HBM caches
+    _Setting("interleaved_lookups", _bool, "TPU_OFFLOAD_INTERLEAVED_LOOKUPS", ("interleaved_lookups",), scope=TPU,
+             doc="A hit continues through chunks HBM's prefix cache still holds after its first miss (copied "
+                 "on the device) as well as chunks the host or file tier holds, preferring HBM. Off: the hit "
+                 "ends at the first chunk the offload tiers lack. One KV-cache group, one attention-DP rank, "
+                 "no sliding-window layers stored by their window."),
 )
 # Keys that would put the secret itself into a config JSON (logged, stored, shown in pod specs).
 _SECRET_KEYS = frozenset({"fs_secret", "secret", "fs_key", "fs_secret_key", "fs_hmac_key"})
@@ -520,6 +526,9 @@ class OffloadConfig:
     # load_decision_bias > 1 favours recomputing, < 1 loading.
     load_decision: str = "always"
     load_decision_bias: float = 1.0
+    # interleaved lookups: a hit continues through chunks HBM still caches after vLLM's first miss (copied
+    # on the device), as well as through the offload tiers' chunks; HBM preferred (connector/interleave.py).
+    interleaved_lookups: bool = True
     # Where each explicitly set field came from ((field, "kv_connector_extra_config key 'x'"), ...), and what
     # was given that no setting of ours reads (vLLM's own keys, tpu-inference's variables): for the warning.
     set_by: tuple[tuple[str, str], ...] = dataclasses.field(default=(), repr=False, compare=False)

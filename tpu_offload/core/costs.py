@@ -23,7 +23,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 HOST, FILE, PENDING = "cpu", "fs", "pending"  # host tier, file tier, a chunk whose store is in flight
-TIERS = (HOST, FILE, PENDING)
+HBM = "hbm"  # a chunk HBM's prefix cache holds past the device's own hit: copied block to block on the device
+TIERS = (HOST, FILE, PENDING, HBM)
 MODES = ("auto", "always", "never")
 
 # Priors: modest figures a healthy tier beats, so decisions start close to "always load".
@@ -31,6 +32,7 @@ _PRIOR = {  # tier -> (bytes/s, latency s)
     HOST: (10e9, 1e-3),
     FILE: (1e9, 5e-3),
     PENDING: (5e9, 5e-3),  # finishing a store: device-to-host copy still running
+    HBM: (1e12, 1e-5),  # a device-local copy: (near) free next to any tier or a recompute
 }
 PRIOR_PREFILL_S_PER_TOKEN = 2e-4
 STALE_S = 600.0  # an outstanding transfer older than this was lost, not slow (every tier I/O has a deadline)
@@ -210,11 +212,11 @@ class CostModel:
         """Expected seconds to load chunks from several tiers: each tier's part, then the device copy of all.
 
         Parts run one after another (a conservative sum): a file is read into a host slot and a pending
-        store must finish before the host-to-device copy that every chunk takes.
+        store must finish before the host-to-device copy that every chunk but an HBM one takes.
         """
-        total = sum(counts.values())
+        total = sum(counts.values()) - counts.get(HBM, 0)
         s = self.tiers[HOST].seconds(total * chunk_bytes)
-        for t in (FILE, PENDING):
+        for t in (FILE, PENDING, HBM):
             if counts.get(t):
                 s += self.tiers[t].seconds(counts[t] * chunk_bytes)
         return s

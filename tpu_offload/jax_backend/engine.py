@@ -73,6 +73,20 @@ class StoreChunk:
         return self.blocks if self.by_group is None else self.by_group[kv_group]
 
 
+@dataclasses.dataclass(frozen=True)
+class CopyChunk:
+    """A chunk copied between HBM blocks (an interleaved lookup's hit in HBM's prefix cache)."""
+
+    src: Sequence[int]  # bpc source block ids
+    dst: Sequence[int]  # bpc destination block ids; -1 = already computed, skip
+
+    def source(self) -> StoreChunk:
+        return StoreChunk(-1, [s if d >= 0 else -1 for s, d in zip(self.src, self.dst)])
+
+    def target(self) -> LoadChunk:
+        return LoadChunk(-1, list(self.dst))
+
+
 PATHS = ("program", "device_put")
 
 
@@ -328,6 +342,50 @@ class TransferEngine:
             if on_pass is not None:
                 on_pass(kv_caches)
         return kv_caches, done
+
+    def copy(self, kv_caches: list, chunks: Sequence[CopyChunk],
+             on_pass: Callable[[list], None] | None = None,
+             current: Callable[[], list] | None = None) -> tuple[list, jax.Array | None]:
+        """Paged blocks -> other paged blocks, on the device: the store's gather into staging, then the load's
+        scatter out of it (the same compiled programs, no host copy, no new program). Returns the new
+        caches, as ``load``. One layout group per vLLM KV-cache group is assumed (every layer moves the same
+        ids): the scheduler offers HBM copies only then (connector/interleave.py).
+
+        Paced: queued as one piece with no link bytes, sent after the forward like a load's scatter."""
+        if self.pacer is not None:
+            if current is None or on_pass is None:
+                raise ValueError("a paced copy needs current and on_pass: it runs in a later pump")
+            return kv_caches, self._copy_paced(chunks, current, on_pass)
+        done = None
+        for part, at in self._passes(chunks):
+            kv_caches, done = self._copy_pass(kv_caches, part, at)
+            if on_pass is not None:
+                on_pass(kv_caches)
+        return kv_caches, done
+
+    def _copy_pass(self, kv_caches, part: Sequence[CopyChunk], at):
+        src = self._block_lists([c.source() for c in part], at)
+        dst = self._block_lists([c.target() for c in part], at)
+        self.staging = self.programs.gather()(tuple(kv_caches), self.staging, *self.programs.block_args(src, "gather"))
+        self._count_dmas(src, "gather")
+        caches, done = self.programs.scatter()(tuple(kv_caches), self.staging,
+                                               *self.programs.block_args(dst, "scatter"))
+        self._count_dmas(dst, "scatter")
+        return list(caches), done
+
+    def _copy_paced(self, chunks: Sequence[CopyChunk], caches: Callable[[], list],
+                    hand_back: Callable[[list], None]) -> Paced:
+        at = self._claim(len(chunks), "an HBM copy")
+        owner = Paced(self.pacer)
+
+        def run():
+            new, done = self._copy_pass(caches(), chunks, at)
+            hand_back(new)
+            return done
+
+        owner.left += 1
+        self.pacer.queue.append(_Piece("scatter", 0, run, owner, at))
+        return owner
 
     def store(self, kv_caches: list, chunks: Sequence[StoreChunk]) -> jax.Array | None:
         """Paged blocks -> host slots. The caches are only read, so they are not returned."""
