@@ -38,8 +38,9 @@ from collections import OrderedDict
 from typing import Any
 
 from gpu_offload.vllm.compat import get_offload_block_hash, get_offload_group_idx, make_offload_key
+from tpu_offload.core import costs
 
-DEVICE = "hbm"  # tier name in our metrics and load decisions
+DEVICE = costs.HBM  # tier name in our metrics and load decisions: a device-local copy, priced near free
 _REFUSED_MAX = 4096
 
 
