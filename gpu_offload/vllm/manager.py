@@ -41,7 +41,7 @@ Device sources (``device_source``): once ``hooks`` binds vLLM's device
 block pool (``bind_device``), a chunk whose blocks the device still caches
 is a hit copied from there, taken before any tier (see that module); its
 spec position carries the source block ids (``HostLoadSpec.device_blocks``)
-and no slot. The load decision counts it as a host chunk (a device copy is
+and no slot. The load decision counts it as tier ``hbm``, near free (a device copy is
 never slower).
 
 Hits: ``hit_chunks`` / ``fs_hit_chunks`` / ``device_hit_chunks`` count chunks handed to loads here
