@@ -23,7 +23,8 @@ The mode is switched on the live scheduler's cost model. TTFT is vLLM's ``first_
 ``max_tokens=1``, one request at a time; the chunks a hit loads from files are counted from the
 scheduler's load plans. ``--bias`` is ``load_decision_bias`` (above 1 favours recomputing, below 1
 loading). Beside what the decision learned (file tier MB/s, prefill us/token) the table shows what a
-recompute took (``never`` TTFT per token). Results: table and ``results/load_decision_tpu[_bias<b>].json``
+recompute took (``never`` TTFT per token). A delay list that ends where it started (``0 1 5 0``) shows
+whether ``auto`` goes back to loading once the tier is fast again. Results: table and ``results/load_decision_tpu[_bias<b>].json``
 (the default bias 1.0 writes ``load_decision_tpu.json``).
 """
 
