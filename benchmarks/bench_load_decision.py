@@ -6,7 +6,8 @@ One engine (vLLM's CPU backend; ``HostOffloadSpec`` with the file tier written t
 directory). Every file-tier read syscall of this process is delayed by ``delay`` seconds (the file
 tier's fault hook, ``fileio.fault``: a slow mount). For each delay, the decision first learns the tier
 (two untimed file hits in ``auto``); then, per repetition, a fresh prompt is computed and stored, and
-sent once per mode after vLLM's prefix cache and our host tier's index are emptied, so the hit can only
+sent once per mode (in an order rotated per repetition, each send's stores and file writes finished
+before the next) after vLLM's prefix cache and our host tier's index are emptied, so the hit can only
 come from files, or be recomputed (``reset_connector=True`` would also move the file tier to a new
 namespace, so the host index is replaced directly: its slots are simply reused):
 
@@ -78,11 +79,14 @@ def main() -> int:
         worker, manager = testing.live_workers()[-1], testing.live_managers()[-1]
         fs = worker.fs
 
+        def quiet():
+            ttft(llm, {"prompt_token_ids": [1] * 8})  # runs the deferred store of the request before
+            assert fs.flush(120), "file writes did not finish"
+
         def fresh():
             p = {"prompt_token_ids": rng.integers(1, model.vocab_size, args.tokens).tolist()}
             ttft(llm, p)  # computed and stored
-            ttft(llm, {"prompt_token_ids": [1] * 8})  # runs its deferred store
-            assert fs.flush(120), "file writes did not finish"
+            quiet()
             return p
 
         def file_hit(p, mode):
@@ -91,6 +95,7 @@ def main() -> int:
             manager._lru = manager._new_index()  # the host tier forgets; the files stay
             hits = manager.fs_hit_chunks
             t = ttft(llm, p)
+            quiet()  # a recompute stores its chunks again: its writes end before the next mode's reads
             return t, manager.fs_hit_chunks - hits
 
         fresh()  # warm-up
@@ -101,9 +106,9 @@ def main() -> int:
                     file_hit(fresh(), "auto")
                 samples = {m: [] for m in MODES}
                 loaded = {m: [] for m in MODES}
-                for _ in range(args.reps):
+                for r in range(args.reps):
                     p = fresh()
-                    for m in MODES:
+                    for m in MODES[r % 3:] + MODES[: r % 3]:  # each mode in each position: no order bias
                         t, n = file_hit(p, m)
                         samples[m].append(t)
                         loaded[m].append(n)
