@@ -136,3 +136,59 @@ def test_prefill_steps_are_timed_between_schedules_and_idle_gaps_are_clipped():
     clock.t = 100.6  # the engine went idle after that step: at most CLIP times the estimate
     p.step(0)
     assert p.s_per_token <= 5e-4 * PrefillCost.CLIP
+
+
+def test_pipelined_steps_are_timed_to_their_outputs_and_do_not_sink():
+    """Async scheduling: step k+1 is scheduled as k is dispatched; each output comes back 100 ms apart."""
+    clock = Clock()
+    p = PrefillCost(1e-3, clock=clock)
+    for k in range(0, 200, 2):
+        t = clock.t
+        p.scheduled(k, 1000)
+        clock.t = t + 0.002  # dispatched: the next step is scheduled at once
+        p.scheduled(k + 1, 1000)
+        clock.t = t + 0.100
+        p.completed([k])
+        clock.t = t + 0.200
+        p.completed([k + 1])
+        clock.t = t + 0.250  # idle before the next pair
+    assert p.echoed
+    assert p.s_per_token == pytest.approx(1e-4, rel=0.05)
+
+
+def test_echoed_steps_skip_duplicates_idle_time_and_outliers():
+    clock = Clock()
+    p = PrefillCost(1e-3, clock=clock)
+    p.scheduled(0, 1000)
+    clock.t = 0.1
+    p.completed([0, 0])  # two processes echo the same step: counted once
+    p.completed([0])
+    assert p.samples == 1 and p.s_per_token == pytest.approx(1e-4)
+    clock.t = 50.0  # idle: the next step is timed from its scheduling
+    p.scheduled(1, 1000)
+    clock.t = 50.1
+    p.completed([1])
+    assert p.s_per_token == pytest.approx(1e-4)
+    p.scheduled(2, 1000)
+    clock.t = 60.0  # one slow step (a compile): the median ignores it
+    p.completed([2])
+    assert p.s_per_token == pytest.approx(1e-4)
+    for k in range(3, 3 + PrefillCost.WINDOW):  # the engine got slower for good: followed within half a window
+        p.scheduled(k, 1000)
+        clock.t += 0.3
+        p.completed([k])
+    assert p.s_per_token == pytest.approx(3e-4)
+
+
+def test_a_lost_report_or_an_unknown_id_does_not_skew_the_timing():
+    clock = Clock()
+    p = PrefillCost(1e-3, clock=clock)
+    p.scheduled(0, 1000)
+    p.scheduled(1, 1000)  # queued behind step 0, whose report never comes
+    clock.t = 0.2
+    p.completed([1, 99])  # 99: not ours
+    assert p.s_per_token == pytest.approx(2e-4)
+    assert not p._scheduled
+    for k in range(2, 2 + 2 * PrefillCost.MAX_OPEN):  # a worker that echoes nothing: bounded
+        p.scheduled(k, 0)
+    assert len(p._scheduled) == PrefillCost.MAX_OPEN
