@@ -95,5 +95,5 @@ def test_steps_are_timed_to_their_echoed_outputs_under_async_scheduling(harnesse
         h.run()
     assert echoed and all(steps == [sid] for sid, steps in echoed)  # every step reports, with its own id
     assert [sid for sid, _ in echoed] == list(range(len(echoed)))
-    assert prefill.echoed and prefill.samples >= 8
+    assert prefill.echoed and prefill.samples >= 4  # the first step of each size is not timed
     assert prefill.s_per_token == pytest.approx(1e-3)

@@ -137,9 +137,11 @@ class PrefillCost:
     behind the step before it, since steps execute one after another. Schedule-to-schedule intervals would
     not do: with async scheduling and a batch queue the engine schedules the next step when one is
     dispatched, not when it ends. Until any id comes back (a worker that echoes none) ``step`` times
-    those intervals instead, each sample clipped to ``CLIP`` times the estimate so an idle gap does not
-    count as compute. The median over a window follows a changed rate within half a window and ignores a
-    lone outlier (a compile, an idle gap) either way, so no run of samples on one side can drag it off.
+    those intervals instead. The first echoed step of each padded size (a power of two) is not timed:
+    an engine that compiles on first use (JAX without precompilation) compiles then. Each sample is
+    clipped to ``CLIP`` times the estimate (an interval may hold an idle gap), and the estimate is the median of the last
+    ``WINDOW``: it follows a changed rate within half a window and ignores a lone outlier either way.
+    Timed to their outputs, samples carry no one-sided error, so the estimate does not drift.
     """
 
     CLIP = 4.0
@@ -148,13 +150,14 @@ class PrefillCost:
 
     def __init__(self, s_per_token: float = PRIOR_PREFILL_S_PER_TOKEN, min_tokens: int = 16,
                  clock: Callable[[], float] = time.monotonic):
-        self.s_per_token = float(s_per_token)
+        self.s_per_token = self._prior = float(s_per_token)
         self._min = min_tokens
         self._clock = clock
         self._open: tuple[float, int] | None = None  # the interval fallback's step in progress
         self._recent: collections.deque = collections.deque(maxlen=self.WINDOW)  # seconds per token
         self._scheduled: collections.OrderedDict[int, tuple[float, int]] = collections.OrderedDict()
         self._last_done = float("-inf")  # when the last echoed step's output came back
+        self._sizes: set[int] = set()  # padded step sizes seen (their first step is not timed)
         self.echoed = False  # step ids come back: time steps by them, not by schedule intervals
         self.samples = 0
 
@@ -179,11 +182,16 @@ class PrefillCost:
                 self._scheduled.popitem(last=False)
             if not self.echoed:  # the interval fallback's samples may have timed dispatches: drop them
                 self._recent.clear()
+                self.s_per_token = self._prior
             self.echoed, self._open = True, None
             t0, n = entry
             start = max(t0, self._last_done)  # queued behind the previous step: started when that one ended
             self._last_done = now
-            self.observe(n, now - start)
+            size = 1 << max(0, n - 1).bit_length()  # engines pad a step's tokens to a power of two
+            if size not in self._sizes:  # the first step of each padded size may have compiled it: not timed
+                self._sizes.add(size)
+            elif n >= self._min:
+                self.observe(n, self._clip(now - start, n))
 
     def step(self, tokens: int) -> None:
         """Fallback timing: a step of ``tokens`` scheduled tokens starts now (the previous one ended)."""
@@ -191,9 +199,11 @@ class PrefillCost:
         if self._open is not None:
             t0, n = self._open
             if n >= self._min:
-                per = min(max((now - t0) / n, self.s_per_token / self.CLIP), self.s_per_token * self.CLIP)
-                self.observe(n, per * n)
+                self.observe(n, self._clip(now - t0, n))
         self._open = (now, int(tokens)) if tokens else None
+
+    def _clip(self, seconds: float, tokens: int) -> float:
+        return min(max(seconds / tokens, self.s_per_token / self.CLIP), self.s_per_token * self.CLIP) * tokens
 
     def observe(self, tokens: int, seconds: float) -> None:
         """A step that computed ``tokens`` in ``seconds`` (steps too small to say much are skipped)."""
