@@ -97,3 +97,11 @@ def test_steps_are_timed_to_their_echoed_outputs_under_async_scheduling(harnesse
     assert [sid for sid, _ in echoed] == list(range(len(echoed)))
     assert prefill.echoed and prefill.samples >= 4  # the first step of each size is not timed
     assert prefill.s_per_token == pytest.approx(1e-3)
+
+
+def test_a_report_carries_its_step_ids_once_across_processes():
+    from tpu_offload.connector.metadata import OffloadReport
+
+    merged = OffloadReport(process_count=2, steps=[7]).aggregate(OffloadReport(process_count=2, steps=[7]))
+    assert merged.steps == [7] and not merged.is_empty()  # a step id alone is content: the report is sent
+    assert OffloadReport.coerce(merged.to_dict()).steps == [7]  # old vLLM: the report rides in the stats
