@@ -8,9 +8,9 @@ prior's shape by a geometric EWMA of what they took) and pulled toward a modest 
 enough arrive. A transfer still outstanding counts as at least its age, so a
 hung mount stops being offered after one timeout's worth of waiting, not
 after it fails. The engine's prefill time per token is the median of its
-recent steps, each timed from its scheduling to its output's return. ``decide`` returns the longest prefix of a hit whose expected
-load time (scaled by ``bias``) is at most its recompute time; the rest is
-recomputed. Backend-neutral: callers time their own transfers and steps.
+recent steps, each timed from its scheduling to its output's return.
+``decide`` returns the longest prefix of a hit whose expected load time
+(scaled by ``bias``) is at most its recompute time; the rest is recomputed. Backend-neutral: callers time their own transfers and steps.
 """
 
 from __future__ import annotations
@@ -139,8 +139,8 @@ class PrefillCost:
     dispatched, not when it ends. Until any id comes back (a worker that echoes none) ``step`` times
     those intervals instead. The first echoed step of each padded size (a power of two) is not timed:
     an engine that compiles on first use (JAX without precompilation) compiles then. Each sample is
-    clipped to ``CLIP`` times the estimate (an interval may hold an idle gap), and the estimate is the median of the last
-    ``WINDOW``: it follows a changed rate within half a window and ignores a lone outlier either way.
+    clipped to ``CLIP`` times the estimate (an interval may hold an idle gap), and the estimate is the
+    median of the last ``WINDOW``: it follows a changed rate within half a window and ignores a lone outlier either way.
     Timed to their outputs, samples carry no one-sided error, so the estimate does not drift.
     """
 
