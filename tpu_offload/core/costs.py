@@ -10,7 +10,8 @@ hung mount stops being offered after one timeout's worth of waiting, not
 after it fails. The engine's prefill time per token is the median of its
 recent steps, each timed from its scheduling to its output's return.
 ``decide`` returns the longest prefix of a hit whose expected load time
-(scaled by ``bias``) is at most its recompute time; the rest is recomputed. Backend-neutral: callers time their own transfers and steps.
+(scaled by ``bias``) is at most its recompute time; the rest is recomputed.
+Backend-neutral: callers time their own transfers and steps.
 """
 
 from __future__ import annotations
