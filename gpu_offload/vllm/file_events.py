@@ -50,6 +50,9 @@ class FileTierWorkerMetadata(OffloadingWorkerMetadata):
     reports_load_failures: bool = False
     # Ranks whose file tier turned off this step, minus ranks whose tier came back (summed over ranks).
     fs_off_delta: int = 0
+    # Ids of the steps this report's ranks executed (the scheduler's number on the step's metadata, hooks.py):
+    # the scheduler times each step from its scheduling to this report (the load decision, core/costs.py)
+    steps: list[int] = dataclasses.field(default_factory=list)
 
     @classmethod
     def wrap(cls, meta: OffloadingWorkerMetadata | None, journal: Iterable[tuple[str, bytes]]):
@@ -81,6 +84,7 @@ class FileTierWorkerMetadata(OffloadingWorkerMetadata):
         merged.load_failures = failures
         merged.reports_load_failures = self.reports_load_failures and getattr(other, "reports_load_failures", False)
         merged.fs_off_delta = self.fs_off_delta + getattr(other, "fs_off_delta", 0)
+        merged.steps = list(dict.fromkeys((*self.steps, *getattr(other, "steps", ()))))  # every rank echoes each
         return merged
 
     def has_files(self) -> bool:

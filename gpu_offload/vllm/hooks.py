@@ -24,6 +24,9 @@ vLLM 0.32's connector asserts ``TransferResult.success``, has no
 * File-tier KV events. Each worker ships its file tier's journal in the
   worker metadata (``build_connector_worker_meta``); the scheduler side hands
   it to our manager, which publishes ``STORAGE`` events (``file_events``).
+* Step timing. The scheduler side numbers each step's metadata
+  (``build_connector_meta``); the worker metadata echoes it, so our manager
+  times each step from its scheduling to its output (the load decision).
 * Tenant salts. vLLM's ``ReqContext`` does not carry the request's
   ``cache_salt``; with the file tier's secret our manager needs it (files are
   named and signed per tenant), so the context factory of vLLM's offloading
@@ -127,6 +130,9 @@ def _get_kv_connector_stats(orig):
     return get_kv_connector_stats
 
 
+STEP_ATTR = "tpu_offload_step"  # our number on vLLM's step metadata, echoed by the workers
+
+
 def _build_connector_worker_meta(orig):
     def build_connector_worker_meta(self):
         meta = orig(self)
@@ -137,11 +143,13 @@ def _build_connector_worker_meta(orig):
         entries = journal.take() if journal is not None else []
         failures = getattr(self, "_tpu_offload_load_failures", None) or {}
         self._tpu_offload_load_failures = {}
-        if meta is None and not entries and not failures:
+        step = getattr(getattr(self, "_connector_metadata", None), STEP_ATTR, -1)
+        if meta is None and not entries and not failures and step < 0:
             return None
         # Always ours once our worker runs: vLLM aggregates ranks into the first one's type.
         out = FileTierWorkerMetadata.wrap(meta, entries)
         out.load_failures, out.reports_load_failures = failures, True
+        out.steps = [step] if step >= 0 else []  # echoed: the step's output is back (scheduler: update_connector_output)
         return out
 
     return build_connector_worker_meta
@@ -165,10 +173,15 @@ def _our_manager(connector) -> HostTierManager | None:
 
 def _build_connector_meta(orig):
     def build_connector_meta(self, scheduler_output):
+        meta = orig(self, scheduler_output)
         manager = _our_manager(self)
-        if manager is not None:  # the step clock of the load decision (manager.py)
-            manager.step_sent(getattr(scheduler_output, "total_num_scheduled_tokens", 0))
-        return orig(self, scheduler_output)
+        if manager is not None:  # the step clock of the load decision (manager.py): workers echo the id
+            step = manager.step_sent(getattr(scheduler_output, "total_num_scheduled_tokens", 0))
+            try:
+                setattr(meta, STEP_ATTR, step)
+            except (AttributeError, TypeError):  # a metadata type without a __dict__: timed by schedule intervals
+                pass
+        return meta
 
     return build_connector_meta
 
@@ -176,6 +189,10 @@ def _build_connector_meta(orig):
 def _update_connector_output(orig):
     def update_connector_output(self, connector_output):
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(meta, FileTierWorkerMetadata) and meta.steps:
+            manager = _our_manager(self)
+            if manager is not None:
+                manager.steps_done(meta.steps)
         if isinstance(meta, FileTierWorkerMetadata) and meta.has_files():
             manager = getattr(getattr(self, "connector_scheduler", None), "manager", None)
             if isinstance(manager, HostTierManager):

@@ -35,7 +35,10 @@ later keys read as misses (recomputed). A chunk whose store is in flight
 (``HIT_PENDING``: vLLM makes the request wait) is offered only when waiting
 for it pays. Costs are learned here from ``prepare_load`` → ``complete_load``
 and ``prepare_store`` → ``complete_store``, and the prefill time per token
-from the intervals between steps (``step_sent``, called by ``hooks``).
+from each step's scheduling (``step_sent``) to the worker report that echoes
+its id (``steps_done``), both called by ``hooks``: with async scheduling the
+next step is scheduled when one is dispatched, so intervals between
+schedules would time dispatches.
 
 Device sources (``device_source``): once ``hooks`` binds vLLM's device
 block pool (``bind_device``), a chunk whose blocks the device still caches
@@ -143,6 +146,7 @@ class HostTierManager(ManagerCompat, OffloadingManager):
         self._evictions_seen = 0
         self._alloc_sizes: list[int] = []
         self.costs = costs.CostModel(load_decision, load_decision_bias)
+        self._step_id = -1  # the last step's number (step_sent)
         self._scans: dict[str, _Scan] = {}  # req id -> its current lookup scan's decision
         self._decisions: dict[str, tuple[costs.Decision, int]] = {}  # req id -> (last decision, chunk tokens)
         self._load_t0: dict = {}  # key -> (start, from a file) of its in-flight load
@@ -254,9 +258,16 @@ class HostTierManager(ManagerCompat, OffloadingManager):
                 self._decision_pending[k] = self._decision_pending.get(k, 0) + n
         self._saved_pending += d.saved_s
 
-    def step_sent(self, tokens: int) -> None:
-        """A step was scheduled (hooks): the engine's prefill time per token the decision weighs loads against."""
-        self.costs.prefill.step(tokens or 0)
+    def step_sent(self, tokens: int) -> int:
+        """A step was scheduled (hooks): its id, which the workers echo when its output is back (``steps_done``).
+        The engine's prefill time per token, which the decision weighs loads against, is learned from the two."""
+        step = self._step_id = self._step_id + 1
+        self.costs.prefill.scheduled(step, tokens or 0)
+        return step
+
+    def steps_done(self, steps) -> None:
+        """The workers' reports of these steps came back with their output (hooks)."""
+        self.costs.prefill.completed(steps)
 
     def get_load_source(self, key, req_context):
         if self.device is not None and DEVICE_HIT_SOURCE is not None and \

@@ -136,3 +136,72 @@ def test_prefill_steps_are_timed_between_schedules_and_idle_gaps_are_clipped():
     clock.t = 100.6  # the engine went idle after that step: at most CLIP times the estimate
     p.step(0)
     assert p.s_per_token <= 5e-4 * PrefillCost.CLIP
+
+
+def test_pipelined_steps_are_timed_to_their_outputs_and_do_not_sink():
+    """Async scheduling: step k+1 is scheduled as k is dispatched; each output comes back 100 ms apart."""
+    clock = Clock()
+    p = PrefillCost(1e-3, clock=clock)
+    for k in range(0, 200, 2):
+        t = clock.t
+        p.scheduled(k, 1000)
+        clock.t = t + 0.002  # dispatched: the next step is scheduled at once
+        p.scheduled(k + 1, 1000)
+        clock.t = t + 0.100
+        p.completed([k])
+        clock.t = t + 0.200
+        p.completed([k + 1])
+        clock.t = t + 0.250  # idle before the next pair
+    assert p.echoed
+    assert p.s_per_token == pytest.approx(1e-4, rel=0.05)
+
+
+def test_echoed_steps_skip_duplicates_idle_time_and_outliers():
+    clock = Clock()
+    p = PrefillCost(1e-4, clock=clock)
+    p.scheduled(0, 1000)
+    clock.t = 5.0  # the engine's first step of a size (1024 padded) compiles: not timed
+    p.completed([0])
+    assert p.samples == 0 and p.s_per_token == 1e-4
+    p.scheduled(1, 1000)
+    clock.t += 0.1
+    p.completed([1, 1])  # two processes echo the same step: counted once
+    p.completed([1])
+    assert p.samples == 1 and p.s_per_token == pytest.approx(1e-4)
+    p.scheduled(2, 300)  # a new size: compiles again
+    clock.t += 3.0
+    p.completed([2])
+    p.scheduled(3, 1000)  # a slow step (a hiccup): at most CLIP times the estimate
+    clock.t += 5.0
+    p.completed([3])
+    assert p.s_per_token == pytest.approx(1e-4 * (1 + PrefillCost.CLIP) / 2)
+    p.scheduled(4, 1000)
+    clock.t += 0.1
+    p.completed([4])
+    assert p.s_per_token == pytest.approx(1e-4)  # the median of three: the hiccup is gone
+    clock.t = 50.0  # idle: the next step is timed from its scheduling
+    p.scheduled(102, 1000)
+    clock.t = 50.1
+    p.completed([102])
+    assert p.s_per_token == pytest.approx(1e-4)
+    for k in range(104, 104 + PrefillCost.WINDOW):  # the engine got slower for good: followed within half a window
+        p.scheduled(k, 1000)
+        clock.t += 0.3
+        p.completed([k])
+    assert p.s_per_token == pytest.approx(3e-4)
+
+
+def test_a_lost_report_or_an_unknown_id_does_not_skew_the_timing():
+    clock = Clock()
+    p = PrefillCost(1e-3, clock=clock)
+    p.scheduled(0, 1000)
+    p.completed([0])  # a size's first step: not timed
+    p.scheduled(1, 1000)
+    p.scheduled(2, 1000)  # queued behind step 1, whose report never comes
+    clock.t = 0.5
+    p.completed([2, 99])  # 99: not ours
+    assert p.s_per_token == pytest.approx(5e-4)
+    assert not p._scheduled
+    for k in range(3, 3 + 2 * PrefillCost.MAX_OPEN):  # a worker that echoes nothing: bounded
+        p.scheduled(k, 0)
+    assert len(p._scheduled) == PrefillCost.MAX_OPEN

@@ -121,3 +121,22 @@ def test_a_load_teaches_the_tier_its_time(make):
     m.prepare_load([key(2)], ctx("r", 3))  # from a file: promoted, then loaded
     m.complete_load([key(2)], ctx("r", 3))
     assert m.costs.tiers[FILE].samples == 1
+
+
+def test_steps_are_timed_to_the_reports_that_echo_them(make):
+    """vLLM with async scheduling schedules a step when the previous one is dispatched: a step is timed
+    from its scheduling to the worker report that echoes its id (hooks), not to the next schedule."""
+    from gpu_offload.vllm.file_events import FileTierWorkerMetadata
+
+    now = [0.0]
+    m = make()
+    m.costs.prefill = PrefillCost(1e-3, clock=lambda: now[0])
+    for _ in range(20):
+        a, b = m.step_sent(512), m.step_sent(512)  # b scheduled as a is dispatched
+        assert b == a + 1
+        now[0] += 0.05
+        m.steps_done([a])
+        now[0] += 0.05
+        m.steps_done(FileTierWorkerMetadata(steps=[b]).aggregate(FileTierWorkerMetadata(steps=[b])).steps)
+    assert m.costs.prefill.echoed
+    assert m.costs.prefill.s_per_token == pytest.approx(0.05 / 512)

@@ -69,7 +69,8 @@ def main(plan_path: str) -> int:
             llm.generate([{"prompt_token_ids": [1] * 8}], sp, use_tqdm=False)  # runs the deferred stores
             rec.update(host_hits=manager.hit_chunks - before[0], fs_hits=manager.fs_hit_chunks - before[1],
                        load_error_blocks=worker.stats.load_error_blocks - before[2],
-                       decisions={"/".join(k): n for k, n in getattr(manager, "decision_tokens", {}).items()})
+                       decisions={"/".join(k): n for k, n in getattr(manager, "decision_tokens", {}).items()},
+                       prefill_echoed=manager.costs.prefill.echoed, prefill_samples=manager.costs.prefill.samples)
         if step.get("idle_s"):
             time.sleep(step["idle_s"])
         if fs is not None:

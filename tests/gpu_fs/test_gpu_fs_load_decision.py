@@ -41,6 +41,8 @@ def test_decision_moves_from_load_to_recompute_as_the_file_tier_slows(fs_model_d
         assert [s["outputs"] for s in run["steps"]] == [s["outputs"] for s in ref["steps"]]  # no-connector tokens
         assert run["steps"][0]["fs_hits"] >= 2  # P1 loaded from files (and COLD, once slow stored it): timed
         assert run["steps"][0]["load_error_blocks"] == 0
+        # prefill timed from each step's scheduling to the worker report echoing its id
+        assert run["steps"][0]["prefill_echoed"]
     # The premise: recomputing P2's 512 tokens takes well under what the slow tier took for P1's two chunks.
     assert ref["steps"][1]["step_s"] < DELAY_S / 2, ref["steps"]
     assert fast["steps"][1]["fs_hits"] == 2, fast["steps"]

@@ -69,3 +69,39 @@ def test_an_in_flight_load_is_waited_for_when_that_pays(make):
     assert (None, False) in lookups  # held back, then vLLM's prefix cache had it
     assert h.wrk.totals["loaded_chunks"] == CHUNKS
     assert h.sch.totals.get("recomputed_hit_tokens", 0) == 0
+
+
+def test_steps_are_timed_to_their_echoed_outputs_under_async_scheduling(harnesses):
+    """With async scheduling step k+1 is scheduled once step k is dispatched, and k's output comes back
+    while k+1 computes. Every step's report echoes its id, so the prefill time per token is learned from
+    scheduling to output (here 1 ms per token, on a clock that advances only while the device computes),
+    not from the near-zero intervals between schedules."""
+    h = harnesses({"num_cpu_chunks": 64, "staging_blocks": 64, "blocks_per_chunk": 1, "load_decision": "auto"},
+                  num_blocks=128, max_num_batched_tokens=64, async_scheduling=True)
+    now = [0.0]
+    prefill = h.sch.costs.prefill
+    prefill._clock = lambda: now[0]
+    echoed = []
+    update = h.sched.update_from_output
+
+    def output_back(so, mro):
+        now[0] += 1e-3 * so.total_num_scheduled_tokens  # the device computed the step meanwhile
+        echoed.append((so.kv_connector_metadata.step, mro.kv_connector_output.kv_connector_worker_meta.steps))
+        return update(so, mro)
+
+    h.sched.update_from_output = output_back
+    for i in range(4):
+        h.add(prompt(6 * BS, 10 + i), max_tokens=3)
+        h.run()
+    assert echoed and all(steps == [sid] for sid, steps in echoed)  # every step reports, with its own id
+    assert [sid for sid, _ in echoed] == list(range(len(echoed)))
+    assert prefill.echoed and prefill.samples >= 4  # the first step of each size is not timed
+    assert prefill.s_per_token == pytest.approx(1e-3)
+
+
+def test_a_report_carries_its_step_ids_once_across_processes():
+    from tpu_offload.connector.metadata import OffloadReport
+
+    merged = OffloadReport(process_count=2, steps=[7]).aggregate(OffloadReport(process_count=2, steps=[7]))
+    assert merged.steps == [7] and not merged.is_empty()  # a step id alone is content: the report is sent
+    assert OffloadReport.coerce(merged.to_dict()).steps == [7]  # old vLLM: the report rides in the stats

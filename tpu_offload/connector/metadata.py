@@ -84,6 +84,9 @@ class OffloadMetadata(KVConnectorMetadata):
     # DP attention: each rank's metadata travels as one item here (connector/dp.py), the only
     # list tpu-inference's DPScheduler merges into the ``type(meta)()`` the worker gets.
     requests_meta: list = dataclasses.field(default_factory=list)
+    # The scheduler's number for this step (-1: none). Workers echo it in their report, so the scheduler
+    # times the step from its scheduling to its output's return (the engine's prefill cost, core/costs.py).
+    step: int = -1
 
 
 @dataclasses.dataclass
@@ -106,6 +109,8 @@ class OffloadReport(KVConnectorWorkerMetadata):
     # key) of chunks now stored, so every rank's scheduler can load any rank's chunks
     retired: list[int] = dataclasses.field(default_factory=list)
     published: list[tuple[int, int, bytes]] = dataclasses.field(default_factory=list)
+    # Ids of the steps whose metadata this process executed (``OffloadMetadata.step``): every step reports
+    steps: list[int] = dataclasses.field(default_factory=list)
 
     def aggregate(self, other: "OffloadReport") -> "OffloadReport":
         other = OffloadReport.coerce(other)
@@ -119,11 +124,12 @@ class OffloadReport(KVConnectorWorkerMetadata):
             fs_states=self.fs_states + other.fs_states,
             retired=self.retired + other.retired,
             published=self.published + other.published,
+            steps=self.steps + [s for s in other.steps if s not in self.steps],
         )
 
     def is_empty(self) -> bool:
         return not (self.stores or self.loads or self.promotes or self.fs_published or self.fs_removed
-                    or self.fs_states or self.retired or self.published)
+                    or self.fs_states or self.retired or self.published or self.steps)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -142,5 +148,7 @@ class OffloadReport(KVConnectorWorkerMetadata):
                 fs_removed=[bytes(k) for k in value.get("fs_removed", [])],
                 retired=[int(s) for s in value.get("retired", [])],
                 published=[(int(a), int(b), bytes(k)) for a, b, k in value.get("published", [])],
+                fs_states=[(int(a), str(b)) for a, b in value.get("fs_states", [])],
+                steps=[int(s) for s in value.get("steps", [])],
             )
         raise TypeError(f"not an offload report: {type(value).__name__}")

@@ -30,8 +30,10 @@ Invariants this file keeps (each one a defect of the upstream connector):
 * Load or recompute (``load_decision``, core/costs.py): a hit is offered
   only as far as its load is expected to finish before recomputing it would
   (per tier, from the times between sending each load or promotion and its
-  completion report; prefill time per token from the intervals between
-  ``build_connector_meta`` calls). The lookup
+  completion report; prefill time per token from each step's scheduling to
+  the report that echoes its id, so async scheduling's pipelined steps are
+  timed by their compute, not their dispatch; under DP, where workers echo
+  no id, from the intervals between ``build_connector_meta`` calls). The lookup
   fixes the decision; the allocation uses that one, so the two agree.
 * Interleaved lookups (``interleaved_lookups``, connector/interleave.py):
   past vLLM's own hit, a chunk HBM's prefix cache still holds is copied on
@@ -134,6 +136,7 @@ class OffloadScheduler:
         self.stores = StorePlanner(self)  # which chunks each step stores (connector/stores.py)
         self._start: dict[str, int] = {}  # exclusive: the chunk a request's host lookup started at
         self.costs = costs.CostModel(cfg.load_decision, cfg.load_decision_bias)
+        self._step_id = 0  # numbers each step's metadata; workers echo it (the step's timing, core/costs.py)
         self._decided: dict[str, tuple[int, costs.Decision]] = {}  # the last lookup's (chunks, decision)
         self.shared = None  # DP attention: the other ranks' chunks (connector/dp.py SharedIndex)
         self.hbm = HbmHits(self) if cfg.interleaved_lookups else None
@@ -428,6 +431,7 @@ class OffloadScheduler:
         if meta is None:
             meta = OffloadMetadata(restored_id=self.restored_id, snapshot_id=self.snapshot_id,
                                    reset_salt=self.reset_salt)
+        meta.step, self._step_id = self._step_id, self._step_id + 1
         store_budget = self.s.staging_blocks
         # Loads: sync ones whole (the forward needs them now), async ones within the load budget (bytes per
         # device per step, connector/budget.py): a larger hit spreads over steps.
@@ -454,7 +458,7 @@ class OffloadScheduler:
         for op in (*meta.stores, *meta.early_stores):
             if op.op_id in self._store_orders:
                 tiers[costs.PENDING].start(op.op_id)
-        self.costs.prefill.step(getattr(so, "total_num_scheduled_tokens", 0) or 0)
+        self.costs.prefill.scheduled(meta.step, getattr(so, "total_num_scheduled_tokens", 0) or 0)
 
     def _defer(self, direction: str, blocks: int) -> None:
         self.metrics.core.record_deferred(direction, blocks)
@@ -495,6 +499,8 @@ class OffloadScheduler:
             log.error("tpu_offload: %d worker processes report, but vLLM's aggregator was told to wait for %d "
                       "per request: finished requests will be miscounted", report.process_count, self.expected_procs)
         self._procs = max(self._procs, report.process_count)
+        if report.steps:
+            self.costs.prefill.completed(report.steps)
         for proc, state in report.fs_states:
             (self._fs_off.add if state == "off" else self._fs_off.discard)(proc)
         if report.fs_published or report.fs_removed:

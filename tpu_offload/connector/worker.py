@@ -297,6 +297,8 @@ class OffloadWorker:
             return
         self._saved_meta = meta
         self._count_stores(meta.stores)  # first: a caught error after this drops them exactly (connector/guard.py)
+        if meta.step >= 0:  # echoed: the scheduler times the step to its output's return (core/costs.py)
+            self._report.steps.append(meta.step)
         self._check_snapshot(meta)
         self._releasing.update(meta.release)
         self._dispatch_stores(meta.stores)

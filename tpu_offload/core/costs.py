@@ -7,10 +7,11 @@ it follows a mount that slows down; transfers all of one size scale the
 prior's shape by a geometric EWMA of what they took) and pulled toward a modest prior until
 enough arrive. A transfer still outstanding counts as at least its age, so a
 hung mount stops being offered after one timeout's worth of waiting, not
-after it fails. The engine's prefill time per token is an EWMA of its own
-prefill steps. ``decide`` returns the longest prefix of a hit whose expected
-load time (scaled by ``bias``) is at most its recompute time; the rest is
-recomputed. Backend-neutral: callers time their own transfers and steps.
+after it fails. The engine's prefill time per token is the median of its
+recent steps, each timed from its scheduling to its output's return.
+``decide`` returns the longest prefix of a hit whose expected load time
+(scaled by ``bias``) is at most its recompute time; the rest is recomputed.
+Backend-neutral: callers time their own transfers and steps.
 """
 
 from __future__ import annotations
@@ -130,41 +131,87 @@ class TransferCost:
 
 
 class PrefillCost:
-    """The engine's seconds per prefill token: an EWMA over its own steps.
+    """The engine's seconds per prefill token: the median of its recent steps.
 
-    ``step`` is called as each step is scheduled: the time since the previous call is the previous
-    step's (the engine loop schedules the next step when one ends, with or without async scheduling,
-    where the interval is the pipeline's period). A sample more than ``CLIP`` times off the estimate
-    moves it by only that factor, so an idle gap before a step does not count as compute.
+    A step is timed from when it is scheduled to when its output comes back (``scheduled`` with the id
+    the step's metadata carries, ``completed`` with the ids the workers echo), less the time it queued
+    behind the step before it, since steps execute one after another. Schedule-to-schedule intervals would
+    not do: with async scheduling and a batch queue the engine schedules the next step when one is
+    dispatched, not when it ends. Until any id comes back (a worker that echoes none) ``step`` times
+    those intervals instead. The first echoed step of each padded size (a power of two) is not timed:
+    an engine that compiles on first use (JAX without precompilation) compiles then. Each sample is
+    clipped to ``CLIP`` times the estimate (an interval may hold an idle gap), and the estimate is the
+    median of the last ``WINDOW``: it follows a changed rate within half a window and ignores a lone outlier either way.
+    Timed to their outputs, samples carry no one-sided error, so the estimate does not drift.
     """
 
     CLIP = 4.0
+    WINDOW = 9
+    MAX_OPEN = 64  # scheduled steps awaiting their echo (an older one's report was lost)
 
-    def __init__(self, s_per_token: float = PRIOR_PREFILL_S_PER_TOKEN, alpha: float = 0.2, min_tokens: int = 16,
+    def __init__(self, s_per_token: float = PRIOR_PREFILL_S_PER_TOKEN, min_tokens: int = 16,
                  clock: Callable[[], float] = time.monotonic):
-        self.s_per_token = float(s_per_token)
-        self._alpha = alpha
+        self.s_per_token = self._prior = float(s_per_token)
         self._min = min_tokens
         self._clock = clock
-        self._open: tuple[float, int] | None = None
+        self._open: tuple[float, int] | None = None  # the interval fallback's step in progress
+        self._recent: collections.deque = collections.deque(maxlen=self.WINDOW)  # seconds per token
+        self._scheduled: collections.OrderedDict[int, tuple[float, int]] = collections.OrderedDict()
+        self._last_done = float("-inf")  # when the last echoed step's output came back
+        self._sizes: set[int] = set()  # padded step sizes seen (their first step is not timed)
+        self.echoed = False  # step ids come back: time steps by them, not by schedule intervals
         self.samples = 0
 
+    def scheduled(self, step_id: int, tokens: int) -> None:
+        """Step ``step_id`` of ``tokens`` scheduled tokens was scheduled now."""
+        if not self.echoed:
+            self.step(tokens)
+        if step_id < 0:
+            return
+        self._scheduled[step_id] = (self._clock(), int(tokens))
+        while len(self._scheduled) > self.MAX_OPEN:
+            self._scheduled.popitem(last=False)
+
+    def completed(self, step_ids: Sequence[int]) -> None:
+        """The outputs of steps ``step_ids`` came back now (ids already seen, e.g. another process's, are skipped)."""
+        now = self._clock()
+        for sid in sorted(set(step_ids)):
+            entry = self._scheduled.pop(sid, None)
+            if entry is None:
+                continue
+            while self._scheduled and next(iter(self._scheduled)) < sid:  # earlier steps whose report was lost
+                self._scheduled.popitem(last=False)
+            if not self.echoed:  # the interval fallback's samples may have timed dispatches: drop them
+                self._recent.clear()
+                self.s_per_token = self._prior
+            self.echoed, self._open = True, None
+            t0, n = entry
+            start = max(t0, self._last_done)  # queued behind the previous step: started when that one ended
+            self._last_done = now
+            size = 1 << max(0, n - 1).bit_length()  # engines pad a step's tokens to a power of two
+            if size not in self._sizes:  # the first step of each padded size may have compiled it: not timed
+                self._sizes.add(size)
+            elif n >= self._min:
+                self.observe(n, self._clip(now - start, n))
+
     def step(self, tokens: int) -> None:
-        """A step of ``tokens`` scheduled tokens starts now (the previous one ended)."""
+        """Fallback timing: a step of ``tokens`` scheduled tokens starts now (the previous one ended)."""
         now = self._clock()
         if self._open is not None:
             t0, n = self._open
             if n >= self._min:
-                per = min(max((now - t0) / n, self.s_per_token / self.CLIP), self.s_per_token * self.CLIP)
-                self.observe(n, per * n)
+                self.observe(n, self._clip(now - t0, n))
         self._open = (now, int(tokens)) if tokens else None
+
+    def _clip(self, seconds: float, tokens: int) -> float:
+        return min(max(seconds / tokens, self.s_per_token / self.CLIP), self.s_per_token * self.CLIP) * tokens
 
     def observe(self, tokens: int, seconds: float) -> None:
         """A step that computed ``tokens`` in ``seconds`` (steps too small to say much are skipped)."""
         if tokens < self._min or not np.isfinite(seconds) or seconds <= 0:
             return
-        a = max(self._alpha, 1.0 / (self.samples + 1))  # the first samples replace the prior quickly
-        self.s_per_token += a * (seconds / tokens - self.s_per_token)
+        self._recent.append(seconds / tokens)
+        self.s_per_token = float(np.median(self._recent))  # the first sample replaces the prior
         self.samples += 1
 
     def seconds(self, tokens: int) -> float:
