@@ -24,7 +24,8 @@ pytestmark = pytest.mark.engine
 
 SETUP = "tp1-bf16-bs16"
 DELAY_S = 4.0  # per file read of the slow replica
-# REPLICAS: [[COLD_i, P1], [P2]] (a cold prompt each: the slow one stores its own), PUBLISH: [[P1, P2]];
+# REPLICAS: [[COLD_i], [P1], [P2], [P3], [P4]] (one prompt per round; a cold prompt each: the slow one stores
+# its own), PUBLISH: [[P1, P2, P3, P4]];
 # each prompt 96 tokens, 6 chunks of 16
 
 
