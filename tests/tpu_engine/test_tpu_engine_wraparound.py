@@ -155,7 +155,7 @@ INJECT = {  # guard path -> (which half, attribute holder, attribute, replacemen
     "wait_for_save": ("worker", None, "_check_snapshot", _boom),
     "start_load_kv": ("worker", "engine", "check_loadable", _boom),
     "get_finished": ("worker", None, "_maybe_release", _boom),
-    "get_num_new_matched_tokens": ("scheduler", None, "_prefix", _boom),
+    "get_num_new_matched_tokens": ("scheduler", None, "_decide", _boom),  # both lookup walks end in it
     "update_state_after_alloc": ("scheduler", "manager", "prepare_load", _boom),
     "build_connector_meta": ("scheduler", "stores", "plan", _boom),
 }
