@@ -336,12 +336,7 @@ class TransferEngine:
             if current is None or on_pass is None:
                 raise ValueError("a paced load needs current and on_pass: its scatter runs in a later pump")
             return kv_caches, self.load_paced(chunks, current, on_pass)
-        done = None
-        for part, at in self._passes(chunks):
-            kv_caches, done = self._load_pass(kv_caches, part, at)
-            if on_pass is not None:
-                on_pass(kv_caches)
-        return kv_caches, done
+        return self._in_passes(kv_caches, chunks, self._load_pass, on_pass)
 
     def copy(self, kv_caches: list, chunks: Sequence[CopyChunk],
              on_pass: Callable[[list], None] | None = None,
@@ -356,9 +351,13 @@ class TransferEngine:
             if current is None or on_pass is None:
                 raise ValueError("a paced copy needs current and on_pass: it runs in a later pump")
             return kv_caches, self._copy_paced(chunks, current, on_pass)
+        return self._in_passes(kv_caches, chunks, self._copy_pass, on_pass)
+
+    def _in_passes(self, kv_caches, chunks, run_pass, on_pass):
+        """Unpaced load or copy: one ``run_pass`` per staging-sized part, the caller given each pass's caches."""
         done = None
         for part, at in self._passes(chunks):
-            kv_caches, done = self._copy_pass(kv_caches, part, at)
+            kv_caches, done = run_pass(kv_caches, part, at)
             if on_pass is not None:
                 on_pass(kv_caches)
         return kv_caches, done
