@@ -91,7 +91,35 @@ def render(rel: str) -> list[dict]:
 
 
 def overlays() -> list[str]:
-    return sorted(str(p.parent.relative_to(CONFIGS)) for p in CONFIGS.rglob("kustomization.yaml"))
+    """Every kustomization under configs/ that builds on its own (a Component only inside an overlay)."""
+    return sorted(str(p.parent.relative_to(CONFIGS)) for p in CONFIGS.rglob("kustomization.yaml")
+                  if (yaml.safe_load(p.read_text()) or {}).get("kind") != "Component")
+
+
+def components() -> list[str]:
+    return sorted(str(p.parent.relative_to(CONFIGS)) for p in CONFIGS.rglob("kustomization.yaml")
+                  if (yaml.safe_load(p.read_text()) or {}).get("kind") == "Component")
+
+
+@functools.cache
+def _render_with_cached(rel: str, component: str) -> tuple:
+    """``rel`` with ``component`` added, as a user's own overlay would (kustomize takes relative paths only)."""
+    import tempfile
+
+    where = Path(tempfile.mkdtemp(prefix="kustomize-component-"))
+    (where / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "resources": [os.path.relpath(CONFIGS / rel, where)],
+        "components": [os.path.relpath(CONFIGS / component, where)],
+    }))
+    proc = subprocess.run([_kubectl(), "kustomize", str(where)], capture_output=True, text=True, timeout=120)
+    if proc.returncode != 0:
+        pytest.fail(f"kubectl kustomize configs/{rel} + {component} failed:\n{proc.stderr}")
+    return tuple(d for d in yaml.safe_load_all(proc.stdout) if d)
+
+
+def render_with(rel: str, component: str) -> list[dict]:
+    return list(_render_with_cached(rel, component))
 
 
 def of_kind(docs, kind):
@@ -257,14 +285,7 @@ def test_overlay_builds_safe_and_self_consistent(rel):
         spec = tmpl["spec"]
         for v in spec.get("volumes") or []:
             assert "hostPath" not in v, f"hostPath volume {v['name']}"
-        for c in pod_containers(dep):
-            sc = c.get("securityContext") or {}
-            if c in (spec.get("initContainers") or []) and c["name"] == "tpu-node-setup":
-                assert_only_raises_node_limits(c)  # the one privileged container: see tpu-v7/patch-vllm.yaml
-                continue
-            assert sc.get("privileged") is not True, f"privileged container {c['name']}"
-            caps = set((sc.get("capabilities") or {}).get("add") or [])
-            assert not caps & {"SYS_ADMIN", "ALL"}, f"{c['name']} adds {caps}"
+        assert_unprivileged(dep)  # the device_put node limits are an opt-in component (below)
         main = spec["containers"][0]
         ports = {p.get("name") for p in main.get("ports") or []} | {p["containerPort"] for p in main.get("ports") or []}
         for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
@@ -326,6 +347,8 @@ def test_overlay_contract(rel):
 
     # D.1 shape: name prefix and llm-d labels where the selectors and scrapers look.
     assert dep["metadata"]["name"] == want["prefix"] + "decode"
+    for d in docs:  # every object, the file tier's volume claim included: two deployments never share one
+        assert d["metadata"]["name"].startswith(want["prefix"]), f"{d['kind']} {d['metadata']['name']}"
     expected = {"llm-d.ai/model": "Qwen3-32B", "llm-d.ai/guide": "tiered-prefix-cache",
                 "llm-d.ai/accelerator-variant": want["variant"], "llm-d.ai/accelerator-vendor": want["vendor"]}
     pm, sa = one(docs, "PodMonitor"), one(docs, "ServiceAccount")
@@ -401,6 +424,17 @@ def test_overlay_contract(rel):
         assert sz["config"].shared_storage_path is None and not of_kind(docs, "PersistentVolumeClaim")
 
 
+def assert_unprivileged(dep, allow=()):
+    """No container (init included) privileged or adding SYS_ADMIN/ALL, but those named in ``allow``."""
+    for c in pod_containers(dep):
+        if c["name"] in allow:
+            continue
+        sc = c.get("securityContext") or {}
+        assert sc.get("privileged") is not True, f"privileged container {c['name']}"
+        caps = set((sc.get("capabilities") or {}).get("add") or [])
+        assert not caps & {"SYS_ADMIN", "ALL"}, f"{c['name']} adds {caps}"
+
+
 def assert_only_raises_node_limits(c):
     """A privileged init container that writes the two node limits and nothing else."""
     script = " ".join(c.get("command", []) + c.get("args", []))
@@ -411,14 +445,42 @@ def assert_only_raises_node_limits(c):
         assert any(line.strip().startswith(a) or a.startswith(line.strip()) for a in allowed), line
 
 
+DEVICE_PUT = "kustomize/components/device-put-sysctls"
+
+
+def test_components_are_known():
+    assert components() == [DEVICE_PUT]
+
+
+@pytest.mark.parametrize("rel", ["kustomize/tpu-v7", "kustomize/tpu-v7-fs"])
+def test_privileged_node_setup_only_with_the_device_put_component(rel):
+    """By default no container is privileged; the opt-in component adds the one init container that
+    raises the node limits, and selects the host path that needs them."""
+    default = one(render(rel), "Deployment")
+    assert not default["spec"]["template"]["spec"].get("initContainers")
+    assert_unprivileged(default)
+    (_, c, cfg), = list(offload_containers([default]))
+    assert tier_sizing(default, c, cfg)["config"].transfer_path != "device_put"
+
+    dep = one(render_with(rel, DEVICE_PUT), "Deployment")
+    (init,) = dep["spec"]["template"]["spec"]["initContainers"]
+    assert init["name"] == "tpu-node-setup" and init["securityContext"]["privileged"] is True
+    assert_only_raises_node_limits(init)
+    assert_unprivileged(dep, allow={"tpu-node-setup"})
+    (_, c, cfg), = list(offload_containers([dep]))
+    assert tier_sizing(dep, c, cfg)["config"].transfer_path == "device_put"
+    # Everything else is the overlay unchanged.
+    strip = lambda d: {**d["spec"]["template"]["spec"], "initContainers": None, "containers": None}
+    assert strip(dep) == strip(default)
+
+
 def test_tpu_v7_sizing_matches_the_documented_arithmetic():
     """The numbers patch-vllm.yaml and configs/README.md state, and the node limits the device_put
     host path needs (one host buffer per chunk and device: the connector refuses below them)."""
     from tpu_offload.jax_backend.memory import check_host_buffers
 
-    dep = one(render("kustomize/tpu-v7"), "Deployment")
+    dep = one(render_with("kustomize/tpu-v7", DEVICE_PUT), "Deployment")
     (init,) = dep["spec"]["template"]["spec"]["initContainers"]
-    assert init["name"] == "tpu-node-setup" and init["securityContext"]["privileged"] is True
     map_count = int(re.search(r"vm.max_map_count=(\d+)", init["args"][0]).group(1))
     (_, c, cfg), = list(offload_containers([dep]))
     sz = tier_sizing(dep, c, cfg)
@@ -455,6 +517,114 @@ def test_tpu_v7_tier_baseline_and_margin_fit_the_limit():
         pod = HostMemory(mem_total=960 * 10**9, mem_available=800 * GIB, cgroup="/pod", cgroup_limit=limit,
                          cgroup_usage=sz["baseline"] + 2 * GIB)
         check_host_fits(sz["tier_bytes"], slots, margin=margin, host=pod)
+
+
+# ---- the file tier's secret and shutdown ----------------------------------
+
+FS_OVERLAYS = sorted(rel for rel, want in EXPECT.items() if want["fs"])
+
+
+def test_no_secret_on_a_command_line():
+    """``kubectl create secret --from-literal`` puts the secret in shell history and the process list."""
+    bad = [str(p.relative_to(REPO)) for p in sorted(CONFIGS.rglob("*"))
+           if p.is_file() and p.suffix in (".yaml", ".yml", ".md", ".json") and "--from-literal" in p.read_text()]
+    assert not bad, f"a secret on a command line in {bad}: use tpu-offload-fs make-secret and --from-file"
+
+
+@pytest.mark.parametrize("rel", FS_OVERLAYS)
+def test_fs_secret_recipe_makes_the_secret_the_pod_reads(rel, tmp_path, monkeypatch):
+    """The two commands in patch-fs.yaml, run as written: make-secret writes a secret the tier accepts,
+    and ``kubectl ... --from-file`` makes the Secret and the key that the pod mounts and reads."""
+    from tpu_offload.core.fs.auth import read_secret_file
+    from tpu_offload.core.fs.cli import main as fs_cli
+
+    text = (CONFIGS / rel / "patch-fs.yaml").read_text()
+    make = re.search(r"^\s*#\s+tpu-offload-fs (make-secret \S+)\s*$", text, re.M)
+    create = re.search(r"^\s*#\s+kubectl create secret generic (\S+) --from-file=(\w+)=(\S+)\s*$", text, re.M)
+    assert make and create, f"{rel}/patch-fs.yaml: no `tpu-offload-fs make-secret F` then `--from-file=KEY=F`"
+    argv = make.group(1).split()
+    assert argv[1] == create.group(3), "kubectl must read the file make-secret wrote"
+    monkeypatch.chdir(tmp_path)
+    assert fs_cli(argv) == 0
+    read_secret_file(str(tmp_path / argv[1]))  # raises on what the tier would refuse
+
+    dep = one(render(rel), "Deployment")
+    (_, c, _), = list(offload_containers([dep]))
+    secret_file = literal_env(c)["TPU_OFFLOAD_FS_SECRET_FILE"]
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    volumes = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
+    assert volumes[mounts[os.path.dirname(secret_file)]]["secret"]["secretName"] == create.group(1)
+    assert os.path.basename(secret_file) == create.group(2), "the key becomes the mounted file's name"
+
+
+def _method(module_file: str, cls: str, method: str) -> ast.FunctionDef:
+    tree = ast.parse((REPO / module_file).read_text())
+    (c,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls]
+    (f,) = [n for n in c.body if isinstance(n, ast.FunctionDef) and n.name == method]
+    return f
+
+
+def default_of(module_file: str, cls: str, method: str, arg: str) -> float:
+    """The default of ``cls.method``'s ``arg`` in the source (no engine import needed)."""
+    f = _method(module_file, cls, method)
+    args = f.args.posonlyargs + f.args.args
+    defaults = dict(zip([a.arg for a in args][len(args) - len(f.args.defaults):], f.args.defaults))
+    return ast.literal_eval(defaults[arg])
+
+
+def call_keyword(module_file: str, cls: str, method: str, callee: str, keyword: str) -> float:
+    """The constant ``keyword=`` of the one call to ``callee`` (e.g. ``self.tier.close``) in ``cls.method``."""
+    found = [k.value for n in ast.walk(_method(module_file, cls, method))
+             if isinstance(n, ast.Call) and ast.unparse(n.func) == callee for k in n.keywords if k.arg == keyword]
+    assert len(found) == 1, f"{cls}.{method}: expected one {callee}({keyword}=...)"
+    return ast.literal_eval(found[0])
+
+
+def file_tier_drain_s(variant: str) -> float:
+    """Longest the connector waits at shutdown for the file tier, from the code's defaults.
+
+    TPU: OffloadWorker.shutdown gives transfers in flight and FsMover.close one deadline, and
+    FsMover.close then closes its FileTier with a timeout of its own. vLLM: FileLink.close, in each
+    TP worker, drains and closes the tier within its timeout."""
+    if variant == "tpu":
+        return (default_of("tpu_offload/connector/worker.py", "OffloadWorker", "shutdown", "timeout_s")
+                + call_keyword("tpu_offload/connector/fs.py", "FsMover", "close", "self.tier.close", "timeout"))
+    return default_of("gpu_offload/torch_backend/fs_link.py", "FileLink", "close", "timeout")
+
+
+def shutdown_timeout(container) -> int:
+    """vLLM's --shutdown-timeout, a number or ``${VAR}`` from the container's env."""
+    m = re.search(r'--shutdown-timeout(?:=|\s+)"?(?:\$\{(\w+)\}|(\d+))"?', script(container))
+    assert m, "no --shutdown-timeout: vLLM would abort in-flight requests and give the engine 5 s"
+    return int(literal_env(container)[m.group(1)] if m.group(1) else m.group(2))
+
+
+@pytest.mark.parametrize("rel", sorted(EXPECT))
+def test_shutdown_covers_the_file_tier_drain(rel):
+    """vLLM kills the engine --shutdown-timeout seconds after asking it to stop (in-flight requests
+    first, then the teardown that runs the connector's drain), the multiproc executor kills each TP
+    worker VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS after asking it, and the kubelet kills the pod
+    terminationGracePeriodSeconds after SIGTERM. A file-tier overlay keeps its base overlay's
+    allowance for requests and adds the drain to each."""
+    from vllm import envs
+
+    want = EXPECT[rel]
+    dep = one(render(rel), "Deployment")
+    (_, c, _), = list(offload_containers([dep]))
+    grace, stop = dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"], shutdown_timeout(c)
+    assert grace > stop, "the pod is killed before vLLM's own shutdown deadline"
+    if not want["fs"]:
+        return
+    (_, base_c, _), = list(offload_containers(render(rel.removesuffix("-fs"))))
+    requests = shutdown_timeout(base_c)
+    drain = file_tier_drain_s(want["variant"])
+    assert stop >= requests + drain, f"--shutdown-timeout {stop} < {requests} s for requests + {drain} s drain"
+    if want["tp"] > 1 and want["variant"] == "gpu":  # multiproc executor: the drain runs in the workers
+        name = "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"
+        workers = int(literal_env(c).get(name) or envs.environment_variables[name]())
+        assert workers >= drain, f"{name}={workers} < the {drain} s drain in each worker"
+        assert stop >= requests + workers
+    assert grace >= requests + drain
 
 
 # ---- router values ---------------------------------------------------------
