@@ -1,0 +1,115 @@
+"""Page copies of every KV tensor of a piece as one list of (engine address, staging offset, words).
+
+The index path (``StagedCopier._move``) launches a gather and a copy per KV tensor per piece: with
+64 layers that is 128 launches, enqueued from the one Python thread that also enqueues the other
+direction's lane, so a store and a load submitted together wait on each other's enqueue time. The
+fused path plans the piece's pages once, on the host, as flat int64 arrays, and moves them all with
+one kernel launch (``fused_kernel``, Triton, imported only when chosen).
+
+What the kernel computes, for each page ``i`` of a piece (all byte addresses)::
+
+    engine  = data_ptr(tensor t) + block * row_stride(t)           # absolute
+    staging = staging_base + row * stride + offset(t) + sub * page(t)
+    copy words[i] words of ``word`` bytes: engine -> staging (store) or staging -> engine (load)
+
+``ReferenceMover`` does exactly that with one ``memmove`` per page on CPU memory; the engine's CPU
+tests run the whole staged path through it and compare bytes with the index path. The kernel only
+assumes what the canonical KV tensors guarantee: each engine block's page is contiguous
+(``stride(1) == 1``) and starts ``stride(0)`` bytes after the previous one.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from gpu_offload._log import get_logger
+from gpu_offload.torch_backend.layout import HostLayout
+
+logger = get_logger(__name__)
+
+GATHERS = ("index", "fused")
+# Grid rows per page are capped by CUDA's gridDim.y (65,535 tiles of TILE_BYTES: pages up to 512 MiB).
+TILE_BYTES = 8 << 10
+MAX_TILES = 65535
+
+
+class PageAddresses:
+    """Per-tensor engine base addresses and row strides, and the widest word every address allows.
+
+    ``staging_bases``: the data pointers of the staging halves (their alignment limits the word too).
+    Raises ValueError when an engine tensor's pages are not contiguous rows (the caller falls back).
+    """
+
+    def __init__(self, engine: Sequence[torch.Tensor], layout: HostLayout, stride: int,
+                 staging_bases: Sequence[int]):
+        for i, t in enumerate(engine):
+            if t.dim() != 2 or t.element_size() != 1 or (t.shape[1] > 1 and t.stride(1) != 1):
+                raise ValueError(f"engine tensor {i}: pages are not contiguous int8 rows "
+                                 f"(shape {tuple(t.shape)}, strides {t.stride()})")
+        self.layout = layout
+        self.stride = int(stride)
+        self.base = np.array([t.data_ptr() for t in engine], dtype=np.int64)
+        self.row = np.array([t.stride(0) for t in engine], dtype=np.int64)
+        self.page = np.array(layout.page_bytes, dtype=np.int64)
+        self.offset = np.array(layout.offsets, dtype=np.int64)
+        values = [*self.base.tolist(), *self.row.tolist(), *self.page.tolist(), *self.offset.tolist(),
+                  self.stride, *(int(b) for b in staging_bases)]
+        self.word = next(w for w in (8, 4, 2, 1) if all(v % w == 0 for v in values))
+        self.max_words = int(self.page.max()) // self.word
+        self.tile_words = max(1, TILE_BYTES // self.word)
+        if -(-self.max_words // self.tile_words) > MAX_TILES:
+            raise ValueError(f"a {int(self.page.max())} B page needs more than {MAX_TILES} tiles")
+
+    def pages(self, tensors: Sequence[int], gpu: np.ndarray, rel: np.ndarray,
+              sub: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(engine addresses, staging byte offsets, words) of each (tensor, page), tensor-major.
+
+        ``gpu``: engine block of each page; ``rel``: its staging row; ``sub``: its sub-block in the chunk.
+        """
+        t = np.asarray(tensors, dtype=np.int64)[:, None]
+        gpu, rel, sub = (np.asarray(a, dtype=np.int64)[None, :] for a in (gpu, rel, sub))
+        eng = self.base[t] + gpu * self.row[t]
+        stg = rel * self.stride + self.offset[t] + sub * self.page[t]
+        words = np.broadcast_to(self.page[t] // self.word, eng.shape)
+        return eng.ravel(), stg.ravel(), words.ravel()
+
+
+class ReferenceMover:
+    """The kernel's work on CPU memory, one ``memmove`` per page (tests and the CPU staged path)."""
+
+    def __init__(self, word: int):
+        self.word = word
+
+    def __call__(self, eng: torch.Tensor, stg: torch.Tensor, words: torch.Tensor, max_words: int,
+                 staging_base: int, to_staging: bool) -> None:
+        for e, s, w in zip(eng.tolist(), stg.tolist(), words.tolist()):
+            s += staging_base
+            src, dst = (e, s) if to_staging else (s, e)
+            ctypes.memmove(dst, src, w * self.word)
+
+
+class TritonMover:
+    """One Triton launch per piece on the current stream (the lane stream inside ``CudaPipe.device``)."""
+
+    def __init__(self, word: int, tile_words: int):
+        from gpu_offload.torch_backend import fused_kernel  # Triton: imported only when chosen
+
+        self._launch = fused_kernel.launcher(word, tile_words)
+
+    def __call__(self, eng, stg, words, max_words: int, staging_base: int, to_staging: bool) -> None:
+        self._launch(eng, stg, words, max_words, staging_base, to_staging)
+
+
+def make_mover(addresses: PageAddresses, device: torch.device):
+    """The fused mover for ``device``, or None (with a warning) when it cannot run there."""
+    if device.type != "cuda":
+        return ReferenceMover(addresses.word)
+    try:
+        return TritonMover(addresses.word, addresses.tile_words)
+    except ImportError as e:
+        logger.warning("fused gather needs Triton (%s); using the per-tensor index gather", e)
+        return None
