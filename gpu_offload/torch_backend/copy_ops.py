@@ -165,8 +165,11 @@ class StagedCopier:
         parts: list[np.ndarray] = []
         offset = 0
 
-        def add(a: np.ndarray) -> slice:
+        def add(a: np.ndarray, align: int = 1) -> slice:
             nonlocal offset
+            if offset % align:  # the fused kernel's arrays start 16-byte aligned: one compile, not eight
+                parts.append(np.zeros(align - offset % align, np.int64))
+                offset += align - offset % align
             parts.append(a)
             offset += len(a)
             return slice(offset - len(a), offset)
@@ -193,7 +196,7 @@ class StagedCopier:
             if self.mover is not None and work:
                 per = [self.addresses.pages(g.tensors, g.gpu[lo:hi], rel, sub) for g, lo, hi, (rel, sub) in work]
                 eng, stg, words = (np.concatenate(a) for a in zip(*per))
-                pieces.append((p0, p1, work, (add(eng), add(stg), add(words))))
+                pieces.append((p0, p1, work, (add(eng, 2), add(stg, 2), add(words, 2))))
             else:
                 pieces.append((p0, p1, work, None))
         packed = self.upload(np.concatenate(parts)) if parts else None

@@ -105,11 +105,37 @@ class TritonMover:
 
 
 def make_mover(addresses: PageAddresses, device: torch.device):
-    """The fused mover for ``device``, or None (with a warning) when it cannot run there."""
+    """The fused mover for ``device``, or None (with a warning) when it cannot run there.
+
+    On CUDA the kernel is compiled and checked here, on a few bytes both ways (a host sync, once per
+    lane): a Triton that is missing, fails to compile or copies wrong bytes leaves the index path in
+    place instead of failing every transfer.
+    """
     if device.type != "cuda":
         return ReferenceMover(addresses.word)
     try:
-        return TritonMover(addresses.word, addresses.tile_words)
-    except ImportError as e:
-        logger.warning("fused gather needs Triton (%s); using the per-tensor index gather", e)
+        mover = TritonMover(addresses.word, addresses.tile_words)
+        self_test(mover, device, addresses.word, addresses.tile_words)
+    except Exception as e:  # ImportError, a compile error, a CUDA error: all mean "not here"
+        logger.warning("fused gather unavailable (%r); using the per-tensor index gather", e)
         return None
+    return mover
+
+
+def self_test(mover, device: torch.device, word: int, tile_words: int) -> None:
+    """Two pages (one longer than a tile, one shorter) to a staging buffer and back; raises if wrong."""
+    page = (tile_words + 3) * word
+    src = torch.randint(-128, 128, (2, page), dtype=torch.int8, device=device)
+    stg = torch.zeros(2 * page + 64, dtype=torch.int8, device=device)
+    back = torch.zeros_like(src)
+    sizes = [page, 3 * word]
+    words = torch.tensor([n // word for n in sizes], dtype=torch.int64, device=device)
+    off = torch.tensor([0, page + 64], dtype=torch.int64, device=device)
+    mover(torch.tensor([src[0].data_ptr(), src[1].data_ptr()], dtype=torch.int64, device=device), off, words,
+          page // word, stg.data_ptr(), True)
+    mover(torch.tensor([back[0].data_ptr(), back[1].data_ptr()], dtype=torch.int64, device=device), off, words,
+          page // word, stg.data_ptr(), False)
+    want = src.clone()
+    want[1, sizes[1]:] = 0
+    if not torch.equal(back, want):
+        raise RuntimeError("fused gather self-test copied wrong bytes")

@@ -17,7 +17,9 @@ import triton.language as tl
 _WORDS = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8}
 
 
-@triton.jit
+# ``staging_base`` differs per staging half: not specializing on its alignment keeps one compile per
+# direction (the descriptor arrays are 16-byte aligned by ``StagedCopier``, so they never vary).
+@triton.jit(do_not_specialize=["staging_base"])
 def _copy_pages(eng_ptr, stg_off_ptr, words_ptr, staging_base, TO_STAGING: tl.constexpr,
                 WORD: tl.constexpr, TILE: tl.constexpr):
     i = tl.program_id(0)

@@ -162,3 +162,20 @@ def test_triton_kernel_tiles_and_masks_pages_of_mixed_sizes(word):
     for e, n in zip(eng.tolist(), nbytes):
         written[e - src.data_ptr():e - src.data_ptr() + n] = True
     assert not back[~written].any()  # nothing written past a page (the masks hold)
+
+
+def test_self_test_passes_the_kernel_and_catches_a_wrong_copy():
+    _interpreted_kernel()
+    fused_gather.self_test(fused_gather.TritonMover(8, 16), torch.device("cpu"), 8, 16)
+    fused_gather.self_test(fused_gather.ReferenceMover(2), torch.device("cpu"), 2, 16)
+    with pytest.raises(RuntimeError, match="wrong bytes"):
+        fused_gather.self_test(lambda *a: None, torch.device("cpu"), 8, 16)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the fallback where CUDA is absent")
+def test_a_mover_that_cannot_run_leaves_the_index_path(caplog):
+    eng = [torch.zeros((4, 64), dtype=torch.int8)]
+    a = fused_gather.PageAddresses(eng, HostLayout.build([64], 1), 64, [0])
+    with caplog.at_level(logging.WARNING):
+        assert fused_gather.make_mover(a, torch.device("cuda")) is None
+    assert "index gather" in caplog.text
