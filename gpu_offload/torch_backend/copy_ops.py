@@ -150,15 +150,16 @@ class StagedCopier:
             lambda dt: ([e.view(dt) for e in engine], [[h.view(t).view(dt) for t in range(n)] for h in self.halves]))
         # Fused gather (``fused_gather``): one launch per piece for every tensor's pages, planned on the host.
         # ``make_mover(addresses)``: the mover, or None to keep the index path.
-        self._bases = [h.rows.data_ptr() for h in self.halves]
         self.addresses, self.mover = None, None
         if make_mover is not None:
             try:
-                self.addresses = fused_gather.PageAddresses(engine, self.layout, staging.stride, self._bases)
+                self.addresses = fused_gather.PageAddresses(engine, self.layout, staging.stride,
+                                                            [h.rows.data_ptr() for h in self.halves])
             except ValueError as e:
                 logger.warning("fused gather not possible (%s); using the per-tensor index gather", e)
             else:
                 self.mover = make_mover(self.addresses)
+                self._stg_words = [h.rows.view(-1).view(self.addresses.dtype) for h in self.halves]
 
     # ---- planning: one packed index upload per transfer ------------------------
     def _index_pieces(self, plan: TransferPlan):
@@ -194,7 +195,9 @@ class StagedCopier:
                         idx[rps] = add(rel * rps + sub) if rps is not None else (add(rel), add(sub))
                 work.append((g, int(lo), int(hi), idx))
             if self.mover is not None and work:
-                per = [self.addresses.pages(g.tensors, g.gpu[lo:hi], rel, sub) for g, lo, hi, (rel, sub) in work]
+                half = len(pieces) % self.buffers  # the staging half this piece goes through (see copy)
+                per = [self.addresses.pages(g.tensors, g.gpu[lo:hi], rel, sub, half)
+                       for g, lo, hi, (rel, sub) in work]
                 eng, stg, words = (np.concatenate(a) for a in zip(*per))
                 pieces.append((p0, p1, work, (add(eng, 2), add(stg, 2), add(words, 2))))
             else:
@@ -239,7 +242,7 @@ class StagedCopier:
     def _move_fused(self, work, dev: torch.Tensor, fused, buf: int, to_host: bool) -> int:
         """Every tensor's pages of the piece in one launch of the mover."""
         e, s, w = fused
-        self.mover(dev[e], dev[s], dev[w], self.addresses.max_words, self._bases[buf], to_host)
+        self.mover(self._stg_words[buf], dev[e], dev[s], dev[w], self.addresses.max_words, to_host)
         return sum((hi - lo) * self.layout.page_bytes[t] for g, lo, hi, _ in work for t in g.tensors)
 
     def _move(self, view: torch.Tensor, t: int, gpu: torch.Tensor, rows, rps, to_host: bool) -> None:

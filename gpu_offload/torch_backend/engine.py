@@ -241,6 +241,13 @@ class HostTransferEngine:
                 "that headroom", self.device_bytes / 2**20, 1.5 * self.device_bytes / 2**20,
             )
 
+    @property
+    def gather_used(self) -> str:
+        """What moves pages on the device: "direct" (no staging), "index" or "fused" (after any fallback)."""
+        if self.strategy == "direct":
+            return "direct"
+        return "fused" if getattr(self._store_lane.copier, "mover", None) is not None else "index"
+
     @classmethod
     def from_canonical(cls, kv_caches, num_slots: int, blocks_per_chunk: int, **kw) -> "HostTransferEngine":
         """From vLLM's ``CanonicalKVCaches`` (duck-typed: no vLLM import)."""
