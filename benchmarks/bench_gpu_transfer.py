@@ -43,6 +43,7 @@ from _common import print_table, pyplot, save_figure, write_json  # noqa: E402
 from gpu_offload.torch_backend.engine import HostTransferEngine  # noqa: E402
 
 KIB = 1 << 10
+ERRORS: list[str] = []  # gathers that failed (their rows hold NaN); the run exits non-zero
 
 
 def gpu_spec(blocks: np.ndarray):
@@ -157,8 +158,15 @@ def bench_page(page: int, args, device: torch.device, rng) -> list[dict]:
     d2h, h2d, two = memcpy_baseline(nbytes, device, args.reps)
     gb = nbytes / 1e9
     rows = []
+    seed = int(rng.integers(1 << 31))  # every gather moves the same blocks to the same slots
+    nan = float("nan")
     for gather in args.gather:
-        r = bench_gather(gather, tensors, page, n, args, device, np.random.default_rng(rng.integers(1 << 31)))
+        try:
+            r = bench_gather(gather, tensors, page, n, args, device, np.random.default_rng(seed))
+        except Exception as e:  # one gather failing (e.g. its kernel) must not cost the others' rows
+            print(f"!! {gather} gather at {page // KIB} KiB pages failed: {e!r}")
+            ERRORS.append(f"{gather} at {page // KIB} KiB: {e!r}")
+            r = {"gather": f"{gather} FAILED", "store s": nan, "load s": nan, "both s": nan, "both enqueue ms": nan}
         rows.append({
             "device": device.type,
             "page KiB": page // KIB,
@@ -212,7 +220,8 @@ def main() -> int:
     print_table(rows, title=f"transfer engine vs contiguous memcpy ({name}, {args.layers} layers, "
                             f"{args.blocks_per_chunk} blocks/chunk, median of {args.reps})")
     out = args.out or f"gpu_transfer_{device.type}"
-    path = write_json(out, {"device_name": name, "torch": torch.__version__, "args": vars(args), "rows": rows})
+    path = write_json(out, {"device_name": name, "torch": torch.__version__, "args": vars(args), "rows": rows,
+                            "errors": ERRORS})
     plt = pyplot()
     if plt is not None:
         fig, ax = plt.subplots(figsize=(6, 3.5))
@@ -231,7 +240,7 @@ def main() -> int:
         ax.legend(fontsize=8)
         save_figure(fig, out)
     print(f"wrote {path}")
-    return 0
+    return 1 if ERRORS else 0
 
 
 if __name__ == "__main__":

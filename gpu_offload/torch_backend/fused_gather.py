@@ -1,4 +1,4 @@
-"""Page copies of every KV tensor of a piece as one list of (engine address, staging offset, words).
+"""Page copies of every KV tensor of a piece as one list of (engine offset, staging offset, length).
 
 The index path (``StagedCopier._move``) launches a gather and a copy per KV tensor per piece: with
 64 layers that is 128 launches, enqueued from the one Python thread that also enqueues the other
