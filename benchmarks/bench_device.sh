@@ -15,7 +15,11 @@ cd "$(dirname "$0")/.."
 PY=${PY:-python3}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 rc=0
-step() { echo "== $*"; local t0=$SECONDS; "$@" || { echo "!! failed ($?): $*"; rc=1; }; echo "== $((SECONDS - t0)) s"; }
+# BENCH_ONLY=WORD runs only the steps whose command line contains WORD (e.g. BENCH_ONLY=fused: the fused gather's).
+step() {
+    [[ -n "${BENCH_ONLY:-}" && "$*" != *"$BENCH_ONLY"* ]] && return 0
+    echo "== $*"; local t0=$SECONDS; "$@" || { echo "!! failed ($?): $*"; rc=1; }; echo "== $((SECONDS - t0)) s"
+}
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.max,pcie.link.width.max --format=csv
 QWEN=(--layers 64 --kv-heads 1 --head-dim 128 --dtype bfloat16 --skip-device-put-path)
 step timeout 90 $PY -m pytest -q --noconftest -p no:cacheprovider tests/gpu/test_gpu_cuda.py tests/gpu/test_gpu_cuda_logic.py \
