@@ -9,7 +9,9 @@ instead of a Python loop per block.
 device into a staging buffer shaped like host slots (same layout and row
 stride), so each run of consecutive host slots crosses the bus as one large
 memcpy; partially covered chunks copy only the sub-block spans they own.
-Loads copy whole rows in and scatter on the device. The staging buffer is
+Loads copy whole rows in and scatter on the device. The gather (scatter) is
+either a gather and a copy per KV tensor ("index") or, given ``make_mover``,
+one launch for all tensors' pages of a piece ("fused", ``fused_gather``). The staging buffer is
 split into ``buffers`` halves that take turns: while the bus moves one, the
 device gathers (or scatters) the other, so the copy engine never waits for a
 gather (``pipe`` orders them; on CUDA two streams and per-half events). A
@@ -32,8 +34,12 @@ from typing import Callable
 import numpy as np
 import torch
 
+from gpu_offload._log import get_logger
+from gpu_offload.torch_backend import fused_gather
 from gpu_offload.torch_backend.layout import HostLayout, PagedRows
 from gpu_offload.torch_backend.plan import GroupPages, TransferPlan, piece_spans, runs
+
+logger = get_logger(__name__)
 
 # A run is copied with narrow() when it is long enough to beat a gather.
 RUN_MIN_PAGES = 4
@@ -117,6 +123,7 @@ class StagedCopier:
         buffers: int = 1,
         pipe=None,
         piece_bytes: int | None = None,
+        make_mover: Callable | None = None,
     ):
         self.engine = engine
         self.host_rows = host_rows  # (num_slots, stride) int8 on the CPU
@@ -141,14 +148,29 @@ class StagedCopier:
         n = self.layout.num_tensors
         self.word, (self._eng, self._views) = _widest(
             lambda dt: ([e.view(dt) for e in engine], [[h.view(t).view(dt) for t in range(n)] for h in self.halves]))
+        # Fused gather (``fused_gather``): one launch per piece for every tensor's pages, planned on the host.
+        # ``make_mover(addresses)``: the mover, or None to keep the index path.
+        self.addresses, self.mover = None, None
+        if make_mover is not None:
+            try:
+                self.addresses = fused_gather.PageAddresses(engine, self.layout, staging.stride,
+                                                            [h.rows.data_ptr() for h in self.halves])
+            except ValueError as e:
+                logger.warning("fused gather not possible (%s); using the per-tensor index gather", e)
+            else:
+                self.mover = make_mover(self.addresses)
+                self._stg_words = [h.rows.view(-1).view(self.addresses.dtype) for h in self.halves]
 
     # ---- planning: one packed index upload per transfer ------------------------
     def _index_pieces(self, plan: TransferPlan):
         parts: list[np.ndarray] = []
         offset = 0
 
-        def add(a: np.ndarray) -> slice:
+        def add(a: np.ndarray, align: int = 1) -> slice:
             nonlocal offset
+            if offset % align:  # the fused kernel's arrays start 16-byte aligned: one compile, not eight
+                parts.append(np.zeros(align - offset % align, np.int64))
+                offset += align - offset % align
             parts.append(a)
             offset += len(a)
             return slice(offset - len(a), offset)
@@ -163,13 +185,23 @@ class StagedCopier:
                 if lo == hi:
                     continue
                 rel, sub = g.pos[lo:hi] - p0, g.sub[lo:hi]
+                if self.mover is not None:  # one address list for the piece, below
+                    work.append((g, int(lo), int(hi), (rel, sub)))
+                    continue
                 idx: dict = {"gpu": add(g.gpu[lo:hi])}
                 for t in g.tensors:
                     rps = self.halves[0].rows_per_slot[t]
                     if rps not in idx:
                         idx[rps] = add(rel * rps + sub) if rps is not None else (add(rel), add(sub))
                 work.append((g, int(lo), int(hi), idx))
-            pieces.append((p0, p1, work))
+            if self.mover is not None and work:
+                half = len(pieces) % self.buffers  # the staging half this piece goes through (see copy)
+                per = [self.addresses.pages(g.tensors, g.gpu[lo:hi], rel, sub, half)
+                       for g, lo, hi, (rel, sub) in work]
+                eng, stg, words = (np.concatenate(a) for a in zip(*per))
+                pieces.append((p0, p1, work, (add(eng, 2), add(stg, 2), add(words, 2))))
+            else:
+                pieces.append((p0, p1, work, None))
         packed = self.upload(np.concatenate(parts)) if parts else None
         return pieces, packed
 
@@ -177,26 +209,41 @@ class StagedCopier:
     def copy(self, plan: TransferPlan, to_host: bool) -> int:
         pieces, dev = self._index_pieces(plan)
         nbytes = 0
-        for i, (p0, p1, work) in enumerate(pieces):
+        for i, (p0, p1, work, fused) in enumerate(pieces):
             b = i % self.buffers
             stg, words = self.halves[b], self._views[b]
             if not to_host:
                 with self.pipe.bus(b):
                     self._rows_from_host(plan, p0, work, stg)
             with self.pipe.device(b):
-                for g, lo, hi, idx in work:
-                    gpu = dev[idx["gpu"]]
-                    rows = {r: (dev[ix[0]], dev[ix[1]]) if r is None else dev[ix]  # one slice per row stride
-                            for r, ix in idx.items() if r != "gpu"}
-                    for t in g.tensors:
-                        rps = stg.rows_per_slot[t]
-                        nbytes += (hi - lo) * self.layout.page_bytes[t]
-                        self._move(words[t], t, gpu, rows[rps], rps, to_host)
+                if fused is None:
+                    nbytes += self._move_indexed(work, dev, stg, words, to_host)
+                else:
+                    nbytes += self._move_fused(work, dev, fused, b, to_host)
             if to_host:
                 with self.pipe.bus(b):
                     self._rows_to_host(plan, p0, work, stg)
         self.pipe.join()
         return nbytes
+
+    def _move_indexed(self, work, dev: torch.Tensor, stg: PagedRows, words, to_host: bool) -> int:
+        """Per tensor: a gather and a copy (two launches each)."""
+        nbytes = 0
+        for g, lo, hi, idx in work:
+            gpu = dev[idx["gpu"]]
+            rows = {r: (dev[ix[0]], dev[ix[1]]) if r is None else dev[ix]  # one slice per row stride
+                    for r, ix in idx.items() if r != "gpu"}
+            for t in g.tensors:
+                rps = stg.rows_per_slot[t]
+                nbytes += (hi - lo) * self.layout.page_bytes[t]
+                self._move(words[t], t, gpu, rows[rps], rps, to_host)
+        return nbytes
+
+    def _move_fused(self, work, dev: torch.Tensor, fused, buf: int, to_host: bool) -> int:
+        """Every tensor's pages of the piece in one launch of the mover."""
+        e, s, w = fused
+        self.mover(self._stg_words[buf], dev[e], dev[s], dev[w], self.addresses.max_words, to_host)
+        return sum((hi - lo) * self.layout.page_bytes[t] for g, lo, hi, _ in work for t in g.tensors)
 
     def _move(self, view: torch.Tensor, t: int, gpu: torch.Tensor, rows, rps, to_host: bool) -> None:
         eng = self._eng[t]

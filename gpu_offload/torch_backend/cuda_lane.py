@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from gpu_offload._log import get_logger
-from gpu_offload.torch_backend import cuda_rt
+from gpu_offload.torch_backend import cuda_rt, fused_gather
 from gpu_offload.torch_backend.copy_ops import DevicePageCopier, StagedCopier
 from gpu_offload.torch_backend.layout import HostLayout, PagedRows
 
@@ -224,6 +224,7 @@ class CudaLane:
         index_capacity: int,
         priority: int = 0,
         piece_rows: int | None = None,
+        gather: str = "index",
     ):
         self.device = engine[0].device
         self.stream = torch.cuda.Stream(device=self.device, priority=priority)
@@ -237,6 +238,7 @@ class CudaLane:
             engine, host_rows, PagedRows(staging, layout),
             upload=self._ring.upload, non_blocking=True, piece_rows=piece_rows,
             buffers=buffers, pipe=CudaPipe(self.stream, buffers, priority), piece_bytes=piece_bytes,
+            make_mover=(lambda a: fused_gather.make_mover(a, self.device)) if gather == "fused" else None,
         )
         self.staging_bytes = staging.numel()
         # Device-sourced chunks: engine block to engine block on this stream (scratch made at first use).

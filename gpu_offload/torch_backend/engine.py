@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from gpu_offload._log import get_logger
+from gpu_offload.torch_backend import fused_gather
 from gpu_offload.torch_backend.copy_ops import DevicePageCopier, DirectCopier, StagedCopier
 from gpu_offload.torch_backend.fs_link import FileLink, Promotion
 from gpu_offload.torch_backend.layout import HostLayout, PagedRows
@@ -156,6 +157,9 @@ class HostTransferEngine:
     ``"staged"`` (device gather + whole-row DMA; the CUDA default, also
     runnable on CPU for tests) or ``"auto"``. ``tokens_per_block``: per KV
     group, for counting the tokens a load actually moved (``hits``).
+    ``gather`` (staged only): ``"index"`` (a gather and a copy per KV tensor per
+    piece) or ``"fused"`` (one launch per piece for all tensors, ``fused_gather``:
+    Triton on CUDA, falling back to ``"index"`` without it; memmove on CPU).
     """
 
     def __init__(
@@ -172,7 +176,11 @@ class HostTransferEngine:
         zero_pool: bool = False,
         tokens_per_block: Sequence[int] | None = None,
         piece_rows: int | None = None,
+        gather: str = "index",
     ):
+        if gather not in fused_gather.GATHERS:
+            raise ValueError(f"gather {gather!r} is not one of {', '.join(fused_gather.GATHERS)}")
+        self.gather = gather
         self.layout = HostLayout.build(page_bytes, blocks_per_chunk)
         self.engine = [_as_pages(t, p) for t, p in zip(tensors, page_bytes)]
         nblocks = {t.shape[0] for t in self.engine}
@@ -232,6 +240,13 @@ class HostTransferEngine:
                 "%.1f MiB once the expedited lane starts), outside gpu_memory_utilization: leave "
                 "that headroom", self.device_bytes / 2**20, 1.5 * self.device_bytes / 2**20,
             )
+
+    @property
+    def gather_used(self) -> str:
+        """What moves pages on the device: "direct" (no staging), "index" or "fused" (after any fallback)."""
+        if self.strategy == "direct":
+            return "direct"
+        return "fused" if getattr(self._store_lane.copier, "mover", None) is not None else "index"
 
     @classmethod
     def from_canonical(cls, kv_caches, num_slots: int, blocks_per_chunk: int, **kw) -> "HostTransferEngine":
@@ -466,7 +481,7 @@ class HostTransferEngine:
             def lane(priority: int = 0):
                 return cuda_lane.CudaLane(self.engine, self.host_rows, self.layout, staging_slots,
                                           index_capacity=4 * self.num_engine_blocks, priority=priority,
-                                          piece_rows=self._piece_rows)
+                                          piece_rows=self._piece_rows, gather=self.gather)
 
             store, load = lane(), lane()
             self.device_bytes = store.device_bytes + load.device_bytes
@@ -477,10 +492,17 @@ class HostTransferEngine:
             staging = torch.empty((staging_slots, self.pool.stride), dtype=torch.int8, device=self.device)
             copier = StagedCopier(self.engine, self.host_rows, PagedRows(staging, self.layout),
                                   upload=torch.from_numpy, non_blocking=False, piece_rows=self._piece_rows,
-                                  buffers=2)  # the halves as on CUDA, in call order
+                                  buffers=2,  # the halves as on CUDA, in call order
+                                  make_mover=self._make_mover(self.device))
         sync = _SyncLane(copier, DevicePageCopier(self.engine, self.layout.page_bytes,
                                                   upload=None if self.strategy == "direct" else torch.from_numpy))
         return sync, sync, lambda: sync
+
+    def _make_mover(self, device: torch.device):
+        """``StagedCopier``'s mover factory for the chosen gather (None: the index path)."""
+        if self.gather != "fused":
+            return None
+        return lambda addresses: fused_gather.make_mover(addresses, device)
 
     def _lane_for(self, expedited: bool):
         if not expedited:

@@ -117,3 +117,44 @@ def test_both_directions_at_once_through_many_staging_halves():
             assert np.array_equal(got, t[int(blk)].cpu().numpy().view(np.uint8)), (i, layer)
     assert w.take_load_error_blocks() == set()
     w.shutdown()
+
+
+@pytest.mark.parametrize("k,first", [(1, 0), (4, 3)])
+def test_fused_gather_moves_the_same_bytes_as_the_index_gather(k, first):
+    """The Triton kernel (one launch per piece) against the per-tensor gathers, both directions: two KV
+    groups, pages of 64 KiB and of 24 KiB (not a divisor of the slot row), a chunk entered mid-way, a ragged
+    last chunk, 8 staging blocks (several pieces per job). Host slab and loaded blocks byte for byte."""
+    pytest.importorskip("triton")
+    dev = torch.device("cuda")
+    pages = [PAGE, PAGE, 24 << 10]
+    groups = [(0, 1), (2,)]
+    tensors = [torch.randint(-128, 128, (NUM_BLOCKS, p), dtype=torch.int8, device=dev) for p in pages]
+    rng = np.random.default_rng(k)
+    perm = rng.permutation(NUM_BLOCKS)
+    n0, n1 = 5 * k + 1, 3 * k
+    skip = first % k
+    s0, s1 = -(-(skip + n0) // k), -(-(skip + n1) // k)
+    src, dst = perm[: n0 + n1], perm[n0 + n1: 2 * (n0 + n1)]
+    host = rng.permutation(64)[: s0 + s1]
+    gspec = types.SimpleNamespace(block_ids=np.asarray(src, np.int32), group_sizes=[n0, n1],
+                                  block_indices=[first, first])
+    lspec = types.SimpleNamespace(block_ids=np.asarray(dst, np.int32), group_sizes=[n0, n1],
+                                  block_indices=[first, first])
+    out = {}
+    for gather in ("index", "fused"):
+        for t in tensors:
+            t[torch.as_tensor(dst, device=dev)] = 0
+        w = HostTransferEngine(tensors, pages, groups, 64, k, staging_blocks=8, zero_pool=True, gather=gather)
+        assert w.gather_used == gather
+        w.submit_store(1, gspec, slots(host))
+        poll(w, {1})
+        w.submit_load(2, slots(host), lspec)
+        poll(w, {2})
+        assert w.take_load_error_blocks() == set()
+        out[gather] = (w.pool.slab.copy(), [t[torch.as_tensor(dst, device=dev)].cpu() for t in tensors])
+        w.shutdown()
+    assert np.array_equal(out["fused"][0], out["index"][0])
+    for i, (a, b, t) in enumerate(zip(out["fused"][1], out["index"][1], tensors)):
+        assert torch.equal(a, b)
+        mine = slice(0, n0) if i in groups[0] else slice(n0, n0 + n1)  # pages of the group holding tensor i
+        assert torch.equal(a[mine], t[torch.as_tensor(src[mine], device=dev)].cpu())
