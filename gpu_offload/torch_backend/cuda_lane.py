@@ -138,7 +138,9 @@ class UploadPool:
                                 len(self.entries))
                 self.grown += 1
             else:
-                self.entries.remove(entry)  # too small: replaced by a larger one
+                # Too small: replaced by a larger one. By identity: ``deque.remove`` compares entries with
+                # ``==``, which on lists of tensors compares the tensors (an error, not an answer).
+                del self.entries[next(i for i, e in enumerate(self.entries) if e is entry)]
             self.capacity = max(self.capacity, n)
             entry = self._alloc(self.capacity)
             self.entries.append(entry)

@@ -56,6 +56,16 @@ def test_upload_pool_replaces_a_free_buffer_that_is_too_small():
     assert entry_len(big) == 100 and [id(e) for e in p.entries] == [id(big)]
 
 
+def test_upload_pool_replaces_a_too_small_buffer_that_is_not_the_first():
+    """A larger upload (the fused gather's plans are larger) replaces the free entry it found, wherever it
+    sits: removing it by equality compared the other entries' tensors and failed the transfer."""
+    p, made = pool(initial=3)
+    made[1][2][0] = False  # the second buffer's upload finished; the others are in flight
+    big = p.acquire(100)
+    assert entry_len(big) == 100
+    assert [id(e) for e in p.entries] == [id(made[2]), id(made[0]), id(big)]
+
+
 def entry_len(e) -> int:
     return e[0].numel()
 
