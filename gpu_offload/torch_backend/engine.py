@@ -158,8 +158,9 @@ class HostTransferEngine:
     runnable on CPU for tests) or ``"auto"``. ``tokens_per_block``: per KV
     group, for counting the tokens a load actually moved (``hits``).
     ``gather`` (staged only): ``"index"`` (a gather and a copy per KV tensor per
-    piece) or ``"fused"`` (one launch per piece for all tensors, ``fused_gather``:
-    Triton on CUDA, falling back to ``"index"`` without it; memmove on CPU).
+    piece), ``"fused"`` (one launch per piece for all tensors, ``fused_gather``:
+    Triton on CUDA, falling back to ``"index"`` without it; memmove on CPU) or
+    ``"auto"`` (fused on CUDA from ``fused_gather.FUSED_MIN_TENSORS`` tensors up).
     """
 
     def __init__(
@@ -176,13 +177,13 @@ class HostTransferEngine:
         zero_pool: bool = False,
         tokens_per_block: Sequence[int] | None = None,
         piece_rows: int | None = None,
-        gather: str = "index",
+        gather: str = "auto",
     ):
         if gather not in fused_gather.GATHERS:
             raise ValueError(f"gather {gather!r} is not one of {', '.join(fused_gather.GATHERS)}")
-        self.gather = gather
         self.layout = HostLayout.build(page_bytes, blocks_per_chunk)
         self.engine = [_as_pages(t, p) for t, p in zip(tensors, page_bytes)]
+        self.gather = fused_gather.auto_gather(self.engine) if gather == "auto" else gather
         nblocks = {t.shape[0] for t in self.engine}
         if len(nblocks) != 1:
             raise ValueError(f"canonical KV tensors disagree on num_blocks: {sorted(nblocks)}")

@@ -34,7 +34,19 @@ from gpu_offload.torch_backend.layout import HostLayout
 
 logger = get_logger(__name__)
 
-GATHERS = ("index", "fused")
+GATHERS = ("auto", "index", "fused")
+# "auto" picks the fused gather on CUDA from this many KV tensors up. Measured on an H200 (2026-11-28,
+# gpu_transfer_cuda_fused*.json): with 64 tensors, a store and a load at once reach 0.78-0.86 of a
+# two-stream memcpy fused against 0.57-0.65 indexed (one way equal within noise); with 8 tensors the
+# two are within noise of each other (0.69-0.81 against 0.71-0.79), so the simpler path stays there.
+FUSED_MIN_TENSORS = 32
+
+
+def auto_gather(engine: Sequence[torch.Tensor]) -> str:
+    """The gather "auto" means for these engine tensors: "fused" on CUDA from ``FUSED_MIN_TENSORS``
+    tensors up (the per-tensor launches then cost more host time than the piece's memcpy), else "index"."""
+    on_cuda = bool(engine) and engine[0].device.type == "cuda"
+    return "fused" if on_cuda and len(engine) >= FUSED_MIN_TENSORS else "index"
 WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
 # Grid rows per page are capped by CUDA's gridDim.y (65,535 tiles of TILE_BYTES: pages up to 512 MiB).
 TILE_BYTES = 8 << 10

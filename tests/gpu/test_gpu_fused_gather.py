@@ -221,3 +221,22 @@ def test_triton_kernel_compiles_for_hopper_with_16_byte_accesses(monkeypatch, dt
         body = [x.split()[1] for x in ptx.splitlines() if x.strip().startswith("@") and "global" in x]
         assert body, ptx
         assert all(op.endswith(want) for op in body), body
+
+
+def test_auto_gather_is_fused_only_for_many_tensors_on_cuda():
+    """"auto" keeps the index gather on CPU and for few tensors; the fused one needs CUDA and
+    ``FUSED_MIN_TENSORS`` tensors (where the H200 measured it ahead both ways at once)."""
+    from gpu_offload.torch_backend import fused_gather as fg
+
+    cpu = [torch.zeros(4, 64, dtype=torch.int8) for _ in range(fg.FUSED_MIN_TENSORS)]
+    assert fg.auto_gather(cpu) == "index"
+    meta = [torch.empty(4, 64, dtype=torch.int8, device="meta") for _ in range(fg.FUSED_MIN_TENSORS)]
+    assert fg.auto_gather(meta) == "index"
+
+    class Cuda:  # only the device type matters to the choice
+        device = torch.device("cuda")
+
+    assert fg.auto_gather([Cuda()] * fg.FUSED_MIN_TENSORS) == "fused"
+    assert fg.auto_gather([Cuda()] * (fg.FUSED_MIN_TENSORS - 1)) == "index"
+    t = torch.zeros(8, 64, dtype=torch.int8)
+    assert HostTransferEngine([t], [64], [(0,)], 4, 1, gather="auto").gather_used in ("direct", "index")
