@@ -328,7 +328,10 @@ def _evict_text(r: admin.EvictReport) -> str:
         return f"{head}; below the high mark, nothing evicted; {r.temps_removed} stale temp files removed"
     verb = "would evict" if r.dry_run else "evicted"
     return (f"{head}\n{verb} {r.evicted_files} files ({_gib(r.evicted_bytes)}), now {_gib(r.used_after)}; "
-            f"{r.temps_removed} stale temps removed ({r.clock} clock); skipped: {r.skipped_vanished} vanished, "
+            f"{r.temps_removed} stale temps removed ({r.clock} clock); "
+            + (f"{r.temps_over_cap_removed} of {r.temps_over_cap} temps over the temp cap removed; "
+               if r.temps_over_cap else "")
+            + f"skipped: {r.skipped_vanished} vanished, "
             f"{r.skipped_recently_used} used meanwhile, {r.skipped_not_ours} without our magic; "
             f"{r.not_ours} files not ours (no magic, or not signed with the secret) not counted"
             + ("" if r.reached_low else "\nWARNING: could not reach the low mark"))

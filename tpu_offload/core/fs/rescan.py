@@ -25,7 +25,7 @@ import threading
 import time
 from typing import Callable
 
-from tpu_offload.core.fs import actions, layout
+from tpu_offload.core.fs import actions, layout, tempcap
 from tpu_offload.core.fs.index import FileIndex
 
 log = logging.getLogger("tpu_offload.fs")
@@ -41,9 +41,9 @@ class Rescanner:
         # namespace is foreign: never counted, never deleted (``actions.ours_at``).
         self.head_ok = head_ok
         self._vetted: dict[str, int] = {}  # chunk name -> hash of (dev, ino, ctime_ns, size) found ours
-        # The temps that count: at most ``writes_per_writer`` per writer (a writer has that many I/O
-        # threads), and at most ``temp_cap_bytes`` in all, so copies of our headers under temp names
-        # can never push the budget for chunks below ``capacity - temp_cap_bytes``.
+        # The temps that count (``tempcap.split_temps``, the CLI's rule too): at most
+        # ``writes_per_writer`` per writer, and at most ``temp_cap_bytes`` in all, so copies of our
+        # headers under temp names can never push the budget for chunks below ``capacity - temp_cap_bytes``.
         self.writes_per_writer = max(1, writes_per_writer)
         self.temp_cap_bytes = temp_cap_bytes
         self.dir_mode = dir_mode  # fan-out directories of ours with another mode are set back to it
@@ -87,8 +87,7 @@ class Rescanner:
             except BaseException:
                 self.index.abort_rebuild()
                 raise
-            per_writer: dict[str, int] = {}
-            temp_bytes = 0
+            live = []
             mono = time.monotonic()
             seen, self._temps_seen = self._temps_seen, {}
             for t in scan.temps:
@@ -114,13 +113,10 @@ class Rescanner:
                     self._count("stale_temps_removed" if stale else "unchanged_temps_removed" if still
                                 else "dead_temps_removed")
                     continue
-                writer = t.name.split(".", 3)[-1].rsplit(".", 1)[0]  # pid, host tag and token
-                per_writer[writer] = per_writer.get(writer, 0) + 1
-                if per_writer[writer] <= self.writes_per_writer:
-                    temp_bytes += self._bytes_of(t.size, t.blocks)
-            if self.temp_cap_bytes is not None:
-                temp_bytes = min(temp_bytes, self.temp_cap_bytes)
-            self.temp_bytes = temp_bytes
+                live.append(t)
+            self.temp_bytes, _ = tempcap.split_temps(
+                live, name=lambda t: t.name, size=lambda t: self._bytes_of(t.size, t.blocks),
+                mtime=lambda t: t.mtime, cap_bytes=self.temp_cap_bytes, writes_per_writer=self.writes_per_writer)
             self.foreign = len(scan.foreign)
             self._note_unreadable(scan.unreadable)
             self.last = time.monotonic()

@@ -41,7 +41,7 @@ import time
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
-from tpu_offload.core.fs import layout, safedir
+from tpu_offload.core.fs import layout, safedir, tempcap
 from tpu_offload.core.fs.auth import FsAuth, Names
 from tpu_offload.core.fs.chunkfile import ChunkFiles
 from tpu_offload.core.fs.deadline import BoundedCalls
@@ -155,7 +155,7 @@ class FileTier(WritePath, ReadPath):
                                   writable=lambda: self._state is TierState.RW, owner=self._uid,
                                   file_bytes=self.file_bytes, head_ok=self._head_ok if self._tk else None,
                                   writes_per_writer=threads,
-                                  temp_cap_bytes=None if capacity_bytes is None else capacity_bytes // 4,
+                                  temp_cap_bytes=tempcap.temp_cap_bytes(capacity_bytes),
                                   dir_mode=dir_mode)
         self._lock = threading.RLock()  # state, counters, in-flight writes
         self._inflight: dict[bytes, Future] = {}
