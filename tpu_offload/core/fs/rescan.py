@@ -40,7 +40,11 @@ class Rescanner:
         # Ours: our magic (with a secret, a header MAC that verifies) and one link. Anything else in the
         # namespace is foreign: never counted, never deleted (``actions.ours_at``).
         self.head_ok = head_ok
-        self._vetted: dict[str, int] = {}  # chunk name -> hash of (dev, ino, ctime_ns, size) found ours
+        # Chunk name -> (hash of (dev, ino, ctime_ns, size), ours?) for every chunk-named file the last
+        # scan looked at, ours or not: junk at chunk names costs one header read per change, not one per
+        # rescan (a round trip each on NFS). Rebuilt by each scan from the files it saw, so it holds
+        # at most one entry per file in the namespace (deleted files drop out).
+        self._vetted: dict[str, tuple[int, bool]] = {}
         # The temps that count (``tempcap.split_temps``, the CLI's rule too): at most
         # ``writes_per_writer`` per writer, and at most ``temp_cap_bytes`` in all, so copies of our
         # headers under temp names can never push the budget for chunks below ``capacity - temp_cap_bytes``.
@@ -124,14 +128,26 @@ class Rescanner:
             self._lock.release()
         return True
 
-    def _vet(self, vetted: dict[str, int], d: int, name: str, st: os.stat_result) -> bool:
-        """Is the chunk-named file ``name`` ours? One header read per new (dev, ino, ctime, size)."""
+    def _vet(self, vetted: dict[str, tuple[int, bool]], d: int, name: str, st: os.stat_result) -> bool:
+        """Is the chunk-named file ``name`` ours? One header read per new (dev, ino, ctime, size), ours or not.
+
+        The ctime (not only the mtime) is part of the identity: any rewrite
+        moves it and nobody can set it back, so a verdict cannot outlive the
+        bytes it was given for.
+        """
         ident = hash((st.st_dev, st.st_ino, st.st_ctime_ns, st.st_size))
-        if vetted.get(name) != ident and (
-                st.st_size == 0 or actions.ours_at(d, name, head_ok=self.head_ok, want_name=name) is None):
-            return False
-        self._vetted[name] = ident
-        return True
+        prev = vetted.get(name)
+        if prev is not None and prev[0] == ident:
+            ours = prev[1]
+        else:
+            ours = st.st_size != 0 and actions.ours_at(d, name, head_ok=self.head_ok, want_name=name) is not None
+        self._vetted[name] = (ident, ours)
+        return ours
+
+    @property
+    def cached_verdicts(self) -> int:
+        """How many files' verdicts (ours or not) the last scan left cached: at most the files it saw."""
+        return len(self._vetted)
 
     def _bytes(self, st: os.stat_result) -> int:
         return self._bytes_of(st.st_size, st.st_blocks * 512)
