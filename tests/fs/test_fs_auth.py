@@ -133,11 +133,14 @@ def test_replicas_with_one_secret_share_and_others_do_not(root, make_tier):
 
 
 def test_lookups_name_files_like_the_tier(root, make_tier):
-    """The scheduler's read-only view derives the same names from the same secret."""
+    """The scheduler's read-only view derives the same names from the same secret and salt file."""
+    from tpu_offload.core.fs import kdfsalt
+
     t = make_tier(root, secret=SECRET)
     write_all(t, 1)
-    n = Names(root, layout(), FsAuth(SECRET))
+    n = Names(root, layout(), kdfsalt.auth_for_root(SECRET, root, create=False))
     assert n.ns_dir == t.ns_dir
+    assert Names(root, layout(), FsAuth(SECRET)).ns_dir != t.ns_dir  # the fixed salt: another deployment's names
     assert os.path.join(n.ns_dir, *_fan(n.file_id(key(1)).hex())) == t.path_of(key(1))
     assert Names(root, layout()).ns_dir != t.ns_dir
 

@@ -192,6 +192,7 @@ def evict(
         raise ValueError(f"tmp_age_s={tmp_age_s!r}; allowed: a finite number of seconds >= 0")
     if budget_bytes is not None and budget_bytes <= 0:
         raise ValueError(f"budget_bytes={budget_bytes!r}; allowed: > 0, or None for the filesystem")
+    keyring = None if keyring is None else keyring.at(root)
     scans = scan_root(root, namespace)
     _require_key(scans, keyring, "evict")
     unreadable = _unreadable(scans)
@@ -376,6 +377,7 @@ def inspect(root: str, namespace: str | None = None, keyring: Keyring | None = N
     namespaces without the secret say ``"authenticated": null`` (the magic
     is public: forgeries look alike).
     """
+    keyring = None if keyring is None else keyring.at(root)
     now = time.time()
     total, used = _fs_usage(root)
     out = {"root": os.path.abspath(root), "fs_total_bytes": total, "fs_used_bytes": used, "namespaces": [],
@@ -486,6 +488,7 @@ def verify(root: str, namespace: str | None = None, action: str = "report",
     """
     if action not in ("report", "quarantine", "delete"):
         raise ValueError(f"action {action!r}; allowed: report, quarantine, delete")
+    keyring = None if keyring is None else keyring.at(root)
     rep = VerifyReport(action=action)
     buf = aligned_empty(_VERIFY_BLOCK)
     scans = scan_root(root, namespace)

@@ -112,11 +112,14 @@ class TenantKeys:
 # scrypt's cost for the root key: 32 MiB and ~0.1 s once per process and secret, so that nothing
 # public (a ``kv-<tag>`` name, a header MAC) lets anyone test guesses of the secret at hash speed.
 SCRYPT_N, SCRYPT_R, SCRYPT_P = 1 << 15, 8, 1
+# The salt when no deployment salt is known (``kdfsalt``: a shared directory holds one): snapshots,
+# and a tier whose salt file cannot be made or trusted. One constant serves every such deployment.
+FIXED_KDF_SALT = b"tpu-offload fs root key v2"
 
 
 @functools.lru_cache(maxsize=8)
-def _root_key(secret: bytes) -> bytes:
-    return hashlib.scrypt(secret, salt=b"tpu-offload fs root key v2", n=SCRYPT_N, r=SCRYPT_R, p=SCRYPT_P,
+def _root_key(secret: bytes, salt: bytes = FIXED_KDF_SALT) -> bytes:
+    return hashlib.scrypt(secret, salt=salt, n=SCRYPT_N, r=SCRYPT_R, p=SCRYPT_P,
                           maxmem=2 * 128 * SCRYPT_N * SCRYPT_R + (1 << 20), dklen=64)
 
 
@@ -124,14 +127,22 @@ class FsAuth:
     """The root of every derived key; holds no copy of the secret itself.
 
     The root key comes from the secret by scrypt (memory-hard, derived once
-    per process): every other key, name and tag is a fast keyed hash of the
-    root key, never of the secret itself.
+    per process) salted with ``kdf_salt``: the deployment's own random salt
+    (``kdfsalt.auth_for_root``, from the shared directory) so that no
+    dictionary computed once serves every deployment, else a fixed one.
+    Every other key, name and tag is a fast keyed hash of the root key,
+    never of the secret itself.
     """
 
-    def __init__(self, secret: bytes):
+    def __init__(self, secret: bytes, kdf_salt: bytes = FIXED_KDF_SALT):
         if not isinstance(secret, (bytes, bytearray)) or len(secret) < MIN_SECRET_BYTES:
             raise ValueError(f"fs secret must be at least {MIN_SECRET_BYTES} bytes")
-        self._root = _root_key(bytes(secret))
+        self.kdf_salt = bytes(kdf_salt)
+        self._root = _root_key(bytes(secret), self.kdf_salt)
+
+    def salt_check(self) -> bytes:
+        """16 bytes only a holder of the secret can compute for this salt: what vouches for a salt file."""
+        return _kdf(self._root, b"tpuoff-saltfile", self.kdf_salt, 16)
 
     def layout_tag(self, layout_digest: bytes) -> bytes:
         """16 bytes standing for the layout in names and headers; reveals nothing without the secret."""
