@@ -111,3 +111,16 @@ def test_the_cli_without_a_salt_file_uses_the_fixed_salt_and_creates_nothing(roo
     k = Keyring(SECRET).at(root)
     assert k.auth.kdf_salt == FsAuth(SECRET).kdf_salt
     assert os.listdir(root) == []
+
+
+def test_a_filesystem_without_hard_links_still_gets_one_salt(root, monkeypatch):
+    import errno
+
+    def no_link(*a, **k):
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_link)
+    first = kdfsalt.auth_for_root(SECRET, root).kdf_salt
+    assert first != FsAuth(SECRET).kdf_salt
+    assert kdfsalt.auth_for_root(SECRET, root).kdf_salt == first
+    assert sorted(os.listdir(root)) == [kdfsalt.SALT_FILE]

@@ -43,7 +43,9 @@ SALT_BYTES = 32
 _HEAD = b"tpu-offload-fs-salt v1 "
 _LINE = re.compile(rb"^tpu-offload-fs-salt v1 ([0-9a-f]{64}) ([0-9a-f]{32})\n$")
 _SIZE = len(_HEAD) + 2 * SALT_BYTES + 1 + 32 + 1
-_READ_WAIT_S = 2.0  # a file created without link (no hard links there) may be read before it is written
+# A file created in place (no hard links there) may be read before it is written: a short one
+# that was just made is read again for up to this long; an old short one is refused at once.
+_READ_WAIT_S = 2.0
 log = logging.getLogger("tpu_offload.auth")
 _warned: set[tuple[str, str]] = set()
 
@@ -90,7 +92,8 @@ def _read(secret: bytes, path: str) -> FsAuth:
         finally:
             os.close(fd)
         m = _LINE.match(data)
-        if m is None and len(data) < _SIZE and time.monotonic() < deadline:
+        young = time.time() - st.st_mtime < _READ_WAIT_S + 1.0
+        if m is None and len(data) < _SIZE and young and time.monotonic() < deadline:
             time.sleep(0.05)  # being written (a filesystem without hard links): wait for the rest
             continue
         break
