@@ -27,7 +27,8 @@ from typing import Sequence
 import numpy as np
 
 from tpu_offload.core.fs.format import HEADER_SIZE
-from tpu_offload.core.fs.auth import FsAuth, Names
+from tpu_offload.core.fs import kdfsalt
+from tpu_offload.core.fs.auth import Names
 from tpu_offload.core.fs.deadline import BoundedCalls
 from tpu_offload.core.fs.layout import published_stat
 from tpu_offload.core.fs.reset import bind_weights, salted
@@ -105,7 +106,8 @@ class FileView:
     """Read-only presence check over the chunk files of every worker rank.
 
     The scheduler's side of the file tier: one ``stat`` per rank, nothing
-    written, no threads, no index. A ``FileTier`` would create directories,
+    written (but the deployment's salt file, ``kdfsalt``, if none is there
+    yet), no threads, no index. A ``FileTier`` would create directories,
     write a probe file and scan the whole namespace at start, and its index
     would go stale as the workers' tiers evict or reject files; a stale
     "present" costs a failed load and a recompute. A chunk counts only if
@@ -116,7 +118,9 @@ class FileView:
                  secret: bytes | None = None, io_timeout_s: float | None = None):
         self.root = os.path.abspath(root)
         self._fps = list(fingerprints)
-        self._auth = FsAuth(secret) if secret else None  # the workers' tiers name files the same way
+        # the workers' tiers name files the same way: the same secret, salted with the root's salt file
+        # (made here if the scheduler is first: the one file it may write)
+        self._auth = kdfsalt.auth_for_root(secret, self.root) if secret else None
         self.names = [Names(self.root, fp, self._auth) for fp in self._fps]
         self.ns_dirs = [n.ns_dir for n in self.names]
         self.file_bytes = HEADER_SIZE + chunk_bytes

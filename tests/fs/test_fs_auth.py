@@ -133,11 +133,14 @@ def test_replicas_with_one_secret_share_and_others_do_not(root, make_tier):
 
 
 def test_lookups_name_files_like_the_tier(root, make_tier):
-    """The scheduler's read-only view derives the same names from the same secret."""
+    """The scheduler's read-only view derives the same names from the same secret and salt file."""
+    from tpu_offload.core.fs import kdfsalt
+
     t = make_tier(root, secret=SECRET)
     write_all(t, 1)
-    n = Names(root, layout(), FsAuth(SECRET))
+    n = Names(root, layout(), kdfsalt.auth_for_root(SECRET, root, create=False))
     assert n.ns_dir == t.ns_dir
+    assert Names(root, layout(), FsAuth(SECRET)).ns_dir != t.ns_dir  # the fixed salt: another deployment's names
     assert os.path.join(n.ns_dir, *_fan(n.file_id(key(1)).hex())) == t.path_of(key(1))
     assert Names(root, layout()).ns_dir != t.ns_dir
 
@@ -501,3 +504,39 @@ def test_a_file_we_did_not_verify_is_never_restamped(root, make_tier):
     t.touch(key(3))  # ours, verified by writing it: restamped
     assert t.flush(timeout=30)
     assert os.stat(t.path_of(key(3))).st_mtime_ns > before
+
+
+# ---- who may read the secret, and who may vouch for a Secret mount ----
+
+
+def _readable_warnings(caplog, path):
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="tpu_offload.auth"):
+        assert OffloadConfig.from_sources({"fs_secret_file": str(path)}, env={}).fs_secret
+    return [r.getMessage() for r in caplog.records if "-readable" in r.getMessage()]
+
+
+def test_a_group_readable_secret_warns_as_a_world_readable_one(tmp_path, caplog):
+    f = tmp_path / "secret"
+    make_secret_file(str(f))
+    assert _readable_warnings(caplog, f) == []
+    os.chmod(f, 0o640)
+    msgs = _readable_warnings(caplog, f)
+    assert len(msgs) == 1 and "group-readable (mode 0640)" in msgs[0] and "chmod 600" in msgs[0]
+
+
+def test_a_dotdot_data_of_another_uid_does_not_make_a_secret_mount(tmp_path, caplog):
+    """Anyone can create ``..data`` in a sticky directory: only one owned by the secret's owner counts."""
+    d = tmp_path / "shared"
+    d.mkdir()
+    os.chmod(d, 0o1777)  # /tmp-like: sticky, so the path itself passes
+    f = d / "secret"
+    make_secret_file(str(f))
+    os.chmod(f, 0o644)
+    (d / "..data").mkdir()
+    os.chown(d / "..data", 65534, 65534)  # another uid's
+    msgs = _readable_warnings(caplog, f)
+    assert len(msgs) == 1 and "world-readable" in msgs[0]
+    os.chown(d / "..data", os.geteuid(), os.getegid())  # the secret's owner's: a Secret mount
+    assert _readable_warnings(caplog, f) == []
+

@@ -230,3 +230,26 @@ def test_make_secret(capsys, tmp_path):
     assert code == 0 and oct(os.stat(p).st_mode & 0o777) == "0o600"
     code, _, err = _cli(capsys, "make-secret", str(p))  # never overwrites
     assert code == 2 and "must not exist" in err
+
+
+@pytest.mark.parametrize("secret", [None, SECRET])
+def test_copies_of_a_signed_file_under_temp_names_cost_evict_at_most_the_tiers_temp_cap(capsys, root, make_tier,
+                                                                                        tmp_path, secret):
+    """14 copies of one of our files under temp names (14 "writers"): the CLI counts them as the tier
+    does (a quarter of the budget, newest first), deletes the rest first, and keeps most real chunks."""
+    t = _tier(make_tier, root, secret, range(16))
+    d = os.path.dirname(t.path_of(key(0)))
+    copies = []
+    for i in range(14):
+        p = os.path.join(d, f".tmp.{key(0).hex()[:16]}.{900000 + i}.0badc0de.01234567.{i}")
+        shutil.copyfile(t.path_of(key(0)), p)
+        copies.append(p)
+    t.close()
+    argv = ["evict", root, "--budget", str(16 * FILE), "--json"]
+    code, rep, _ = _cli(capsys, *argv, *(["--secret-file", _secret_file(tmp_path)] if secret else []))
+    assert code == 0 and rep["triggered"] and rep["reached_low"], rep
+    assert rep["temps_over_cap"] == 10 and rep["temps_over_cap_removed"] == 10, rep
+    assert sum(os.path.exists(p) for p in copies) == 4
+    # 16 chunks + 4 counted temps = 20 files against a low mark of 12.8: 8 chunks go, 8 stay (was 0).
+    kept = sum(os.path.exists(t.path_of(key(i))) for i in range(16))
+    assert kept == 8, rep

@@ -256,3 +256,36 @@ def test_a_tier_without_a_budget_says_so_at_start(tmpfs, fp, caplog, monkeypatch
         for _ in range(2):
             FileTier.from_config(OffloadConfig.from_sources(base, env={}), fp, CHUNK).close()
     assert len([r for r in caplog.records if "no budget" in r.getMessage()]) == 1
+
+
+@pytest.mark.parametrize("secret", [None, SECRET])
+def test_junk_at_chunk_names_costs_one_header_read_per_change_not_per_rescan(root, make_tier, monkeypatch, secret):
+    from tpu_offload.core.fs import actions
+
+    t = make_tier(root, capacity_bytes=N * FILE, secret=secret)
+    write_all(t, *range(N))
+    planted = []
+    for i in range(40):
+        name = f"{0xab00 + i:04x}" + "cd" * 18
+        d = os.path.join(t.ns_dir, name[:2], name[2:4])
+        os.makedirs(d, mode=0o700, exist_ok=True)
+        planted.append(os.path.join(d, name))
+        _junk(planted[-1], 64)
+    reads = []
+    real = actions.ours_at
+    monkeypatch.setattr(actions, "ours_at", lambda d, name, **kw: reads.append(name) or real(d, name, **kw))
+    t.rescan()
+    assert len(reads) >= 40  # each junk file read once
+    reads.clear()
+    t.rescan()
+    t.rescan()
+    assert reads == [], f"{len(reads)} header reads for files already judged"
+    _junk(planted[0], 128)  # a change: read again, once
+    t.rescan()
+    t.rescan()
+    assert reads == [os.path.basename(planted[0])]
+    assert _on_disk(t) == N and t.usage()["foreign_entries"] >= 40
+    for p in planted:  # the cache forgets what is gone: it never grows past the files there are
+        os.unlink(p)
+    t.rescan()
+    assert t._scanner.cached_verdicts == N

@@ -43,7 +43,8 @@ from tpu_offload.core.config import ConfigError, OffloadConfig
 from tpu_offload.core.fs import FileTier
 from tpu_offload.core.fs.lag import LagDrain
 from tpu_offload.core.fs.journal import FileJournal
-from tpu_offload.core.fs.auth import FsAuth, Names
+from tpu_offload.core.fs import kdfsalt
+from tpu_offload.core.fs.auth import Names
 from tpu_offload.core.fs.deadline import BoundedCalls
 from tpu_offload.core.fs.layout import published_stat
 from tpu_offload.core.fs.reset import bind_weights, reset_salt as _reset_salt, salted  # noqa: F401  (salted: re-exported)
@@ -100,7 +101,9 @@ class FsLookup:
     def __init__(self, cfg: OffloadConfig, fp: LayoutFingerprint):
         self._root = os.path.abspath(cfg.shared_storage_path)
         self._fp = fp
-        self._auth = FsAuth(cfg.fs_secret) if cfg.fs_secret else None  # names as the worker's tier has them
+        # names as the worker's tier has them: the same secret, salted with the same salt file in the root
+        self._auth = (kdfsalt.auth_for_root(cfg.fs_secret, self._root, dir_mode=cfg.fs_dir_mode)
+                      if cfg.fs_secret else None)
         self.names = Names(self._root, fp, self._auth)
         self.ns_dir = self.names.ns_dir
         self._seen: set[tuple[ChunkKey, bytes]] = set()

@@ -11,7 +11,11 @@ ones too), each at its allocated size capped at the header plus the payload
 it declares (a sparse 1 TiB file must not make every chunk look over
 budget); temp files named by our own pattern count and go only when ours
 (our magic, or empty) and older than the given age on the file server's
-clock (a writer may still be filling a younger one). ``verify`` reports
+clock (a writer may still be filling a younger one); with a budget they
+count only up to the tier's temp cap (``tempcap``: a quarter of it, newest
+first), and those beyond it are junk, deleted before any chunk when the
+budget is exceeded (copies of one of our files under temp names must not
+evict our chunks). ``verify`` reports
 files without our magic and never deletes or moves them.
 Nothing is followed or deleted through a symlink, and a subdirectory that
 cannot be read is skipped and reported, never fatal.
@@ -31,7 +35,7 @@ import math
 import os
 import time
 
-from tpu_offload.core.fs import actions, layout, safedir
+from tpu_offload.core.fs import actions, layout, safedir, tempcap
 from tpu_offload.core.fs.fileio import aligned_empty
 from tpu_offload.core.fs.format import HEADER_SIZE, MAGIC, HeaderError, parse_header
 from tpu_offload.core.fs.keyring import Keyring, keyed_tag
@@ -90,6 +94,9 @@ class EvictReport:
     per_namespace: bool = True  # --budget applies to each namespace on its own
     namespaces: dict = dataclasses.field(default_factory=dict)  # namespace -> {used_before, used_after, evicted}
     future_mtimes_clamped: int = 0
+    # with --budget: our temps beyond the tier's temp cap (``tempcap``): junk, not counted; deleted first
+    temps_over_cap: int = 0
+    temps_over_cap_removed: int = 0
     clock: str = "server"  # whose clock judged ages: "server" (a probe file's mtime) or "local"
     unreadable: list[str] = dataclasses.field(default_factory=list)  # "path: why", skipped
     dry_run: bool = False
@@ -185,6 +192,7 @@ def evict(
         raise ValueError(f"tmp_age_s={tmp_age_s!r}; allowed: a finite number of seconds >= 0")
     if budget_bytes is not None and budget_bytes <= 0:
         raise ValueError(f"budget_bytes={budget_bytes!r}; allowed: > 0, or None for the filesystem")
+    keyring = None if keyring is None else keyring.at(root)
     scans = scan_root(root, namespace)
     _require_key(scans, keyring, "evict")
     unreadable = _unreadable(scans)
@@ -217,11 +225,18 @@ def evict(
     else:
         groups = [scans]
     for group in groups:
-        files = [f for s in group for f in (*s.chunks, *s.quarantined, *s.temps)]
+        files = [f for s in group for f in (*s.chunks, *s.quarantined)]
+        temps = [(s, t) for s in group for t in s.temps]
         if budget_bytes is not None:
-            total, used = budget_bytes, sum(f.size for f in files)
+            # The tier's own rule: temps count up to its temp cap, newest first; the rest is junk.
+            temp_bytes, over = tempcap.split_temps(
+                temps, name=lambda v: v[1].name, size=lambda v: v[1].size, mtime=lambda v: v[1].mtime,
+                cap_bytes=tempcap.temp_cap_bytes(budget_bytes))
+            total, used = budget_bytes, sum(f.size for f in files) + temp_bytes
+            rep.temps_over_cap += len(over)
         else:
             total, used = _fs_usage(root)
+            over = []
         high, low = int(total * high_pct / 100), int(total * low_pct / 100)
         rep.total_bytes += total
         rep.used_before += used
@@ -230,7 +245,7 @@ def evict(
         after = used
         if used >= high:
             rep.triggered = True
-            after = _evict_group(rep, group, budget_bytes is not None, used, low, dry_run)
+            after = _evict_group(rep, group, budget_bytes is not None, used, low, dry_run, over)
         rep.used_after += after
         if budget_bytes is not None and per_namespace:
             rep.namespaces[group[0].namespace] = {"used_before": used, "used_after": after,
@@ -239,8 +254,15 @@ def evict(
 
 
 def _evict_group(rep: EvictReport, scans: list[NamespaceScan], budget: bool, used: int, low: int,
-                 dry_run: bool) -> int:
-    """Delete LRU files of ``scans`` until ``used`` is at most ``low``; returns the bytes left."""
+                 dry_run: bool, over_cap: list[tuple[NamespaceScan, Found]] = ()) -> int:
+    """Delete LRU files of ``scans`` until ``used`` is at most ``low``; returns the bytes left.
+
+    Temps over the temp cap (``over_cap``: not counted in ``used``) go before
+    anything else, each only if still unchanged and ours.
+    """
+    for s, f in over_cap:
+        if _delete_if_unchanged(s.path, f, dry_run) == "deleted":
+            rep.temps_over_cap_removed += 1
     # Quarantined files are never served: they go first. Then chunks, LRU first.
     victims = [(s, f) for s in scans for f in sorted(s.quarantined, key=lambda f: f.mtime)]
     victims += sorted(((s, f) for s in scans for f in s.chunks), key=lambda v: v[1].mtime)
@@ -355,6 +377,7 @@ def inspect(root: str, namespace: str | None = None, keyring: Keyring | None = N
     namespaces without the secret say ``"authenticated": null`` (the magic
     is public: forgeries look alike).
     """
+    keyring = None if keyring is None else keyring.at(root)
     now = time.time()
     total, used = _fs_usage(root)
     out = {"root": os.path.abspath(root), "fs_total_bytes": total, "fs_used_bytes": used, "namespaces": [],
@@ -465,6 +488,7 @@ def verify(root: str, namespace: str | None = None, action: str = "report",
     """
     if action not in ("report", "quarantine", "delete"):
         raise ValueError(f"action {action!r}; allowed: report, quarantine, delete")
+    keyring = None if keyring is None else keyring.at(root)
     rep = VerifyReport(action=action)
     buf = aligned_empty(_VERIFY_BLOCK)
     scans = scan_root(root, namespace)

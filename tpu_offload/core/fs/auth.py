@@ -112,11 +112,14 @@ class TenantKeys:
 # scrypt's cost for the root key: 32 MiB and ~0.1 s once per process and secret, so that nothing
 # public (a ``kv-<tag>`` name, a header MAC) lets anyone test guesses of the secret at hash speed.
 SCRYPT_N, SCRYPT_R, SCRYPT_P = 1 << 15, 8, 1
+# The salt when no deployment salt is known (``kdfsalt``: a shared directory holds one): snapshots,
+# and a tier whose salt file cannot be made or trusted. One constant serves every such deployment.
+FIXED_KDF_SALT = b"tpu-offload fs root key v2"
 
 
 @functools.lru_cache(maxsize=8)
-def _root_key(secret: bytes) -> bytes:
-    return hashlib.scrypt(secret, salt=b"tpu-offload fs root key v2", n=SCRYPT_N, r=SCRYPT_R, p=SCRYPT_P,
+def _root_key(secret: bytes, salt: bytes = FIXED_KDF_SALT) -> bytes:
+    return hashlib.scrypt(secret, salt=salt, n=SCRYPT_N, r=SCRYPT_R, p=SCRYPT_P,
                           maxmem=2 * 128 * SCRYPT_N * SCRYPT_R + (1 << 20), dklen=64)
 
 
@@ -124,14 +127,22 @@ class FsAuth:
     """The root of every derived key; holds no copy of the secret itself.
 
     The root key comes from the secret by scrypt (memory-hard, derived once
-    per process): every other key, name and tag is a fast keyed hash of the
-    root key, never of the secret itself.
+    per process) salted with ``kdf_salt``: the deployment's own random salt
+    (``kdfsalt.auth_for_root``, from the shared directory) so that no
+    dictionary computed once serves every deployment, else a fixed one.
+    Every other key, name and tag is a fast keyed hash of the root key,
+    never of the secret itself.
     """
 
-    def __init__(self, secret: bytes):
+    def __init__(self, secret: bytes, kdf_salt: bytes = FIXED_KDF_SALT):
         if not isinstance(secret, (bytes, bytearray)) or len(secret) < MIN_SECRET_BYTES:
             raise ValueError(f"fs secret must be at least {MIN_SECRET_BYTES} bytes")
-        self._root = _root_key(bytes(secret))
+        self.kdf_salt = bytes(kdf_salt)
+        self._root = _root_key(bytes(secret), self.kdf_salt)
+
+    def salt_check(self) -> bytes:
+        """16 bytes only a holder of the secret can compute for this salt: what vouches for a salt file."""
+        return _kdf(self._root, b"tpuoff-saltfile", self.kdf_salt, 16)
 
     def layout_tag(self, layout_digest: bytes) -> bytes:
         """16 bytes standing for the layout in names and headers; reveals nothing without the secret."""
@@ -185,10 +196,13 @@ def read_secret_file(path: str) -> bytes:
     on the way and every symlink followed is root's or ours, and a directory
     group or others can write has the sticky bit; the file is a regular file
     of sane size that only its owner (us or root) can write. Opened without
-    blocking. A world-readable secret outside a Kubernetes Secret mount is
-    accepted with a warning.
+    blocking. A secret that group or others can read is accepted with a
+    warning, except in a Kubernetes Secret mount (files 0644 or 0640 by
+    design): a ``..data`` entry on the path owned by the secret's own owner,
+    us or root (one made by anyone else proves nothing: any uid can create
+    ``..data`` in a sticky directory such as ``/tmp``).
     """
-    real, via_secret_mount = check_secret_path(path)
+    real, mount_owners = check_secret_path(path)
     try:
         fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as e:
@@ -206,9 +220,12 @@ def read_secret_file(path: str) -> bytes:
         data = os.read(fd, MAX_SECRET_BYTES + 1)
     finally:
         os.close(fd)
-    if st.st_mode & 0o004 and not via_secret_mount:
-        log.warning("fs secret file %s is world-readable (mode %04o): any user on this host can read the key of "
-                    "the shared tier; chmod 600 it", path, stat.S_IMODE(st.st_mode))
+    via_secret_mount = st.st_uid in mount_owners and st.st_uid in (os.geteuid(), 0)
+    if st.st_mode & 0o044 and not via_secret_mount:
+        who = "world" if st.st_mode & 0o004 else "group"
+        log.warning("fs secret file %s is %s-readable (mode %04o): %s on this host can read the key of the "
+                    "shared tier; chmod 600 it", path, who, stat.S_IMODE(st.st_mode),
+                    "any user" if who == "world" else "every member of its group")
     return check_secret(data)
 
 
@@ -222,13 +239,16 @@ def _safe_dir(st: os.stat_result, where: str) -> None:
                          f"could swap the secret)")
 
 
-def check_secret_path(path: str) -> tuple[str, bool]:
-    """Walk ``path`` as OpenSSH's StrictModes does; (the real path, whether it went through a Kubernetes Secret mount).
+def check_secret_path(path: str) -> tuple[str, frozenset[int]]:
+    """Walk ``path`` as OpenSSH's StrictModes does; (the real path, the owners of the ``..data`` entries on it).
 
     Every directory from ``/`` down is root's or ours, and if group or others
     can write it, it has the sticky bit (``/tmp``); every symlink followed is
     root's or ours (Kubernetes mounts a Secret as root-owned ``..data``
-    links: those pass). ValueError says which component failed.
+    links: those pass). A ``..data`` entry (followed, or beside a directory
+    on the way) marks a Kubernetes Secret mount; its owner is returned so the
+    caller can require it to be the secret's. ValueError says which
+    component failed.
     """
     if not os.path.isabs(path):
         path = os.path.abspath(path)
@@ -239,7 +259,7 @@ def check_secret_path(path: str) -> tuple[str, bool]:
     except OSError as e:
         raise ValueError(f"a readable file holding {HOW_TO_MAKE} ({e.strerror})") from None
     hops = 0
-    secret_mount = False
+    mount_owners: set[int] = set()
     while parts:
         name = parts.pop(0)
         if name == ".":
@@ -260,7 +280,7 @@ def check_secret_path(path: str) -> tuple[str, bool]:
                 raise ValueError(f"a secret file reached only through symlinks owned by this user or root ({nxt} is "
                                  f"a symlink owned by uid {st.st_uid}, who could point it at a secret of theirs)")
             if name == "..data":
-                secret_mount = True  # Kubernetes' atomic writer: a root-owned ..data link in a Secret volume
+                mount_owners.add(st.st_uid)  # Kubernetes' atomic writer: a root-owned ..data link in a Secret volume
             target = os.readlink(nxt)
             parts = [p for p in target.split(os.sep) if p] + parts
             if target.startswith(os.sep):
@@ -270,10 +290,12 @@ def check_secret_path(path: str) -> tuple[str, bool]:
             if not stat.S_ISDIR(st.st_mode):
                 raise ValueError(f"a readable file holding {HOW_TO_MAKE} ({nxt} is not a directory)")
             _safe_dir(st, nxt)
-            if os.path.lexists(os.path.join(nxt, "..data")):
-                secret_mount = True
+            try:
+                mount_owners.add(os.lstat(os.path.join(nxt, "..data")).st_uid)
+            except OSError:
+                pass
         cur = nxt
-    return cur, secret_mount
+    return cur, frozenset(mount_owners)
 
 
 def make_secret_file(path: str) -> bytes:

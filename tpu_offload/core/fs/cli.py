@@ -27,6 +27,7 @@ import dataclasses
 import json
 import math
 import os
+import stat
 import sys
 from typing import Any, Callable
 
@@ -67,6 +68,51 @@ _pct = _checked(_pct_value)
 _tmp_age = _checked(config.parse_number(MIN_TMP_AGE_S))
 
 
+def _safe(text: str) -> str:
+    """``text`` with every byte that is not valid UTF-8 written as ``\\xNN``: printable anywhere.
+
+    File names come from the shared directory, where anyone may create a
+    name that is not UTF-8 (Python hands it over as lone surrogates); printed
+    as they are, they raise ``UnicodeEncodeError`` and the run ends with a
+    traceback and exit 1 ("bad files"). Escaped, the report goes out whole.
+    """
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
+def _say(text: str, file=None) -> None:
+    """Print ``text`` (file names escaped by ``_safe``) in the stream's own encoding, never raising on it."""
+    stream = sys.stdout if file is None else file
+    enc = getattr(stream, "encoding", None) or "utf-8"
+    try:
+        out = _safe(text).encode(enc, "backslashreplace").decode(enc)
+    except LookupError:  # an encoding Python does not know: ASCII is safe everywhere
+        out = _safe(text).encode("ascii", "backslashreplace").decode("ascii")
+    print(out, file=stream)
+
+
+def _clean(obj):
+    """A report with every string made printable (``_safe``): JSON parsers refuse lone surrogates."""
+    if isinstance(obj, str):
+        return _safe(obj)
+    if isinstance(obj, dict):
+        return {_clean(k): _clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean(v) for v in obj]
+    return obj
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose usage errors come out as JSON when ``--json`` is on the command line."""
+
+    json_errors = False
+
+    def error(self, message):
+        if _Parser.json_errors:
+            _say(json.dumps({"error": f"{self.prog}: error: {message}", "exit_code": EXIT_USAGE}))
+            self.exit(EXIT_USAGE)
+        super().error(message)
+
+
 def _version() -> str:
     try:
         from importlib.metadata import version
@@ -79,20 +125,21 @@ def _version() -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tpu-offload-fs", description=__doc__.split("\n")[0],
+    p = _Parser(prog="tpu-offload-fs", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n", 1)[1])
     p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
 
     def common(sp):
         sp.add_argument("root", help="the shared_storage_path all instances use")
         sp.add_argument("--namespace", help="only this namespace (a directory under root)")
-        sp.add_argument("--json", action="store_true", help="machine-readable output")
+        sp.add_argument("--json", action="store_true", help="machine-readable output (errors too: one JSON "
+                        "object with error and exit_code)")
         sp.add_argument("--secret-file", help="the file tier's secret (as fs_secret_file); else "
                         "TPU_OFFLOAD_FS_SECRET_FILE / TPU_OFFLOAD_FS_SECRET / --config")
         sp.add_argument("--config", help="a kv-transfer-config JSON file (or its kv_connector_extra_config) "
-                        "whose fs_secret_file names the secret")
+                        "whose fs_secret_file names the secret (a regular file of at most 1 MiB)")
         sp.add_argument("--salt", action="append", default=[],
                         help="a tenant's cache_salt whose files verify should check in full (repeatable)")
 
@@ -124,50 +171,57 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None, env=None) -> int:
-    args = _parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    _Parser.json_errors = "--json" in argv
+    try:
+        args = _parser().parse_args(argv)
+    finally:
+        _Parser.json_errors = False
     if args.cmd == "make-secret":
         try:
             make_secret_file(args.path)
         except OSError as e:
-            print(f"tpu-offload-fs: cannot create {args.path!r}: {e.strerror or e} (it must not exist yet)",
-                  file=sys.stderr)
+            _say(f"tpu-offload-fs: cannot create {args.path!r}: {e.strerror or e} (it must not exist yet)",
+                 sys.stderr)
             return EXIT_USAGE
-        print(f"wrote a 32-byte secret to {args.path} (mode 0600)")
+        _say(f"wrote a 32-byte secret to {args.path} (mode 0600)")
         return EXIT_OK
+
+    def fail(msg: str, code: int) -> int:
+        """One line on stderr; under --json one object on stdout instead, so a parser of stdout sees why."""
+        if args.json:
+            _say(json.dumps(_clean({"error": f"tpu-offload-fs: {msg}", "exit_code": code})))
+        else:
+            _say(f"tpu-offload-fs: {msg}", sys.stderr)
+        return code
+
     try:
         args.keyring = _keyring(args, os.environ if env is None else env)
     except ValueError as e:
-        print(f"tpu-offload-fs: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        return fail(str(e), EXIT_USAGE)
     if not os.path.isdir(args.root) or not os.access(args.root, os.R_OK | os.X_OK):
-        print(f"tpu-offload-fs: root {args.root!r} is missing or unreadable", file=sys.stderr)
-        return EXIT_NO_ROOT
+        return fail(f"root {args.root!r} is missing or unreadable", EXIT_NO_ROOT)
     if args.cmd == "evict" and args.low > args.high:
-        print(f"tpu-offload-fs: --low {args.low} is above --high {args.high}; allowed: --low <= --high",
-              file=sys.stderr)
-        return EXIT_USAGE
+        return fail(f"--low {args.low} is above --high {args.high}; allowed: --low <= --high", EXIT_USAGE)
     if not admin.tier_namespaces(args.root, args.namespace):
         what = f"namespace {args.namespace!r}" if args.namespace else "namespace directory"
-        print(f"tpu-offload-fs: {args.root!r} holds no file tier (no {what} of one: <model>-<digest>, or kv-<tag> "
-              "with a secret); is it the shared_storage_path the engines use?", file=sys.stderr)
-        return EXIT_NO_TIER
+        return fail(f"{args.root!r} holds no file tier (no {what} of one: <model>-<digest>, or kv-<tag> "
+                    "with a secret); is it the shared_storage_path the engines use?", EXIT_NO_TIER)
     try:
         problems, unreadable, not_ours = _run(args)
     except admin.KeyRequired as e:
-        print(f"tpu-offload-fs: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        return fail(str(e), EXIT_USAGE)
     except OSError as e:  # only the root itself can fail this way: everything below is skipped and listed
-        print(f"tpu-offload-fs: cannot read root {args.root!r}: {e.strerror or e}", file=sys.stderr)
-        return EXIT_NO_ROOT
+        return fail(f"cannot read root {args.root!r}: {e.strerror or e}", EXIT_NO_ROOT)
     if unreadable:
-        print(f"tpu-offload-fs: {len(unreadable)} path(s) could not be read and were skipped:", file=sys.stderr)
+        _say(f"tpu-offload-fs: {len(unreadable)} path(s) could not be read and were skipped:", sys.stderr)
         for line in unreadable:
-            print(f"  {line}", file=sys.stderr)
+            _say(f"  {line}", sys.stderr)
     if not_ours:
-        print(f"tpu-offload-fs: {len(not_ours)} namespace(s) hold files of which not one verifies under this secret "
-              "(another deployment's, or every file forged):", file=sys.stderr)
+        _say(f"tpu-offload-fs: {len(not_ours)} namespace(s) hold files of which not one verifies under this secret "
+             "(another deployment's, or every file forged):", sys.stderr)
         for ns in not_ours:
-            print(f"  NOT OURS {ns}", file=sys.stderr)
+            _say(f"  NOT OURS {ns}", sys.stderr)
     return EXIT_PROBLEMS if problems else EXIT_NOT_OURS if not_ours else EXIT_PARTIAL if unreadable else EXIT_OK
 
 
@@ -180,11 +234,7 @@ def _keyring(args, env) -> Keyring | None:
         except ValueError as e:
             raise ValueError(f"--secret-file {args.secret_file!r}: not allowed; allowed: {e}") from None
     if args.config:
-        try:
-            with open(args.config) as f:
-                obj = json.load(f)
-        except (OSError, ValueError) as e:
-            raise ValueError(f"--config {args.config!r}: cannot read a JSON object ({e})") from None
+        obj = _read_config(args.config)
         extra = obj.get("kv_connector_extra_config", obj) if isinstance(obj, dict) else None
         path = extra.get("fs_secret_file") if isinstance(extra, dict) else None
         if not path:
@@ -210,6 +260,41 @@ def _keyring(args, env) -> Keyring | None:
     return None
 
 
+MAX_CONFIG_BYTES = 1 << 20
+
+
+def _read_config(path: str):
+    """The JSON in ``path``, a regular file: a FIFO, a device or a directory is refused, never waited on."""
+    allowed = f"allowed: a regular JSON file of at most {MAX_CONFIG_BYTES} bytes"
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise ValueError(f"--config {path!r}: cannot open it ({e.strerror or e}); {allowed}") from None
+    try:
+        st = os.fstat(fd)
+        data = os.read(fd, MAX_CONFIG_BYTES + 1) if stat.S_ISREG(st.st_mode) else None
+    except OSError as e:
+        raise ValueError(f"--config {path!r}: cannot read it ({e.strerror or e}); {allowed}") from None
+    finally:
+        os.close(fd)
+    if data is None:
+        raise ValueError(f"--config {path!r}: not a regular file ({_kind(st.st_mode)}); {allowed}")
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ValueError(f"--config {path!r}: larger than {MAX_CONFIG_BYTES} bytes; {allowed}")
+    try:
+        return json.loads(data)
+    except ValueError as e:
+        raise ValueError(f"--config {path!r}: cannot read a JSON object ({e}); {allowed}") from None
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a device"),
+                       (stat.S_ISBLK, "a device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return f"mode {mode:o}"
+
+
 def _run(args) -> tuple[bool, list[str], list[str]]:
     """Do the command and print its report; (problems found, paths skipped, namespaces not ours)."""
     if args.cmd == "evict":
@@ -229,7 +314,7 @@ def _run(args) -> tuple[bool, list[str], list[str]]:
 
 
 def _emit(args, obj, text: str) -> None:
-    print(json.dumps(obj, indent=2, default=str) if args.json else text)
+    _say(json.dumps(_clean(obj), indent=2, default=str) if args.json else text)
 
 
 def _gib(n: int) -> str:
@@ -243,7 +328,10 @@ def _evict_text(r: admin.EvictReport) -> str:
         return f"{head}; below the high mark, nothing evicted; {r.temps_removed} stale temp files removed"
     verb = "would evict" if r.dry_run else "evicted"
     return (f"{head}\n{verb} {r.evicted_files} files ({_gib(r.evicted_bytes)}), now {_gib(r.used_after)}; "
-            f"{r.temps_removed} stale temps removed ({r.clock} clock); skipped: {r.skipped_vanished} vanished, "
+            f"{r.temps_removed} stale temps removed ({r.clock} clock); "
+            + (f"{r.temps_over_cap_removed} of {r.temps_over_cap} temps over the temp cap removed; "
+               if r.temps_over_cap else "")
+            + f"skipped: {r.skipped_vanished} vanished, "
             f"{r.skipped_recently_used} used meanwhile, {r.skipped_not_ours} without our magic; "
             f"{r.not_ours} files not ours (no magic, or not signed with the secret) not counted"
             + ("" if r.reached_low else "\nWARNING: could not reach the low mark"))

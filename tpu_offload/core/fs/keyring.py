@@ -20,7 +20,7 @@ import hmac
 import os
 import string
 
-from tpu_offload.core.fs import safedir
+from tpu_offload.core.fs import kdfsalt, safedir
 from tpu_offload.core.fs.auth import NS_PREFIX, FsAuth, TenantKeys
 from tpu_offload.core.fs.format import FLAG_HEAD, HEAD_MAC_OFF, HEADER_SIZE, MAGIC, Header, HeaderError, parse_header
 
@@ -38,9 +38,32 @@ def keyed_tag(namespace: str) -> bytes | None:
 
 
 class Keyring:
-    def __init__(self, secret: bytes, salts: tuple[bytes, ...] = ()):
-        self.auth = FsAuth(secret)
+    """The secret's keys as the tier derives them in one shared directory (``at(root)``).
+
+    The root key is salted per deployment (``kdfsalt``: the salt file in the
+    shared directory), so the keys depend on the directory: ``admin`` binds
+    the keyring to the root it works on before judging any file. Unbound, the
+    fixed salt is used (a tier that had no salt file).
+    """
+
+    def __init__(self, secret: bytes, salts: tuple[bytes, ...] = (), root: str | None = None):
+        self._secret = bytes(secret)
+        self.root = None if root is None else os.path.abspath(root)
+        self._auth: FsAuth | None = None  # derived on first use (scrypt: ~0.1 s), once bound to a root
         self.salts = tuple(dict.fromkeys((b"", *map(bytes, salts))))
+
+    @property
+    def auth(self) -> FsAuth:
+        if self._auth is None:
+            self._auth = (FsAuth(self._secret) if self.root is None
+                          else kdfsalt.auth_for_root(self._secret, self.root, create=False))
+        return self._auth
+
+    def at(self, root: str) -> "Keyring":
+        """This keyring with the keys of the deployment sharing ``root`` (its salt file; never creates one)."""
+        if self.root == os.path.abspath(root):
+            return self
+        return Keyring(self._secret, self.salts, root)
 
     @functools.lru_cache(maxsize=256)
     def _head_key(self, tag: bytes) -> bytes:

@@ -25,7 +25,7 @@ import threading
 import time
 from typing import Callable
 
-from tpu_offload.core.fs import actions, layout
+from tpu_offload.core.fs import actions, layout, tempcap
 from tpu_offload.core.fs.index import FileIndex
 
 log = logging.getLogger("tpu_offload.fs")
@@ -40,10 +40,14 @@ class Rescanner:
         # Ours: our magic (with a secret, a header MAC that verifies) and one link. Anything else in the
         # namespace is foreign: never counted, never deleted (``actions.ours_at``).
         self.head_ok = head_ok
-        self._vetted: dict[str, int] = {}  # chunk name -> hash of (dev, ino, ctime_ns, size) found ours
-        # The temps that count: at most ``writes_per_writer`` per writer (a writer has that many I/O
-        # threads), and at most ``temp_cap_bytes`` in all, so copies of our headers under temp names
-        # can never push the budget for chunks below ``capacity - temp_cap_bytes``.
+        # Chunk name -> (hash of (dev, ino, ctime_ns, size), ours?) for every chunk-named file the last
+        # scan looked at, ours or not: junk at chunk names costs one header read per change, not one per
+        # rescan (a round trip each on NFS). Rebuilt by each scan from the files it saw, so it holds
+        # at most one entry per file in the namespace (deleted files drop out).
+        self._vetted: dict[str, tuple[int, bool]] = {}
+        # The temps that count (``tempcap.split_temps``, the CLI's rule too): at most
+        # ``writes_per_writer`` per writer, and at most ``temp_cap_bytes`` in all, so copies of our
+        # headers under temp names can never push the budget for chunks below ``capacity - temp_cap_bytes``.
         self.writes_per_writer = max(1, writes_per_writer)
         self.temp_cap_bytes = temp_cap_bytes
         self.dir_mode = dir_mode  # fan-out directories of ours with another mode are set back to it
@@ -87,8 +91,7 @@ class Rescanner:
             except BaseException:
                 self.index.abort_rebuild()
                 raise
-            per_writer: dict[str, int] = {}
-            temp_bytes = 0
+            live = []
             mono = time.monotonic()
             seen, self._temps_seen = self._temps_seen, {}
             for t in scan.temps:
@@ -114,13 +117,10 @@ class Rescanner:
                     self._count("stale_temps_removed" if stale else "unchanged_temps_removed" if still
                                 else "dead_temps_removed")
                     continue
-                writer = t.name.split(".", 3)[-1].rsplit(".", 1)[0]  # pid, host tag and token
-                per_writer[writer] = per_writer.get(writer, 0) + 1
-                if per_writer[writer] <= self.writes_per_writer:
-                    temp_bytes += self._bytes_of(t.size, t.blocks)
-            if self.temp_cap_bytes is not None:
-                temp_bytes = min(temp_bytes, self.temp_cap_bytes)
-            self.temp_bytes = temp_bytes
+                live.append(t)
+            self.temp_bytes, _ = tempcap.split_temps(
+                live, name=lambda t: t.name, size=lambda t: self._bytes_of(t.size, t.blocks),
+                mtime=lambda t: t.mtime, cap_bytes=self.temp_cap_bytes, writes_per_writer=self.writes_per_writer)
             self.foreign = len(scan.foreign)
             self._note_unreadable(scan.unreadable)
             self.last = time.monotonic()
@@ -128,14 +128,26 @@ class Rescanner:
             self._lock.release()
         return True
 
-    def _vet(self, vetted: dict[str, int], d: int, name: str, st: os.stat_result) -> bool:
-        """Is the chunk-named file ``name`` ours? One header read per new (dev, ino, ctime, size)."""
+    def _vet(self, vetted: dict[str, tuple[int, bool]], d: int, name: str, st: os.stat_result) -> bool:
+        """Is the chunk-named file ``name`` ours? One header read per new (dev, ino, ctime, size), ours or not.
+
+        The ctime (not only the mtime) is part of the identity: any rewrite
+        moves it and nobody can set it back, so a verdict cannot outlive the
+        bytes it was given for.
+        """
         ident = hash((st.st_dev, st.st_ino, st.st_ctime_ns, st.st_size))
-        if vetted.get(name) != ident and (
-                st.st_size == 0 or actions.ours_at(d, name, head_ok=self.head_ok, want_name=name) is None):
-            return False
-        self._vetted[name] = ident
-        return True
+        prev = vetted.get(name)
+        if prev is not None and prev[0] == ident:
+            ours = prev[1]
+        else:
+            ours = st.st_size != 0 and actions.ours_at(d, name, head_ok=self.head_ok, want_name=name) is not None
+        self._vetted[name] = (ident, ours)
+        return ours
+
+    @property
+    def cached_verdicts(self) -> int:
+        """How many files' verdicts (ours or not) the last scan left cached: at most the files it saw."""
+        return len(self._vetted)
 
     def _bytes(self, st: os.stat_result) -> int:
         return self._bytes_of(st.st_size, st.st_blocks * 512)

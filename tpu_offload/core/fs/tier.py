@@ -41,8 +41,8 @@ import time
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
-from tpu_offload.core.fs import layout, safedir
-from tpu_offload.core.fs.auth import FsAuth, Names
+from tpu_offload.core.fs import kdfsalt, layout, safedir, tempcap
+from tpu_offload.core.fs.auth import Names
 from tpu_offload.core.fs.chunkfile import ChunkFiles
 from tpu_offload.core.fs.deadline import BoundedCalls
 from tpu_offload.core.fs.format import FLAG_HEAD, HEAD_MAC_OFF, HEADER_SIZE, HeaderError, parse_header
@@ -124,7 +124,8 @@ class FileTier(WritePath, ReadPath):
         self.name = name
         self.root = os.path.abspath(root)
         self.fingerprint = fingerprint
-        self.names = Names(self.root, fingerprint, FsAuth(secret) if secret else None)
+        self.names = Names(self.root, fingerprint, kdfsalt.auth_for_root(secret, self.root, dir_mode=dir_mode)
+                           if secret else None)  # salted per deployment: the salt file in the root
         self.ns_dir = self.names.ns_dir
         self._tk = self.names.keys()  # None without a secret
         self._key_of: dict[bytes, bytes] = {}  # file id -> chunk key, for the journal (with a secret)
@@ -155,7 +156,7 @@ class FileTier(WritePath, ReadPath):
                                   writable=lambda: self._state is TierState.RW, owner=self._uid,
                                   file_bytes=self.file_bytes, head_ok=self._head_ok if self._tk else None,
                                   writes_per_writer=threads,
-                                  temp_cap_bytes=None if capacity_bytes is None else capacity_bytes // 4,
+                                  temp_cap_bytes=tempcap.temp_cap_bytes(capacity_bytes),
                                   dir_mode=dir_mode)
         self._lock = threading.RLock()  # state, counters, in-flight writes
         self._inflight: dict[bytes, Future] = {}
