@@ -35,18 +35,21 @@ class Rescanner:
     def __init__(self, ns_dir: str, index: FileIndex, *, name: str, stale_tmp_s: float,
                  count: Callable[..., None], writable: Callable[[], bool], owner: int | None = None,
                  file_bytes: int | None = None, head_ok: Callable[[bytes, str | None], bool] | None = None,
-                 writes_per_writer: int = 8, temp_cap_bytes: int | None = None, dir_mode: int | None = None):
+                 writes_per_writer: int = 8, temp_cap_bytes: int | None = None, dir_mode: int | None = None,
+                 report: Callable[[str, str], None] | None = None):
         self.ns_dir = ns_dir
         # Ours: our magic (with a secret, a header MAC that verifies) and one link. Anything else in the
         # namespace is foreign: never counted, never deleted (``actions.ours_at``).
         self.head_ok = head_ok
         self._vetted: dict[str, int] = {}  # chunk name -> hash of (dev, ino, ctime_ns, size) found ours
+        self._scanned: dict[str, int] = {}  # the same, of the last completed scan (what ``unchanged`` asks)
         # The temps that count: at most ``writes_per_writer`` per writer (a writer has that many I/O
         # threads), and at most ``temp_cap_bytes`` in all, so copies of our headers under temp names
         # can never push the budget for chunks below ``capacity - temp_cap_bytes``.
         self.writes_per_writer = max(1, writes_per_writer)
         self.temp_cap_bytes = temp_cap_bytes
         self.dir_mode = dir_mode  # fan-out directories of ours with another mode are set back to it
+        self.report = report  # told (path, why) of each such repair
         self.owner = owner  # fan-out directories of another uid and hardlinked files are not indexed
         # A file counts at its allocated size, capped at one chunk file: a sparse 1 TiB file
         # with a chunk's name must not make the budget evict every real chunk.
@@ -81,7 +84,7 @@ class Rescanner:
                      for name, st, dirs in layout.walk_namespace(
                          self.ns_dir, scan, pace, self.owner,
                          vet=lambda d, name, st: self._vet(vetted, d, name, st),
-                         repair=self.dir_mode if self._writable() else None)),
+                         repair=self.dir_mode if self._writable() else None, report=self.report)),
                     pace,
                 )
             except BaseException:
@@ -122,6 +125,7 @@ class Rescanner:
                 temp_bytes = min(temp_bytes, self.temp_cap_bytes)
             self.temp_bytes = temp_bytes
             self.foreign = len(scan.foreign)
+            self._scanned = self._vetted
             self._note_unreadable(scan.unreadable)
             self.last = time.monotonic()
         finally:
@@ -136,6 +140,14 @@ class Rescanner:
             return False
         self._vetted[name] = ident
         return True
+
+    def unchanged(self, name: str, st: os.stat_result) -> bool:
+        """Is ``st`` the very file the last scan indexed under ``name`` (same dev, inode, ctime and size)?
+
+        A read or a restamp by another replica, or a rewrite, moves the
+        ctime: eviction skips such a file (it was used since it was chosen).
+        """
+        return self._scanned.get(name) == hash((st.st_dev, st.st_ino, st.st_ctime_ns, st.st_size))
 
     def _bytes(self, st: os.stat_result) -> int:
         return self._bytes_of(st.st_size, st.st_blocks * 512)
