@@ -418,18 +418,23 @@ class HeldDir:
             self._release(h)
 
     def _heal_held(self, h: "_Held") -> bool:
+        """Set the held namespace directory back to our mode if ours and wrong; False if not needed or failed."""
         if self.owner is None:
             return False
         try:
             st = os.fstat(h.fd)
-            return check_ours(st, self.owner, f"namespace directory {self.path}", repair=self.mode, fd=h.fd,
-                              report=self._report_mode)
-        except NotOurs:
+        except OSError:
             return False
+        if st.st_uid != self.owner or mode_ok(st):
+            return False
+        what, old = f"namespace directory {self.path}", stat.S_IMODE(st.st_mode)
+        try:
+            fchmod_dir(h.fd, self.mode)
         except OSError as e:
-            if self.report is not None:
-                self.report("failed", self.path, f"its mode could not be repaired ({e.strerror or e})")
+            self._report("failed", what, f"mode {old:o} could not be set back to {self.mode:o} ({e.strerror or e})")
             return False
+        self._report_mode(what, f"mode {old:o} set back to {self.mode:o}")
+        return True
 
     def _blocked(self, parent_fd: int, name: str) -> bool:
         return self.move_aside(parent_fd, name)
