@@ -401,6 +401,25 @@ def test_overlay_contract(rel):
         assert sz["config"].shared_storage_path is None and not of_kind(docs, "PersistentVolumeClaim")
 
 
+@pytest.mark.parametrize("rel", [rel for rel, want in EXPECT.items() if want["fs"]])
+def test_shared_volume_overlays_start_with_a_sticky_root(rel):
+    """Without the sticky bit, another uid that can write the volume's root (fsGroup makes an RWX
+    volume group-writable) can move the tier's namespace aside and turn the tier off."""
+    docs = render(rel)
+    ((dep, c, cfg),) = list(offload_containers(docs))
+    root = tier_sizing(dep, c, cfg)["config"].shared_storage_path
+    assert root == FS_MOUNT, "the sticky bit must be on the directory the tier uses as its root"
+    vol = next(m["name"] for m in c["volumeMounts"] if m["mountPath"] == FS_MOUNT)
+    inits = [i for i in dep["spec"]["template"]["spec"].get("initContainers") or []
+             if any(m["name"] == vol and m["mountPath"] == FS_MOUNT for m in i.get("volumeMounts") or [])]
+    assert len(inits) == 1, "no init step sets the sticky bit on the shared volume's root"
+    (init,) = inits
+    assert f"chmod +t {FS_MOUNT}" in " ".join(init.get("command", []) + init.get("args", []))
+    sc = init.get("securityContext") or {}
+    assert sc.get("privileged") is not True and sc.get("allowPrivilegeEscalation") is False
+    assert set(sc["capabilities"]["add"]) == {"FOWNER"} and sc["capabilities"]["drop"] == ["ALL"]
+
+
 def assert_only_raises_node_limits(c):
     """A privileged init container that writes the two node limits and nothing else."""
     script = " ".join(c.get("command", []) + c.get("args", []))
