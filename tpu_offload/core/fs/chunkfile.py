@@ -128,7 +128,7 @@ class ChunkFiles:
                     try:
                         os.rename(tmp, khex, src_dir_fd=d, dst_dir_fd=d)
                     except IsADirectoryError:  # a directory at the chunk's name: moved aside, once
-                        if not self.ns.move_aside(d, khex):
+                        if not self.ns.move_aside(d, khex, directory=True):
                             raise
                         os.rename(tmp, khex, src_dir_fd=d, dst_dir_fd=d)
                     # What we published, after the rename (it moves the ctime): the only file ours to restamp.

@@ -12,9 +12,12 @@ Walks use ``O_PATH`` fds, which need search permission only, like a path.
 
 The root itself, and the path to it, is the operator's choice and may
 contain symlinks; the namespace directory under it may not. A directory
-below the root that another uid owns, or that group or others can write,
-was not made by us: another tenant could plant or swap files in it, so it is
-never adopted (``NotOurs``, a miss or a dropped write, like a symlink).
+below the root that another uid owns was not made by us: another tenant
+could plant or swap files in it, so it is never adopted (``NotOurs``, a miss
+or a dropped write, like a symlink). One of ours with a wrong mode (group or
+others can write it, or we can no longer search or write it) is set back
+(``check_ours``); a non-directory at one of our directory names is moved
+aside into the quarantine (``HeldDir``).
 """
 
 from __future__ import annotations
@@ -437,11 +440,14 @@ class HeldDir:
         return True
 
     def _blocked(self, parent_fd: int, name: str) -> bool:
-        return self.move_aside(parent_fd, name)
+        return self.move_aside(parent_fd, name, directory=False)
 
-    def move_aside(self, parent_fd: int, name: str) -> bool:
-        """Move whatever sits at ``name`` in our directory ``parent_fd`` into the quarantine; True if done.
+    def move_aside(self, parent_fd: int, name: str, *, directory: bool) -> bool:
+        """Move what blocks ``name`` in our directory ``parent_fd`` into the quarantine; True if the name is free.
 
+        ``directory``: the blocker is a directory (at a file's name), else a
+        non-directory (at a directory's name). Anything else there now is
+        left alone (True: another of our threads already made the name right).
         Renamed, never deleted: a tenant's directory or file is still theirs,
         only no longer in our way. False (and ``report``) if it cannot be
         moved (the quarantine is blocked, a directory we may not move).
@@ -455,6 +461,8 @@ class HeldDir:
             return True  # gone meanwhile: the name is free
         except OSError:
             return False
+        if stat.S_ISDIR(st.st_mode) != directory:
+            return True  # no longer what blocked us (a racing thread of ours moved it and made the name right)
         kind = _kind(st.st_mode) if not stat.S_ISREG(st.st_mode) else "file"
         try:
             q = self.walk((self.quarantine,), create=True, _aside=False)

@@ -13,6 +13,14 @@ Why it is built this way:
   deleted or quarantined. Wrong bytes are never returned as a hit.
 * ENOSPC, a read-only mount or EACCES turn the tier read-only (or off) with
   one warning; callers only see dropped writes and misses.
+* One action by a tenant never turns it off for good: a directory of ours
+  with a wrong mode is set back, whatever blocks one of our names is moved
+  into the quarantine (``safedir.HeldDir``), and what cannot be repaired is
+  read-only or off, said once, and retried every ``readonly_retry_s``. A
+  namespace directory moved aside and replaced is not ours any more: off at
+  once, the scheduler told (``_lost``), the path vetted again at the retry.
+* Eviction re-checks each victim just before the unlink: a file another
+  replica read (restamped) since our rescan chose it is kept.
 * Recency is the file mtime (restamped on access, throttled), so LRU order is
   shared with other instances and the ``tpu-offload-fs evict`` CLI, and
   survives restarts; the in-memory index is rebuilt from the directory off
