@@ -279,3 +279,27 @@ def test_two_tiers_on_one_budget_b_never_evicts_what_a_just_read(root, make_tier
     present = [i for i in range(n + 3) if os.path.exists(b.path_of(key(i)))]
     assert present == [0, 1, 2, 6, 7, 8], present
     assert b.counters()["evictions_skipped_used"] == 3 and b.counters()["evicted"] == 3
+
+
+def test_what_cannot_be_moved_aside_drops_that_chunk_only_and_says_why(root, make_tier, caplog):
+    """The quarantine's own name is blocked by a file: the directory at the chunk's name stays, that write is
+    dropped with one warning naming the path and the cause; other chunks are written; fixed, it heals."""
+    caplog.set_level(logging.WARNING, logger="tpu_offload.fs")
+    t = make_tier(root)
+    write_all(t, 1)
+    path = t.path_of(key(1))
+    os.unlink(path)
+    os.mkdir(path)
+    qname = os.path.join(t.ns_dir, fslayout.QUARANTINE)
+    with open(qname, "w") as f:
+        f.write("in the way")
+    assert t.submit_write(key(1), filled(1)).wait(10) is False
+    assert os.path.isdir(path) and t.state is TierState.RW
+    c = t.counters()
+    assert c["repairs_failed"] == 1 and c["dropped_unsafe_path"] == 1
+    failed = [r.getMessage() for r in caplog.records if "cannot heal" in r.getMessage()]
+    assert len(failed) == 1 and os.path.basename(path) in failed[0] and "quarantine" in failed[0]
+    write_all(t, 2)  # the rest of the tier writes
+    os.unlink(qname)  # the cause is gone: the next write of the chunk heals
+    write_all(t, 1)
+    assert os.path.isfile(path)
