@@ -435,6 +435,25 @@ def assert_unprivileged(dep, allow=()):
         assert not caps & {"SYS_ADMIN", "ALL"}, f"{c['name']} adds {caps}"
 
 
+@pytest.mark.parametrize("rel", [rel for rel, want in EXPECT.items() if want["fs"]])
+def test_shared_volume_overlays_start_with_a_sticky_root(rel):
+    """Without the sticky bit, another uid that can write the volume's root (fsGroup makes an RWX
+    volume group-writable) can move the tier's namespace aside and turn the tier off."""
+    docs = render(rel)
+    ((dep, c, cfg),) = list(offload_containers(docs))
+    root = tier_sizing(dep, c, cfg)["config"].shared_storage_path
+    assert root == FS_MOUNT, "the sticky bit must be on the directory the tier uses as its root"
+    vol = next(m["name"] for m in c["volumeMounts"] if m["mountPath"] == FS_MOUNT)
+    inits = [i for i in dep["spec"]["template"]["spec"].get("initContainers") or []
+             if any(m["name"] == vol and m["mountPath"] == FS_MOUNT for m in i.get("volumeMounts") or [])]
+    assert len(inits) == 1, "no init step sets the sticky bit on the shared volume's root"
+    (init,) = inits
+    assert f"chmod +t {FS_MOUNT}" in " ".join(init.get("command", []) + init.get("args", []))
+    sc = init.get("securityContext") or {}
+    assert sc.get("privileged") is not True and sc.get("allowPrivilegeEscalation") is False
+    assert set(sc["capabilities"]["add"]) == {"FOWNER"} and sc["capabilities"]["drop"] == ["ALL"]
+
+
 def assert_only_raises_node_limits(c):
     """A privileged init container that writes the two node limits and nothing else."""
     script = " ".join(c.get("command", []) + c.get("args", []))
@@ -457,20 +476,25 @@ def test_privileged_node_setup_only_with_the_device_put_component(rel):
     """By default no container is privileged; the opt-in component adds the one init container that
     raises the node limits, and selects the host path that needs them."""
     default = one(render(rel), "Deployment")
-    assert not default["spec"]["template"]["spec"].get("initContainers")
+    base_inits = [i["name"] for i in default["spec"]["template"]["spec"].get("initContainers") or []]
+    assert base_inits in ([], ["kv-cache-sticky-root"])  # the -fs overlays set the shared root's sticky bit
     assert_unprivileged(default)
     (_, c, cfg), = list(offload_containers([default]))
     assert tier_sizing(default, c, cfg)["config"].transfer_path != "device_put"
 
     dep = one(render_with(rel, DEVICE_PUT), "Deployment")
-    (init,) = dep["spec"]["template"]["spec"]["initContainers"]
-    assert init["name"] == "tpu-node-setup" and init["securityContext"]["privileged"] is True
+    inits = dep["spec"]["template"]["spec"]["initContainers"]
+    assert sorted(i["name"] for i in inits) == sorted(base_inits + ["tpu-node-setup"])
+    (init,) = [i for i in inits if i["name"] == "tpu-node-setup"]
+    assert init["securityContext"]["privileged"] is True
     assert_only_raises_node_limits(init)
     assert_unprivileged(dep, allow={"tpu-node-setup"})
     (_, c, cfg), = list(offload_containers([dep]))
     assert tier_sizing(dep, c, cfg)["config"].transfer_path == "device_put"
     # Everything else is the overlay unchanged.
-    strip = lambda d: {**d["spec"]["template"]["spec"], "initContainers": None, "containers": None}
+    strip = lambda d: {**d["spec"]["template"]["spec"], "initContainers": [
+        i for i in d["spec"]["template"]["spec"].get("initContainers") or [] if i["name"] != "tpu-node-setup"],
+        "containers": None}
     assert strip(dep) == strip(default)
 
 

@@ -233,13 +233,17 @@ def _symlink_fanout(t, k, target):
 
 
 def test_writes_never_land_outside_through_a_symlinked_fanout(root, make_tier, outside):
+    """The symlink is moved into the quarantine (never followed, never deleted) and the write lands inside."""
     t = make_tier(root)
+    fan = os.path.dirname(t.path_of(key(1)))
     _symlink_fanout(t, key(1), outside)
-    ticket = t.submit_write(key(1), filled(1))
-    assert ticket is not None and ticket.wait(10) is False
+    write_all(t, 1)
     assert os.listdir(outside) == [], "a write followed a symlink out of the root"
-    assert t.counters()["dropped_unsafe_path"] == 1
-    assert not t.contains(key(1))
+    assert os.path.isdir(fan) and not os.path.islink(fan) and os.path.isfile(t.path_of(key(1)))
+    qdir = os.path.join(t.ns_dir, fslayout.QUARANTINE)
+    (moved,) = os.listdir(qdir)
+    assert os.readlink(os.path.join(qdir, moved)) == outside, "the symlink was not kept"
+    assert t.counters()["repairs_moved_aside"] == 1 and "dropped_unsafe_path" not in t.counters()
     write_all(t, OTHER)  # keys under other fan-out directories still work
 
 

@@ -16,13 +16,14 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 
 import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
 from fs_helpers import CHUNK, aligned, key, payload, filled
-from tpu_offload.core.fs import FileTier, FsMetrics
+from tpu_offload.core.fs import FileTier, FsMetrics, TierState
 from tpu_offload.core.fs import layout as fslayout
 from tpu_offload.core.fs import safedir
 
@@ -94,12 +95,20 @@ def test_namespace_removed_and_recreated_under_the_tier(root, make_tier):
 
 
 def test_namespace_moved_away_is_left_within_the_recheck(root, make_tier):
-    t = make_tier(root)
+    """Moved aside and replaced: never written into again; the tier is off until its retry re-vets the path."""
+    t = make_tier(root, readonly_retry_s=0.2)
     t.files.ns.recheck_s = 0  # re-check the path before every operation
     assert t.submit_write(key(1), filled(1)).wait(10)
     moved = os.path.join(root, "moved-away")
     os.rename(t.ns_dir, moved)
-    os.mkdir(t.ns_dir)
+    os.mkdir(t.ns_dir, 0o700)
+    assert t.submit_write(key(2), filled(2)).wait(10) is False
+    assert t.state is TierState.OFF
+    time.sleep(0.25)
+    t.contains(key(2))  # the retry adopts the directory now at the path (ours)
+    end = time.monotonic() + 10
+    while t.state is not TierState.RW and time.monotonic() < end:
+        time.sleep(0.02)
     assert t.submit_write(key(2), filled(2)).wait(10)
     assert os.path.isfile(t.path_of(key(2)))
     assert not any(fslayout.key_hex(key(2)) in f for _, _, fs in os.walk(moved) for f in fs)

@@ -55,6 +55,46 @@ def unlink_found(ns_dir: str, f: layout.Found) -> bool:
         return False
 
 
+def delete_if_unchanged(d: int, name: str, unchanged: Callable[[os.stat_result], bool],
+                        dry_run: bool = False) -> str:
+    """Delete a chosen file only if it is still the file chosen and ours; what happened.
+
+    Eviction picks victims from a scan (the tier's rescan, the CLI's) and
+    deletes them later, while other replicas read and restamp the same files:
+    a file read or rewritten since the choice is no longer the least recent,
+    and a file someone swapped in is not ours. ``unchanged(stat)`` says
+    whether it is the very file chosen (inode, mtime or ctime as recorded).
+    Returns "deleted" (or would be, with ``dry_run``), "vanished", "used"
+    (changed since the choice: kept) or "foreign" (not a regular file of one
+    link starting with our magic: kept). ``d`` is the file's directory,
+    opened without following a symlink; only a regular file is ever removed.
+    """
+    st = safedir.lstat_regular(name, d)
+    if st is None:
+        return "vanished"
+    if not unchanged(st):
+        return "used"
+    try:
+        fd, st2 = safedir.open_regular(name, d)
+    except FileNotFoundError:
+        return "vanished"
+    except OSError:
+        return "foreign"
+    try:
+        if st2.st_nlink != 1:
+            return "foreign"  # also linked from elsewhere, where someone else put it
+        head = os.pread(fd, len(MAGIC), 0)
+    except OSError:
+        return "foreign"
+    finally:
+        os.close(fd)
+    if head != MAGIC:
+        return "foreign"
+    if dry_run:
+        return "deleted"
+    return "deleted" if safedir.unlink_if(name, d, st.st_ino, st.st_mtime_ns) else "vanished"
+
+
 _PLEN = struct.Struct("<Q")
 _PLEN_OFF = 32  # payload length in the header (format.py)
 

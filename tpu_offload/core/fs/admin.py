@@ -332,36 +332,12 @@ def _keep(s: NamespaceScan, owned) -> int:
 
 
 def _delete_if_unchanged(ns_dir: str, f: Found, dry_run: bool) -> str:
-    """Delete one scanned file if it is still that file, unused since, and starts with our magic.
-
-    Everything is relative to directory fds opened without following a
-    symlink, so a fan-out directory swapped for a symlink cannot redirect
-    the delete; only a regular file is ever removed.
-    """
+    """Delete one scanned file if it is still that file, unused since, and ours (``actions.delete_if_unchanged``,
+    the tier's eviction rule too), relative to directory fds opened without following a symlink."""
     try:
         with safedir.dir_at(ns_dir, f.dirs) as d:
-            st = safedir.lstat_regular(f.name, d)
-            if st is None:
-                return "vanished"
-            if st.st_ino != f.ino or st.st_mtime_ns != f.mtime_ns:
-                return "used"  # read (restamped) or rewritten since the scan: not LRU any more
-            try:
-                fd, _ = safedir.open_regular(f.name, d)
-            except FileNotFoundError:
-                return "vanished"
-            except OSError:
-                return "foreign"
-            try:
-                head = os.pread(fd, len(MAGIC), 0)
-            except OSError:
-                return "foreign"
-            finally:
-                os.close(fd)
-            if head != MAGIC:
-                return "foreign"
-            if dry_run:
-                return "deleted"
-            return "deleted" if safedir.unlink_if(f.name, d, f.ino, f.mtime_ns) else "vanished"
+            return actions.delete_if_unchanged(
+                d, f.name, lambda st: st.st_ino == f.ino and st.st_mtime_ns == f.mtime_ns, dry_run)
     except FileNotFoundError:
         return "vanished"
     except OSError:

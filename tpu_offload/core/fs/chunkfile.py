@@ -40,9 +40,15 @@ HIT, MISS, ERROR, CORRUPT, UNSAFE = "hit", "miss", "error", "corrupt", "unsafe"
 class ChunkFiles:
     def __init__(self, ns_dir: str, digest: bytes, *, fsync: bool = False, o_direct: bool = False,
                  name: str = "fs", recheck_s: float = 1.0, dir_mode: int = layout.DIR_MODE,
-                 owner: int | None = None, encrypt: bool = False, mac: str = "hmac-sha256"):
+                 owner: int | None = None, encrypt: bool = False, mac: str = "hmac-sha256",
+                 report: Callable[[str, str, str], None] | None = None,
+                 on_lost: Callable[[OSError], None] | None = None):
         self.ns_dir = ns_dir
-        self.ns = safedir.HeldDir(ns_dir, mode=dir_mode, recheck_s=recheck_s, owner=owner)
+        # Heals what is ours (modes, non-directories at our directory names: ``safedir.HeldDir``);
+        # ``on_lost``: the namespace directory was replaced under us.
+        self.ns = safedir.HeldDir(ns_dir, mode=dir_mode, recheck_s=recheck_s, owner=owner,
+                                  quarantine=layout.QUARANTINE, aside=layout.aside_name, report=report,
+                                  on_lost=on_lost)
         self.file_mode = layout.file_mode(dir_mode)
         self.encrypt = encrypt  # with tenant keys: AES-256-GCM payloads, the tag as the MAC
         self.gmac = mac == "gmac"  # else HMAC-SHA256
@@ -119,7 +125,12 @@ class ChunkFiles:
                         raise TimeoutError(errno.ETIMEDOUT, "the write passed its deadline (fs_io_timeout_s)")
                     if self.before_publish is not None:
                         self.before_publish(os.path.join(layout.chunk_dir(self.ns_dir, khex), tmp))
-                    os.rename(tmp, khex, src_dir_fd=d, dst_dir_fd=d)
+                    try:
+                        os.rename(tmp, khex, src_dir_fd=d, dst_dir_fd=d)
+                    except IsADirectoryError:  # a directory at the chunk's name: moved aside, once
+                        if not self.ns.move_aside(d, khex, directory=True):
+                            raise
+                        os.rename(tmp, khex, src_dir_fd=d, dst_dir_fd=d)
                     # What we published, after the rename (it moves the ctime): the only file ours to restamp.
                     self._tls.ident = identity(os.fstat(fd))
                 finally:
@@ -190,7 +201,7 @@ class ChunkFiles:
                     finally:
                         os.close(fd)
                     return HIT, None
-        except FileNotFoundError:
+        except (FileNotFoundError, safedir.Replaced):  # replaced: the tier is off (``on_lost``)
             return MISS, None
         except OSError as e:
             if safedir.is_unsafe(e):
@@ -248,6 +259,14 @@ class ChunkFiles:
                 return safedir.unlink_if(khex, d, ino)
         except FileNotFoundError:
             return False
+
+    def evict(self, khex: str, unchanged: Callable[[os.stat_result], bool]) -> str:
+        """Delete the chunk file if ``unchanged(stat)`` and ours (``actions.delete_if_unchanged``)."""
+        try:
+            with self._dir(khex) as d:
+                return actions.delete_if_unchanged(d, khex, unchanged)
+        except FileNotFoundError:
+            return "vanished"
 
     def quarantine(self, khex: str, ino: int, reason: str) -> bool:
         """Move the file (that inode only) to ``<namespace>/quarantine/``."""

@@ -211,6 +211,17 @@ def quarantine_name(khex: str, reason: str) -> str:
     return f"{khex}.{reason.split(' ')[0]}.{os.getpid()}"
 
 
+def aside_name(name: str) -> str:
+    """``<name>.blocking.<pid><9 random digits>``: what blocked one of our names, in the quarantine.
+
+    Unique (the rename never replaces anything there), and of the shape
+    ``is_our_quarantine`` knows, so ``inspect`` lists it; only a regular file
+    with our magic (and MAC) is ever deleted from there, so a tenant's
+    directory or file moved aside stays theirs.
+    """
+    return f"{name}.blocking.{os.getpid()}{secrets.randbelow(10 ** 9):09d}"
+
+
 class Pacer:
     """Makes a long background loop step aside: sleep ``pause_s`` after each ``run_s`` of work.
 
@@ -236,16 +247,17 @@ class _Walk:
     """One directory walk: records what cannot be read instead of raising."""
 
     def __init__(self, out: NamespaceScan, pace: Callable[[], None] | None, owner: int | None = None,
-                 repair: int | None = None):
+                 repair: int | None = None, report: Callable[[str, str], None] | None = None):
         self.out = out
         self.pace = pace
         self.owner = owner
         self.repair = repair
+        self.report = report
 
     def listing(self, parent_fd: int, name: str, path: str) -> tuple[int, list[os.DirEntry]] | None:
         """(fd, entries) of a subdirectory, or None (gone, not a directory, unreadable)."""
         try:
-            fd = os.open(name, safedir._LIST, dir_fd=parent_fd)
+            fd = self._open_listing(parent_fd, name, path)
         except FileNotFoundError:
             return None
         except OSError as e:
@@ -256,7 +268,7 @@ class _Walk:
             return None
         if self.owner is not None:
             try:
-                safedir.check_ours(os.fstat(fd), self.owner, path, repair=self.repair, fd=fd)
+                safedir.check_ours(os.fstat(fd), self.owner, path, repair=self.repair, fd=fd, report=self.report)
             except OSError:
                 os.close(fd)
                 self.out.foreign.append(path)  # another uid's, or writable by others: not ours
@@ -267,6 +279,26 @@ class _Walk:
             os.close(fd)
             self.out.unreadable.append((path, e.strerror or str(e)))
             return None
+
+    def _open_listing(self, parent_fd: int, name: str, path: str) -> int:
+        """Open a subdirectory to list it; one of ours we may not read (``chmod 0000``) is repaired first."""
+        try:
+            return os.open(name, safedir._LIST, dir_fd=parent_fd)
+        except PermissionError as denied:
+            if self.owner is None or self.repair is None:
+                raise
+            try:
+                pfd = os.open(name, safedir._WALK, dir_fd=parent_fd)  # needs search permission on the parent only
+                try:
+                    repaired = safedir.check_ours(os.fstat(pfd), self.owner, path, repair=self.repair, fd=pfd,
+                                                  report=self.report)
+                finally:
+                    os.close(pfd)
+            except OSError:
+                raise denied from None  # not ours (another uid's): unreadable, as before
+            if not repaired:
+                raise
+            return os.open(name, safedir._LIST, dir_fd=parent_fd)
 
     @staticmethod
     def entries(fd: int) -> list[os.DirEntry]:
@@ -301,7 +333,8 @@ def _found(name: str, st: os.stat_result, parent: str, dirs: tuple[str, ...]) ->
 
 def walk_namespace(ns_dir: str, out: NamespaceScan, pace: Callable[[], None] | None = None,
                    owner: int | None = None, vet: Callable[[int, str, os.stat_result], bool] | None = None,
-                   repair: int | None = None) -> Iterator[tuple[str, os.stat_result, tuple[str, str]]]:
+                   repair: int | None = None, report: Callable[[str, str], None] | None = None,
+                   ) -> Iterator[tuple[str, os.stat_result, tuple[str, str]]]:
     """Yield (name, stat, fan-out dirs) per chunk file; temps, quarantined,
     foreign and unreadable entries go to ``out``.
 
@@ -315,9 +348,11 @@ def walk_namespace(ns_dir: str, out: NamespaceScan, pace: Callable[[], None] | N
     ``vet(dir_fd, name, stat)`` decides whether a chunk-named file is ours
     (our magic, a header MAC that verifies): False and it is foreign. With
     ``repair`` (a mode), a fan-out directory of ours that group or others
-    can write is set back to it (``fchmod``) instead of being foreign.
+    can write, or that we can no longer list or search (``chmod 0000``), is
+    set back to it (``fchmod``) instead of being foreign or unreadable;
+    ``report(path, why)`` is told of each repair.
     """
-    w = _Walk(out, pace, owner, repair)
+    w = _Walk(out, pace, owner, repair, report)
     try:
         fd = safedir.open_base(ns_dir, listing=True)
     except FileNotFoundError:

@@ -80,6 +80,10 @@ class FsMetrics:
         self.auth_failures = Counter("tpu_offload_fs_auth_failures",
                                      "Files whose MAC failed (written without this tier's key): never served",
                                      ln, registry=r)
+        self.repairs = Counter("tpu_offload_fs_repairs",
+                               "Self-healing: our directories set back to our mode (what=mode), entries in "
+                               "the way of our names moved into the quarantine (moved_aside), and repairs "
+                               "that could not be done (failed)", [*ln, "what"], registry=r)
         self._usage = _Usage(self.labels)
         self._multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
         self._mirror: dict[str, Gauge] = {}
@@ -145,6 +149,9 @@ class TierMetrics:
             child = self._ops[(op, result)] = self._m.ops.labels(**self._lv, op=op, result=result)
         child.inc(n)
         self._m.refresh()
+
+    def repair(self, what: str) -> None:
+        self._m.repairs.labels(**self._lv, what=what).inc()
 
     def auth_failure(self) -> None:
         self._auth.inc()

@@ -35,7 +35,8 @@ class Rescanner:
     def __init__(self, ns_dir: str, index: FileIndex, *, name: str, stale_tmp_s: float,
                  count: Callable[..., None], writable: Callable[[], bool], owner: int | None = None,
                  file_bytes: int | None = None, head_ok: Callable[[bytes, str | None], bool] | None = None,
-                 writes_per_writer: int = 8, temp_cap_bytes: int | None = None, dir_mode: int | None = None):
+                 writes_per_writer: int = 8, temp_cap_bytes: int | None = None, dir_mode: int | None = None,
+                 report: Callable[[str, str], None] | None = None):
         self.ns_dir = ns_dir
         # Ours: our magic (with a secret, a header MAC that verifies) and one link. Anything else in the
         # namespace is foreign: never counted, never deleted (``actions.ours_at``).
@@ -45,12 +46,14 @@ class Rescanner:
         # rescan (a round trip each on NFS). Rebuilt by each scan from the files it saw, so it holds
         # at most one entry per file in the namespace (deleted files drop out).
         self._vetted: dict[str, tuple[int, bool]] = {}
+        self._scanned: dict[str, tuple[int, bool]] = {}  # the same, of the last completed scan (what ``unchanged`` asks)
         # The temps that count (``tempcap.split_temps``, the CLI's rule too): at most
         # ``writes_per_writer`` per writer, and at most ``temp_cap_bytes`` in all, so copies of our
         # headers under temp names can never push the budget for chunks below ``capacity - temp_cap_bytes``.
         self.writes_per_writer = max(1, writes_per_writer)
         self.temp_cap_bytes = temp_cap_bytes
         self.dir_mode = dir_mode  # fan-out directories of ours with another mode are set back to it
+        self.report = report  # told (path, why) of each such repair
         self.owner = owner  # fan-out directories of another uid and hardlinked files are not indexed
         # A file counts at its allocated size, capped at one chunk file: a sparse 1 TiB file
         # with a chunk's name must not make the budget evict every real chunk.
@@ -85,7 +88,7 @@ class Rescanner:
                      for name, st, dirs in layout.walk_namespace(
                          self.ns_dir, scan, pace, self.owner,
                          vet=lambda d, name, st: self._vet(vetted, d, name, st),
-                         repair=self.dir_mode if self._writable() else None)),
+                         repair=self.dir_mode if self._writable() else None, report=self.report)),
                     pace,
                 )
             except BaseException:
@@ -122,6 +125,7 @@ class Rescanner:
                 live, name=lambda t: t.name, size=lambda t: self._bytes_of(t.size, t.blocks),
                 mtime=lambda t: t.mtime, cap_bytes=self.temp_cap_bytes, writes_per_writer=self.writes_per_writer)
             self.foreign = len(scan.foreign)
+            self._scanned = self._vetted
             self._note_unreadable(scan.unreadable)
             self.last = time.monotonic()
         finally:
@@ -148,6 +152,14 @@ class Rescanner:
     def cached_verdicts(self) -> int:
         """How many files' verdicts (ours or not) the last scan left cached: at most the files it saw."""
         return len(self._vetted)
+
+    def unchanged(self, name: str, st: os.stat_result) -> bool:
+        """Is ``st`` the very file the last scan indexed under ``name`` (same dev, inode, ctime and size)?
+
+        A read or a restamp by another replica, or a rewrite, moves the
+        ctime: eviction skips such a file (it was used since it was chosen).
+        """
+        return self._scanned.get(name) == (hash((st.st_dev, st.st_ino, st.st_ctime_ns, st.st_size)), True)
 
     def _bytes(self, st: os.stat_result) -> int:
         return self._bytes_of(st.st_size, st.st_blocks * 512)

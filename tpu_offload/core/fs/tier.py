@@ -13,6 +13,14 @@ Why it is built this way:
   deleted or quarantined. Wrong bytes are never returned as a hit.
 * ENOSPC, a read-only mount or EACCES turn the tier read-only (or off) with
   one warning; callers only see dropped writes and misses.
+* One action by a tenant never turns it off for good: a directory of ours
+  with a wrong mode is set back, whatever blocks one of our names is moved
+  into the quarantine (``safedir.HeldDir``), and what cannot be repaired is
+  read-only or off, said once, and retried every ``readonly_retry_s``. A
+  namespace directory moved aside and replaced is not ours any more: off at
+  once, the scheduler told (``_lost``), the path vetted again at the retry.
+* Eviction re-checks each victim just before the unlink: a file another
+  replica read (restamped) since our rescan chose it is kept.
 * Recency is the file mtime (restamped on access, throttled), so LRU order is
   shared with other instances and the ``tpu-offload-fs evict`` CLI, and
   survives restarts; the in-memory index is rebuilt from the directory off
@@ -36,6 +44,7 @@ import errno
 import hmac
 import logging
 import os
+import stat
 import threading
 import time
 from concurrent.futures import Future
@@ -43,7 +52,7 @@ from typing import TYPE_CHECKING
 
 from tpu_offload.core.fs import kdfsalt, layout, safedir, tempcap
 from tpu_offload.core.fs.auth import Names
-from tpu_offload.core.fs.chunkfile import ChunkFiles
+from tpu_offload.core.fs.chunkfile import ChunkFiles, identity
 from tpu_offload.core.fs.deadline import BoundedCalls
 from tpu_offload.core.fs.format import FLAG_HEAD, HEAD_MAC_OFF, HEADER_SIZE, HeaderError, parse_header
 from tpu_offload.core.fs.index import FileIndex
@@ -65,6 +74,7 @@ log = logging.getLogger("tpu_offload.fs")
 
 _UNAUTH_WARNED = False  # once per process
 _NO_BUDGET_WARNED = False  # once per process
+_ROOTS_WARNED: set[str] = set()  # roots found writable by others without the sticky bit (warned once each)
 
 
 class CapacityError(ValueError):
@@ -149,15 +159,17 @@ class FileTier(WritePath, ReadPath):
         self.rescan_bytes = rescan_bytes
         self._written_since_scan = 0
         self.readonly_retry_s = readonly_retry_s
+        self._warned_repairs: set[str] = set()
         self.files = ChunkFiles(self.ns_dir, self.names.digest, fsync=fsync, o_direct=o_direct, name=name,
-                                dir_mode=dir_mode, owner=self._uid, encrypt=encrypt, mac=mac)
+                                dir_mode=dir_mode, owner=self._uid, encrypt=encrypt, mac=mac,
+                                report=self._repaired, on_lost=self._lost)
         self._index = FileIndex(touch_interval_s)
         self._scanner = Rescanner(self.ns_dir, self._index, name=name, stale_tmp_s=stale_tmp_s, count=self._count,
                                   writable=lambda: self._state is TierState.RW, owner=self._uid,
                                   file_bytes=self.file_bytes, head_ok=self._head_ok if self._tk else None,
                                   writes_per_writer=threads,
                                   temp_cap_bytes=tempcap.temp_cap_bytes(capacity_bytes),
-                                  dir_mode=dir_mode)
+                                  dir_mode=dir_mode, report=lambda path, why: self._repaired("mode", path, why))
         self._lock = threading.RLock()  # state, counters, in-flight writes
         self._inflight: dict[bytes, Future] = {}
         self._writes = 0
@@ -349,16 +361,44 @@ class FileTier(WritePath, ReadPath):
 
     # ---- capacity ------------------------------------------------------
     def _evict_to(self, budget: int) -> int:
-        victims = self._index.pop_lru_until(budget)
+        """Evict least-recent files until the index fits ``budget``; returns files deleted.
+
+        Each victim is re-checked just before the unlink: a file whose
+        identity (ctime: a restamp or a rewrite moves it) is no longer what
+        our last rescan indexed or what we last wrote or verified was used by
+        another replica since the choice. It is kept, back in the index as
+        just used, and the next least recent goes instead.
+        """
         n = 0
-        for fid, _size in victims:
-            try:
-                gone = self.files.unlink(fid.hex(), ours=True)
-                n += gone
-                if gone:
+        kept: list[tuple[bytes, int]] = []
+        kept_bytes = 0
+        while True:
+            victims = self._index.pop_lru_until(budget - kept_bytes)
+            if not victims:
+                break
+            for fid, size in victims:
+                khex = fid.hex()
+                ours = self._ours.get(fid)
+
+                def unchanged(st: os.stat_result, ours=ours, khex=khex) -> bool:
+                    return (ours is not None and identity(st) == ours) or self._scanner.unchanged(khex, st)
+
+                try:
+                    outcome = self.files.evict(khex, unchanged)
+                except OSError as e:
+                    log.debug("fs tier %s: evicting %s failed: %s", self.name, khex, e)
+                    continue
+                if outcome == "deleted":
+                    n += 1
                     self._journal_removed(fid)
-            except OSError as e:
-                log.debug("fs tier %s: evicting %s failed: %s", self.name, fid.hex(), e)
+                elif outcome == "used":
+                    kept.append((fid, size))
+                    kept_bytes += size
+        for fid, size in kept:
+            self._index.add(fid, size)
+        if kept:
+            self._count("evictions_skipped_used", len(kept))
+            self._m.op("evict", "used_since_chosen", len(kept))
         if n:
             self._count("evicted", n)
             self._m.evicted.inc(n)
@@ -394,9 +434,11 @@ class FileTier(WritePath, ReadPath):
         turn the tier off until a restart.
         """
         err, usable = self._prepare_namespace()
+        self._warn_shared_root()
         if not usable:
             self._to_off(err)
             return
+        self.files.ns.reset()  # vetted just now: adopt it (also after the held one was replaced)
         with self._lock:
             was_off = self._state is TierState.OFF
             self._state, self._retry_at = TierState.RW, None
@@ -426,7 +468,7 @@ class FileTier(WritePath, ReadPath):
             return e, False
         try:  # another uid's (a tenant made it first) is never adopted; ours with a wrong mode is repaired
             safedir.check_ours(os.fstat(fd), self._uid, f"namespace directory {self.ns_dir}",
-                               repair=self.dir_mode, fd=fd)
+                               repair=self.dir_mode, fd=fd, report=lambda what, why: self._repaired("mode", what, why))
         except OSError as e:
             return e, False
         finally:
@@ -439,6 +481,48 @@ class FileTier(WritePath, ReadPath):
         if ro_err is None and not self._ns_writable():
             ro_err = self._probe_error or OSError(errno.EACCES, "cannot create a file in the namespace directory")
         return ro_err, True
+
+    def _warn_shared_root(self) -> None:
+        """One warning per root that others can write without the sticky bit (``fsGroup`` on an RWX volume).
+
+        There any uid that can write the root can rename our namespace
+        directory aside and put its own in its place: the tier notices and
+        turns off (``safedir.Replaced``), and stays off while theirs is there.
+        """
+        try:
+            st = os.stat(self.root)
+        except OSError:
+            return
+        if not st.st_mode & 0o022 or st.st_mode & stat.S_ISVTX or self.root in _ROOTS_WARNED:
+            return
+        _ROOTS_WARNED.add(self.root)
+        who = "group and others" if st.st_mode & 0o022 == 0o022 else "its group" if st.st_mode & 0o020 else "others"
+        log.warning("fs tier %s: the root %s is writable by %s (mode %o) and has no sticky bit: another uid that "
+                    "can write it can rename this tier's namespace directory aside and put its own in its place, "
+                    "which turns the tier off on every replica until it is removed. Fix: `chmod +t %s` (as on "
+                    "/tmp: then only an entry's owner may rename or delete it), or give each uid its own "
+                    "directory under the root", self.name, self.root, who, stat.S_IMODE(st.st_mode), self.root)
+
+    def _repaired(self, what: str, path: str, detail: str) -> None:
+        """Self-healing (``safedir``): counted, exported, one warning per kind; the rest at info."""
+        self._count(f"repairs_{what}")
+        self._m.repair(what)
+        if what == "failed":
+            msg = (f"fs tier {self.name}: cannot heal {path}: {detail}; the chunks there are not cached, "
+                   f"counted in tpu_offload_fs_repairs_total{{what=\"failed\"}}; tried again at each write there")
+        else:
+            msg = (f"fs tier {self.name}: {path}: {detail}, counted in "
+                   f"tpu_offload_fs_repairs_total{{what=\"{what}\"}}" +
+                   ("; never deleted, it may not be ours" if what == "moved_aside" else
+                    " (someone sharing our uid changed it)"))
+        with self._lock:
+            first = what not in self._warned_repairs
+            self._warned_repairs.add(what)
+        (log.warning if first else log.info)(msg)
+
+    def _lost(self, e: OSError) -> None:
+        """The namespace directory was replaced under us (``safedir.Replaced``): off, the scheduler told, retried."""
+        self._to_off(e)
 
     def _ns_writable(self) -> bool:
         """Can a file be created (and removed) in the namespace directory now? (``_probe_error`` says why not.)"""

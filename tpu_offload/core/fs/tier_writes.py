@@ -133,14 +133,17 @@ class WritePath:
                             "published, counted in tpu_offload_fs_dropped_writes_total{reason=\"timeout\"}",
                             self.name, self.io_timeout_s)
             return
-        if safedir.is_unsafe(e):  # a symlink or file where a fan-out directory belongs
+        if isinstance(e, safedir.Replaced):  # the namespace is not ours any more: the tier is off (``_lost``)
+            self._drop("unsafe_path")
+            return
+        if safedir.is_unsafe(e):  # a symlink or file where a fan-out directory belongs, and not moved aside
             self._drop("unsafe_path")
             if "unsafe" not in self._warned_errnos:
                 self._warned_errnos.add("unsafe")
                 log.warning("fs tier %s: write refused (%s): something other than a directory is on the "
                             "path below %s; symlinks are never followed", self.name, e, self.ns_dir)
         elif e.errno in SPACE_ERRNOS or e.errno == errno.EROFS or \
-                (e.errno in DENIED_ERRNOS and not self._ns_writable()):
+                (e.errno in DENIED_ERRNOS and not self._heal_ns() and not self._ns_writable()):
             self._to_read_only(e)  # the whole namespace: read-only, writes retried after readonly_retry_s
             self._drop(errno.errorcode.get(e.errno, "oserror").lower())
         elif e.errno in DENIED_ERRNOS:  # one fan-out directory (or file): that write only, the tier stays
@@ -154,6 +157,13 @@ class WritePath:
             if e.errno not in self._warned_errnos:
                 self._warned_errnos.add(e.errno)
                 log.warning("fs tier %s: write failed (%s); the chunk is not cached", self.name, e)
+
+    def _heal_ns(self) -> bool:
+        """A refused write: repair the namespace directory's mode now if that is the cause (True if it was)."""
+        try:
+            return self.files.ns.heal()
+        except OSError:
+            return False
 
     def _after_write(self) -> None:
         if self.capacity_bytes is None:
