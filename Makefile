@@ -90,8 +90,8 @@ demo: $(STAMP) $(STAMP_TPU) ## real engines on CPU: vLLM, then tpu-inference (ou
 # Separate processes because both backends register tpu_offload_* names in the global Prometheus
 # registry, and tests/tpu and tests/tpu_engine must set their emulated device counts before JAX
 # starts. tests/tpu and tests/tpu_compiler share nothing (no fixed paths or ports; libtpu loads with
-# ALLOW_MULTIPLE_LIBTPU_LOAD) and each is mostly one busy thread, so they run side by side, each
-# suite's output printed whole when it ends. Every test has a time limit (pytest-timeout, `timeout`
+# ALLOW_MULTIPLE_LIBTPU_LOAD), so they run side by side on the two cores, each suite's output
+# printed whole when it ends. Every test has a time limit (pytest-timeout, `timeout`
 # in pyproject.toml): a hung engine stops the run with every thread's stack instead of stalling it.
 VLLM_SUITES := tests --ignore=tests/tpu --ignore=tests/tpu_compiler --ignore=tests/tpu_engine
 # Each suite is its own target below; test runs them through make again, told (-o) that the
