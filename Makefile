@@ -91,8 +91,8 @@ demo: $(STAMP) $(STAMP_TPU) ## real engines on CPU: vLLM, then tpu-inference (ou
 # registry, and tests/tpu and tests/tpu_engine must set their emulated device counts before JAX
 # starts. tests/tpu and tests/tpu_compiler share nothing (no fixed paths or ports; libtpu loads with
 # ALLOW_MULTIPLE_LIBTPU_LOAD), so they run side by side on the two cores, each suite's output
-# printed whole when it ends. Every test has a time limit (pytest-timeout, `timeout`
-# in pyproject.toml): a hung engine stops the run with every thread's stack instead of stalling it.
+# printed whole when it ends. Every test has a time limit (pytest-timeout, `timeout` in
+# pyproject.toml): a hung engine stops the run with every thread's stack instead of stalling it.
 VLLM_SUITES := tests --ignore=tests/tpu --ignore=tests/tpu_compiler --ignore=tests/tpu_engine
 # Each suite is its own target below; test runs them through make again, told (-o) that the
 # environments it just built are up to date.
@@ -102,23 +102,24 @@ test: $(STAMP) $(STAMP_TPU) ## the whole suite (CI runs this): four pytest proce
 	$(MAKE) $(SUITE) -j2 --output-sync=target test-tpu test-tpu-compiler
 	$(MAKE) $(SUITE) test-tpu-engine
 
-# Everything but the tests that start real engines (pytest marker `engine`), the TPU compiler suite
-# and the engine suite: core, file tier, configs, docs, the vLLM path's units and the TPU connector's.
-test-fast: $(STAMP) $(STAMP_TPU) ## the suites that start no engine and compile nothing for TPU (minutes)
-	$(BIN)/python -m pytest -q -m "not engine" $(VLLM_SUITES)
-	$(TPU_BIN)/python -m pytest -q -m "not engine" tests/tpu
+# The suites that start no real engine (pytest marker `engine`) and compile nothing for TPU: test-vllm
+# and test-tpu side by side, without their engine tests (about 1 and 5 CPU-minutes).
+test-fast: $(STAMP) $(STAMP_TPU) ## core, file tier, configs, docs, vLLM-path and TPU-connector units: no engines
+	$(MAKE) $(SUITE) -j2 --output-sync=target test-vllm test-tpu PYTEST_ARGS='-m "not engine"'
 
+# Any suite takes pytest arguments, e.g. make test-tpu PYTEST_ARGS="-k pacing -x"
+PYTEST_ARGS ?=
 test-vllm: $(STAMP) ## test's first process: vLLM path, core, file tier, configs, docs, KV events (.venv)
-	$(BIN)/python -m pytest -q $(VLLM_SUITES)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS) $(VLLM_SUITES)
 
 test-tpu: $(STAMP_TPU) ## the TPU connector on an emulated 8-device JAX CPU mesh (.venv-tpu)
-	$(TPU_BIN)/python -m pytest -q tests/tpu
+	$(TPU_BIN)/python -m pytest -q $(PYTEST_ARGS) tests/tpu
 
 test-tpu-compiler: $(STAMP_TPU) ## libtpu compiling our programs for compile-only TPU topologies (.venv-tpu)
-	$(TPU_BIN)/python -m pytest -q tests/tpu_compiler
+	$(TPU_BIN)/python -m pytest -q $(PYTEST_ARGS) tests/tpu_compiler
 
 test-tpu-engine: $(STAMP_TPU) ## the real tpu-inference engine on JAX CPU, every model family (.venv-tpu)
-	$(TPU_BIN)/python -m pytest -q tests/tpu_engine
+	$(TPU_BIN)/python -m pytest -q $(PYTEST_ARGS) tests/tpu_engine
 
 bench: bench-manager bench-ttft bench-jax bench-fs bench-fs-rescan bench-tpu-engine ## the six CPU benchmarks named on this line, in turn
 

@@ -46,6 +46,10 @@ def stamps(out: str) -> list[str]:
     return re.findall(r"^touch (\S+)$", out, re.M)
 
 
+def pytest_runs(out: str) -> list[str]:
+    return [" ".join(args.split()) for args in re.findall(r"-m pytest -q (.*)$", out, re.M)]
+
+
 def phony_targets() -> list[str]:
     return re.search(r"^\.PHONY:(.*)$", MAKEFILE, re.M).group(1).split()
 
@@ -63,13 +67,13 @@ def test_a_fresh_checkout_checks_first_then_builds_only_what_the_goal_needs(chec
     assert re.search(r"check_setup\.sh .* 1 1$", setup, re.M), setup  # both environments, checked up front
     test = make(checkout, "-n", "test")
     assert stamps(test) == stamps(setup), test  # each environment built once, before any suite
-    assert re.findall(r"-m pytest -q (.*)$", test, re.M) == [
+    assert pytest_runs(test) == [
         "tests --ignore=tests/tpu --ignore=tests/tpu_compiler --ignore=tests/tpu_engine",
         "tests/tpu", "tests/tpu_compiler", "tests/tpu_engine"]
     vllm_only = make(checkout, "-n", "test-vllm")
     assert len(stamps(vllm_only)) == 1 and re.search(r"check_setup\.sh .* 1 0$", vllm_only, re.M), vllm_only
     fast = make(checkout, "-n", "test-fast")
-    assert len(stamps(fast)) == 2 and re.findall(r"-m pytest -q (.*)$", fast, re.M) == [
+    assert len(stamps(fast)) == 2 and pytest_runs(fast) == [
         '-m "not engine" tests --ignore=tests/tpu --ignore=tests/tpu_compiler --ignore=tests/tpu_engine',
         '-m "not engine" tests/tpu']
 
