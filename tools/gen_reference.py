@@ -185,6 +185,8 @@ def _render_cli() -> str:
               _table(["Code", "Meaning"], [[str(getattr(cli, n)), _exit_meaning(cli.__doc__, getattr(cli, n))]
                                            for n in sorted((n for n in dir(cli) if n.startswith("EXIT_")),
                                                            key=lambda n: getattr(cli, n))])]
+    precedence = re.search(r"^\s*(Precedence .+)$", cli.__doc__, re.M)
+    parts += [f"\n{precedence.group(1)}\n"] if precedence else []
     sc = _capture_parser(selfcheck.parse_args)
     parts += ["\n## selfcheck\n\n",
               "Checks a TPU host against a `--kv-transfer-config` before the engine starts. Without a TPU "
@@ -197,7 +199,8 @@ def _render_cli() -> str:
 
 
 def _exit_meaning(doc: str, code: int) -> str:
-    m = re.search(rf"^\s*{code}\s+(.+?)(?=^\s*\d\s|\n\n|\Z)", doc, re.M | re.S)
+    # A code's meaning runs on over lines indented deeper than the codes; the next code or note ends it.
+    m = re.search(rf"^\s*{code}\s+(.+?)(?=^ {{0,2}}\S|\n\n|\Z)", doc, re.M | re.S)
     return " ".join(m.group(1).split()) if m else ""
 
 

@@ -1,0 +1,113 @@
+"""The Makefile and test settings behind the README's commands.
+
+A bare ``make`` must list the targets and install nothing (the environments are 11 GB); every
+target says what it does; editing the Makefile must not reinstall the environments, while a
+changed pin must; and the per-test time limit must sit above every bound a test sets itself,
+or it would cut the slowest engine test short. Make runs with ``-n`` (print, don't run) in a
+scratch copy, so nothing here installs or starts anything.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import tomllib
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+MAKEFILE = (REPO / "Makefile").read_text()
+LOCK = REPO / "requirements" / "tpu-inference-cpu.lock"
+
+pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="needs GNU make")
+
+
+def make(cwd: Path, *args: str) -> str:
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES")}
+    proc = subprocess.run(["make", "--no-print-directory", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+@pytest.fixture
+def checkout(tmp_path: Path) -> Path:
+    """What make reads of a fresh clone: the Makefile and the files its stamps depend on."""
+    shutil.copy(REPO / "Makefile", tmp_path / "Makefile")
+    shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
+    shutil.copytree(REPO / "requirements", tmp_path / "requirements")
+    return tmp_path
+
+
+def stamps(out: str) -> list[str]:
+    return re.findall(r"^touch (\S+)$", out, re.M)
+
+
+def pytest_runs(out: str) -> list[str]:
+    return [" ".join(args.split()) for args in re.findall(r"-m pytest -q (.*)$", out, re.M)]
+
+
+def phony_targets() -> list[str]:
+    return re.search(r"^\.PHONY:(.*)$", MAKEFILE, re.M).group(1).split()
+
+
+def test_bare_make_lists_every_target_and_installs_nothing():
+    assert "pip" not in make(REPO, "-n") and "venv" not in make(REPO, "-n")
+    listed = dict(re.findall(r"^  (\S+) +(\S.*)$", make(REPO), re.M))
+    assert set(listed) == set(phony_targets()), set(phony_targets()) ^ set(listed)
+    assert all(len(line) > 20 for line in listed.values()), listed
+
+
+def test_a_fresh_checkout_checks_first_then_builds_only_what_the_goal_needs(checkout):
+    setup = make(checkout, "-n", "setup")
+    assert len(stamps(setup)) == 2 and setup.index("check_setup.sh") < setup.index("pip install")
+    assert re.search(r"check_setup\.sh .* 1 1$", setup, re.M), setup  # both environments, checked up front
+    test = make(checkout, "-n", "test")
+    assert stamps(test) == stamps(setup), test  # each environment built once, before any suite
+    assert pytest_runs(test) == [
+        "tests --ignore=tests/tpu --ignore=tests/tpu_compiler --ignore=tests/tpu_engine",
+        "tests/tpu", "tests/tpu_compiler", "tests/tpu_engine"]
+    vllm_only = make(checkout, "-n", "test-vllm")
+    assert len(stamps(vllm_only)) == 1 and re.search(r"check_setup\.sh .* 1 0$", vllm_only, re.M), vllm_only
+    fast = make(checkout, "-n", "test-fast")
+    assert len(stamps(fast)) == 2 and pytest_runs(fast) == [
+        '-m "not engine" tests --ignore=tests/tpu --ignore=tests/tpu_compiler --ignore=tests/tpu_engine',
+        '-m "not engine" tests/tpu']
+
+
+def test_editing_the_makefile_reinstalls_nothing_but_a_new_pin_does(checkout):
+    for stamp in stamps(make(checkout, "-n", "setup")):
+        (checkout / stamp).parent.mkdir(parents=True, exist_ok=True)
+        (checkout / stamp).touch()
+    assert "pip install" not in make(checkout, "-n", "test")
+    assert "pip install" not in make(checkout, "-n", "-W", "Makefile", "test")  # -W: as if just edited
+    assert "pip install -q -e" in make(checkout, "-n", "-W", "pyproject.toml", "test")
+    assert "pip install -q -r requirements/tpu-inference-cpu.lock" in make(
+        checkout, "-n", "-W", "requirements/tpu-inference-cpu.lock", "test")
+
+
+def _own_bounds() -> dict[str, int]:
+    """The longest wait each test file sets itself (subprocess and engine-child timeouts)."""
+    bound = re.compile(r"\b(?:timeout|timeout_s|[A-Z_]*TIMEOUT(?:_S)?)\s*=\s*(\d+)\b")
+    found = {}
+    for path in (REPO / "tests").rglob("*.py"):
+        values = [int(v) for v in bound.findall(path.read_text())]
+        if values:
+            found[str(path.relative_to(REPO))] = max(values)
+    return found
+
+
+def test_every_test_has_a_time_limit_above_its_own_bounds():
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    ini = project["tool"]["pytest"]["ini_options"]
+    limit = int(ini["timeout"])
+    bounds = _own_bounds()
+    slowest = max(bounds, key=bounds.get)
+    assert bounds[slowest] >= 900, bounds  # the scan sees the engine suite's own bounds
+    assert limit > bounds[slowest], f"timeout {limit} s cuts {slowest} short (it waits up to {bounds[slowest]} s)"
+    assert ini["timeout_method"] == "thread"  # a test hung in native code is ended too
+    pin = next(r for r in project["project"]["optional-dependencies"]["test"] if r.startswith("pytest-timeout"))
+    assert pin in LOCK.read_text().splitlines(), f"{pin} differs between pyproject.toml and {LOCK.name}"
