@@ -149,4 +149,3 @@ def test_both_directions_at_once_through_many_staging_halves():
             assert np.array_equal(got, t[int(blk)].cpu().numpy().view(np.uint8)), (i, layer)
     assert w.take_load_error_blocks() == set()
     w.shutdown()
-
