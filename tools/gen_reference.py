@@ -93,7 +93,8 @@ def render_settings() -> str:
         default = "unset" if s.field == "use_unpinned_host" else _default_of(defaults.get(s.field))
         rows.append([keys, envs, _type_of(s.parse), default, scope_names.get(s.scope, "**undeclared**"), s.doc])
     upstream = [[f"`{n}`", why] for n, why in sorted(C.UPSTREAM_ENV.items())]
-    engine_keys = ", ".join(f"`{k}`" for k in sorted(C.ENGINE_KEYS))
+    vllm_keys = ([[f"`{k}`", "yes", why] for k, why in sorted(C.VLLM_KEYS_READ.items())]
+                 + [[f"`{k}`", "**no**", why] for k, why in sorted(C.VLLM_KEYS_IGNORED.items())])
     return (HEADER.format(src="tpu_offload/core/config.py") + "# Settings\n\n"
             "One typed config per engine, read from `kv_connector_extra_config` (the JSON in "
             "`--kv-transfer-config`) and `TPU_OFFLOAD_*` environment variables. A JSON key beats the "
@@ -101,9 +102,14 @@ def render_settings() -> str:
             "start-up with one error naming the key, the value and what is allowed.\n\n"
             "**Scope** says which engine honours a setting: *TPU* (the tpu-inference connector), *vLLM* "
             "(the `HostOffloadSpec` for vLLM's `OffloadingConnector`) or *both*. A setting given with a "
-            "non-default value to an engine outside its scope is named in one warning at start.\n\n"
-            "**Sizes**: a byte count or a number with a unit. `KiB MiB GiB TiB` (and `K M G T`) are powers "
-            "of 1024; `KB MB GB TB` are powers of 1000, so `720GB` is 720×10⁹ bytes, not 720 GiB.\n\n"
+            "non-default value to an engine outside its scope, or that this configuration leaves without effect "
+            "(a file-tier setting without `shared_storage_path`, `fs_write_back_lag_s` under `write_through`, "
+            "`load_decision_bias` without `load_decision: auto`, pacing settings with pacing off), is named in "
+            "one warning at start, with why.\n\n"
+            "**Sizes**: a byte count or a number with a unit. `KiB MiB GiB TiB` (and Kubernetes' `Ki Mi Gi Ti`) "
+            "are powers of 1024; `KB MB GB TB` are powers of 1000, so `720GB` is 720×10⁹ bytes, not 720 GiB. "
+            "A bare `K M G T` is refused (`720G`: did you mean 720GiB or 720GB?): dd reads it as a power of "
+            "1024, Kubernetes as a power of 1000.\n\n"
             "**Chunk size**: `blocks_per_chunk` counts engine blocks; `chunk_tokens` counts tokens. In "
             "`kv_connector_extra_config`, `block_size` is vLLM's name for tokens per chunk, not the "
             "engine's block size (`--block-size`).\n\n"
@@ -113,8 +119,11 @@ def render_settings() -> str:
             "tpu-inference's own offload connector reads these variables; ours accepts them so the llm-d "
             "overlays' environment works unchanged, and names them in the start-up warning:\n\n"
             + _table(["Variable", "Why it has no effect"], upstream)
-            + f"\nvLLM's `OffloadingConnector` keys pass through unread by our config (vLLM reads them; the "
-            f"TPU connector names any it is given in the warning): {engine_keys}.\n")
+            + "\nvLLM 0.32's own `OffloadingConnector` keys pass through our config unread. vLLM's connector "
+            "reads the first ones for any spec, `HostOffloadSpec` included; the rest only vLLM's own "
+            "`CPUOffloadingSpec` / `TieringOffloadingSpec` read, so with ours they do nothing and the start-up "
+            "warning names each one given. The TPU connector reads none of them and names any it is given.\n\n"
+            + _table(["Key", "Acts with HostOffloadSpec", "Why"], vllm_keys))
 
 
 # ---- CLI -----------------------------------------------------------------------------------------

@@ -6,8 +6,12 @@ the engine's KV tensors are CUDA tensors and ``torch.cuda.is_available()``.
 * The host slab (numpy) is registered with ``cudaHostRegister`` in pieces of
   at most 64 GiB, cut on row boundaries; copies are cut at those boundaries
   too (``piece_rows``), so no DMA straddles two registrations. Failure
-  leaves the slab pageable (slower, still correct) and clears the CUDA error
-  it left behind, which the next kernel launch would otherwise raise.
+  leaves the slab pageable (still correct, slower: copies from pageable
+  memory go through the driver's bounce buffers and stall the copy stream)
+  and clears the CUDA error it left behind, which the next kernel launch
+  would otherwise raise. It is not an error, as pinning only buys speed;
+  it is one warning saying so and why, and the worker's
+  ``tpu_offload_host_tier_pinned`` gauge reads 0 (``vllm.metrics``).
 * Two streams per lane (store, load, expedited load): the lane stream
   gathers and scatters on the device, its copy stream moves staging halves
   over the bus (``CudaPipe``), so one half's memcpy overlaps the other
@@ -56,6 +60,11 @@ PIECE_BYTES_PER_TENSOR = 2 << 20
 def piece_bytes_for(num_tensors: int) -> int:
     return max(PIECE_BYTES, num_tensors * PIECE_BYTES_PER_TENSOR)
 _HOST_REGISTER_PORTABLE = 1
+PAGEABLE = (
+    "Its copies run from pageable memory: correct, but slower (through the driver's bounce buffers), so "
+    "loads save less time. Check the locked-memory limit of the container (ulimit -l / memlock) and that "
+    "host memory is not short; tpu_offload_host_tier_pinned reads 0 for this worker until it restarts pinned."
+)
 
 
 def piece_rows_for(row_bytes: int, max_bytes: int | None = None) -> int:
@@ -72,7 +81,7 @@ def register_host_rows(rows: torch.Tensor) -> tuple[list[int], int | None]:
     try:
         rt: Any = cuda_rt.runtime()
     except (OSError, RuntimeError, AttributeError) as e:
-        logger.warning("CUDA runtime not bound (%s); host tier stays pageable (slower)", e)
+        logger.warning("host tier NOT PINNED: the CUDA runtime could not be bound (%s). %s", e, PAGEABLE)
         return [], None
     base, total = rows.data_ptr(), rows.numel() * rows.element_size()
     row = rows.stride(0) * rows.element_size()
@@ -85,8 +94,8 @@ def register_host_rows(rows: torch.Tensor) -> tuple[list[int], int | None]:
         if err != 0:
             rt.clear_last_error()  # else the next kernel launch reports it as its own failure
             logger.warning(
-                "cudaHostRegister failed (%s) at %.2f of %.2f GB; host tier stays pageable (slower)",
-                rt.error_string(err), off / 1e9, total / 1e9,
+                "host tier NOT PINNED: cudaHostRegister failed (%s) at %.2f of %.2f GB. %s",
+                rt.error_string(err), off / 1e9, total / 1e9, PAGEABLE,
             )
             unregister_host(done)
             return [], None

@@ -226,6 +226,8 @@ class HostTransferEngine:
                 self._piece_rows = pinned_rows
         if not self._registered:
             _prefault(self.pool.slab)
+        # Whether DMA reads the slab pinned: None off CUDA (nothing to pin), False if registration failed.
+        self.pinned: bool | None = bool(self._registered) if self.is_cuda else None
         staging_slots = max(1, staging_blocks // blocks_per_chunk)
         self.device_bytes = 0  # device memory we allocate (outside vLLM's gpu_memory_utilization)
         self._store_lane, self._load_lane, self._make_expedited = self._lanes(staging_slots)

@@ -134,6 +134,23 @@ def current_load_failure_policy() -> str | None:
     return getattr(ktc, "kv_load_failure_policy", None)
 
 
+def local_workers() -> int:
+    """Workers of the engine being built that run on this host (vLLM's ``local_world_size``); 1 where
+    that cannot be told: no current config, or Ray, which places workers on hosts itself."""
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+    except ImportError:
+        return 1
+    cfg = get_current_vllm_config_or_none()
+    par = getattr(cfg, "parallel_config", None) if cfg is not None else None
+    if par is None or getattr(par, "distributed_executor_backend", None) == "ray":
+        return 1
+    try:
+        return max(1, int(par.local_world_size))
+    except (AttributeError, TypeError, ValueError, ZeroDivisionError):
+        return 1
+
+
 def device_source_group(connector, block_pool) -> tuple[int, int] | str:
     """(KV group id, tokens per block) for sourcing chunks from the device block pool, or why not.
 

@@ -49,6 +49,9 @@ EVICTED_CHUNKS = "tpu_offload_evicted_chunks"
 # load or recompute (core/costs.py; the same series as tpu_offload.core.metrics)
 DECISION_TOKENS = "tpu_offload_decision_tokens"
 DECISION_SAVED = "tpu_offload_decision_saved_seconds"
+# 1: the worker's host slab is registered with CUDA (pinned); 0: cudaHostRegister failed and its copies run
+# pageable (slower). Sent by every CUDA worker, labelled with its rank; absent on CPU.
+PINNED = "tpu_offload_host_tier_pinned"
 
 # tpu_offload.core.fs.metrics, sent from the workers.
 FS_BYTES = "tpu_offload_fs_bytes"
@@ -99,6 +102,8 @@ def metric_definitions() -> dict:
                                  "costs; always/never: the setting) and the tier that held them.",
                                  ("action", "reason", "tier")),
         DECISION_SAVED: counter("Seconds the load decision expects to have saved against the other choice."),
+        PINNED: gauge("1 if this worker's host slab is pinned for DMA, 0 if cudaHostRegister failed and its copies "
+                      "run from pageable memory (slower); CUDA workers only.", ("tier", "rank")),
         FS_BYTES: counter("Payload bytes moved to/from files", ("tier", "op")),
         FS_OPS: counter("File operations by outcome", ("tier", "op", "result")),
         FS_LATENCY: histogram("Latency of one chunk file read or write", FS_LATENCY_BUCKETS, ("tier", "op")),
@@ -196,17 +201,20 @@ def worker_fs_metrics() -> FsMetrics:
 
 
 class WorkerStats:
-    """Per-step stats of one worker: hits that landed (rank 0) and the file tier."""
+    """Per-step stats of one worker: hits that landed (rank 0), whether its slab is pinned, the file tier."""
 
     def __init__(self, rank: int, fs_interval_s: float = FS_STATS_INTERVAL_S):
         self.rank = rank
         self.fs_interval_s = fs_interval_s
         self._next_fs = 0.0
+        self._next_pinned = 0.0
         self._hits_sent = {"cpu": [0, 0], "fs": [0, 0], "hbm": [0, 0]}
         self._fs_sent: dict[tuple, float] = {}
         self._lock = threading.Lock()
 
-    def collect(self, hits: dict, fs_tier: Any, fs_metrics: FsMetrics | None) -> OffloadingConnectorStats | None:
+    def collect(self, hits: dict, fs_tier: Any, fs_metrics: FsMetrics | None,
+                pinned: bool | None = None) -> OffloadingConnectorStats | None:
+        """``pinned``: whether the host slab is pinned (None off CUDA: not sent)."""
         out = OffloadingConnectorStats()
         if self.rank == 0:
             for tier, (chunks, tokens) in hits.items():
@@ -217,6 +225,9 @@ class WorkerStats:
                     out.increase_counter(HIT_TOKENS, tokens - sent[1], (tier,))
                 sent[:] = [chunks, tokens]
         now = time.monotonic()
+        if pinned is not None and now >= self._next_pinned:
+            self._next_pinned = now + self.fs_interval_s
+            out.set_gauge(PINNED, 1.0 if pinned else 0.0, (*TIER, str(self.rank)))
         if fs_tier is not None and fs_metrics is not None and now >= self._next_fs:
             self._next_fs = now + self.fs_interval_s
             self._fs(out, fs_tier, fs_metrics)

@@ -44,24 +44,21 @@ Importing this module installs ``hooks`` on vLLM's ``OffloadingConnector``
 
 from __future__ import annotations
 
-import dataclasses
 import weakref
 from typing import Any
 
+from tpu_offload.core import hostmem
 from tpu_offload.core.config import VLLM, ConfigError, OffloadConfig, warn_ignored
 from tpu_offload.core.pool import PAGE
 
 from gpu_offload._log import get_logger
 from gpu_offload.vllm import hooks, metrics
-from gpu_offload.vllm.compat import HostSpecBase, OffloadingSpec, current_load_failure_policy
+from gpu_offload.vllm.compat import HostSpecBase, OffloadingSpec, current_load_failure_policy, local_workers
 from gpu_offload.vllm.file_events import FileEvents
 
 logger = get_logger(__name__)
 
 hooks.install()
-
-_DEFAULTS = {f.name: f.default for f in dataclasses.fields(OffloadConfig)}
-
 
 class HostOffloadSpec(HostSpecBase):
     # Managers and workers alive in this process: how gpu_offload.testing finds
@@ -108,6 +105,10 @@ class HostOffloadSpec(HostSpecBase):
             oc.resolve_num_chunks(1)  # raises the "no host-tier size" ConfigError
         self._manager = None
         self._worker = None
+        # This host's memory before any worker of this engine allocated its slab: every worker builds its spec
+        # when vLLM creates its connector, before it allocates KV caches and registers them (get_worker).
+        self._local_workers = local_workers()
+        self._host_at_start = hostmem.read_host_memory() if self._local_workers > 1 else None
         self._warn_about_config()
 
     def _warn_about_config(self) -> None:
@@ -117,13 +118,9 @@ class HostOffloadSpec(HostSpecBase):
                 "kv_load_failure_policy=%r: a host-tier chunk that fails to load will fail its "
                 "request; set \"kv_load_failure_policy\":\"recompute\" to recompute it instead", policy,
             )
-        if self.config.canonical_layout:
-            logger.warning("canonical_layout is not supported by HostOffloadSpec; using the per-worker layout")
-        oc = self.offload_config
-        if oc.fs_write_mode == "write_through" and oc.fs_write_back_lag_s != _DEFAULTS["fs_write_back_lag_s"]:
-            logger.warning("fs_write_back_lag_s=%g is ignored: fs_write_mode is write_through (every chunk "
-                           "is written as soon as it is stored)", oc.fs_write_back_lag_s)
-        warn_ignored(oc, VLLM, logger)  # every TPU-only setting given, in one line
+        # In one line: every TPU-only setting given, every setting this configuration leaves without effect,
+        # and each of vLLM's own keys only its own specs read (canonical_layout, eviction_policy, ...).
+        warn_ignored(self.offload_config, VLLM, logger)
 
     def _check_sized(self) -> None:
         if self.num_chunks < 1:
@@ -169,6 +166,7 @@ class HostOffloadSpec(HostSpecBase):
                 raise RuntimeError(hooks.SECOND_ENGINE_ERROR)
             return self._worker
         self._check_sized()
+        self._check_host_memory()
         from gpu_offload.vllm.worker import HostOffloadWorker
 
         groups = self.config.groups  # the offloaded groups, in the order of group_data_refs
@@ -190,6 +188,32 @@ class HostOffloadSpec(HostSpecBase):
                 actual, self.worker_chunk_bytes, (actual - self.worker_chunk_bytes) * self.num_chunks,
             )
         return self._worker
+
+    def _check_host_memory(self) -> None:
+        """Refuse, with the figures, a slab the host cannot hold, before it is allocated and prefaulted (or
+        pinned): past the cgroup's limit that is an OOM kill (exit 137) with no message.
+
+        Two checks (``core.hostmem``, the TPU connector's): this worker's slab against what the host leaves
+        now; and, with several workers on this host, all their slabs against what it left when this spec
+        was built, before any of them allocated one (each worker prefaults its own slab while the others do,
+        so figures read now would count theirs twice)."""
+        oc = self.offload_config
+        stride = -(-self.worker_chunk_bytes // PAGE) * PAGE
+        mine, n = self.num_chunks * stride, self._local_workers
+
+        def fix(chunks: int) -> str:  # what fits, in chunks per worker
+            return (f"Lower cpu_bytes_to_use (or cpu_bytes / cpu_gib) from {mine * self.world_size} to at most "
+                    f"{chunks * stride * self.world_size} ({chunks} chunks of {stride} bytes per worker), or "
+                    f"num_cpu_chunks from {self.num_chunks} to {chunks}, or lower host_memory_margin "
+                    "(TPU_OFFLOAD_HOST_MEMORY_MARGIN).")
+
+        if n > 1 and self._host_at_start is not None:
+            hostmem.check_host_fits(mine * n, self.num_chunks * n, margin=oc.host_memory_margin,
+                                    host=self._host_at_start, fix=lambda fit: fix(fit // n),
+                                    where=f"on this host ({n} workers of {hostmem.size_str(mine)} each)")
+        hostmem.check_host_fits(mine, self.num_chunks, margin=oc.host_memory_margin,
+                                host=hostmem.read_host_memory(), fix=fix,
+                                where=f"in this worker (rank {self.config.parallel.rank})")
 
     # ---- file tier -----------------------------------------------------------------
     def _file_view(self):

@@ -32,4 +32,4 @@ class HostOffloadWorker(HostTransferEngine, OffloadingWorker):
     def take_connector_stats(self) -> OffloadingConnectorStats | None:
         """What happened since the last call, for vLLM's ``/metrics``."""
         tier = self.fs.tier if self.fs is not None else None
-        return self._stats.collect(self.hits, tier, self.fs_metrics)
+        return self._stats.collect(self.hits, tier, self.fs_metrics, pinned=self.pinned)

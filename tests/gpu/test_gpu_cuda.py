@@ -62,6 +62,38 @@ def test_cuda_round_trip_is_bit_exact_and_asynchronous(k):
     w.shutdown()
 
 
+def test_an_unpinned_slab_still_round_trips_and_says_so(monkeypatch):
+    """cudaHostRegister failing (here: refused by a stand-in runtime) leaves the slab pageable: the engine
+    reports pinned=False (the worker's tpu_offload_host_tier_pinned gauge) and its copies stay bit-exact."""
+    from gpu_offload.torch_backend import cuda_rt
+
+    dev = torch.device("cuda")
+    tensors = [torch.randint(-128, 128, (NUM_BLOCKS, PAGE), dtype=torch.int8, device=dev) for _ in range(LAYERS)]
+    pinned = HostTransferEngine(tensors, [PAGE] * LAYERS, [tuple(range(LAYERS))], 16, 1)
+    assert pinned.pinned is True
+    pinned.shutdown()
+    real = cuda_rt.runtime()
+
+    class Refusing:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def host_register(self, ptr, size, flags):
+            return 2  # cudaErrorMemoryAllocation
+
+    monkeypatch.setattr(cuda_rt, "runtime", lambda: Refusing())
+    w = HostTransferEngine(tensors, [PAGE] * LAYERS, [tuple(range(LAYERS))], 16, 1)
+    assert w.pinned is False and not w._registered
+    want = [t[torch.as_tensor([5, 6], device=dev)].clone() for t in tensors]
+    w.submit_store(1, spec([5, 6]), slots([0, 1]))
+    poll(w, {1})
+    w.submit_load(2, slots([0, 1]), spec([40, 41]))
+    poll(w, {2})
+    for t, x in zip(tensors, want):
+        assert torch.equal(t[torch.as_tensor([40, 41], device=dev)], x)
+    w.shutdown()
+
+
 def test_store_sees_kv_written_on_the_compute_stream_and_expedited_loads_work():
     dev = torch.device("cuda")
     tensors = [torch.zeros((NUM_BLOCKS, PAGE), dtype=torch.int8, device=dev)]

@@ -3,7 +3,8 @@
 * The index-upload pool never makes the engine thread wait: with every
   buffer still in flight (5+ requests storing in one step) it grows.
 * Copies never straddle the host slab's 64 GiB registration pieces.
-* A failed ``cudaHostRegister`` clears the CUDA error it leaves behind.
+* A failed ``cudaHostRegister`` clears the CUDA error it leaves behind, and
+  says so in one warning and a gauge (``tpu_offload_host_tier_pinned``).
 """
 
 from __future__ import annotations
@@ -133,6 +134,30 @@ def test_failed_host_register_clears_the_sticky_error_and_unpins_what_it_pinned(
     monkeypatch.setattr(cuda_rt, "runtime", lambda: ok)
     ptrs, piece = cuda_lane.register_host_rows(rows)
     assert piece == 4 and ptrs == [rows.data_ptr() + i * 4 * 4096 for i in range(3)] and ok.cleared == 0
+
+
+def test_an_unpinned_host_tier_is_loud(monkeypatch):
+    """A failed cudaHostRegister keeps serving, pageable: one warning saying what that costs and where to look."""
+    seen = []
+    monkeypatch.setattr(cuda_lane.logger, "warning", lambda msg, *a: seen.append(msg % a))
+    monkeypatch.setattr(cuda_rt, "runtime", lambda: FakeRuntime(fail_at=1))
+    assert cuda_lane.register_host_rows(torch.zeros((4, 4096), dtype=torch.int8)) == ([], None)
+    (msg,) = seen
+    assert "NOT PINNED: cudaHostRegister failed (out of memory)" in msg and "slower" in msg, msg
+    assert "ulimit -l" in msg and "tpu_offload_host_tier_pinned" in msg, msg
+
+
+def test_an_unpinned_host_tier_is_measured():
+    """The worker's gauge: 0 unpinned, 1 pinned, per rank; nothing off CUDA."""
+    pytest.importorskip("vllm")  # the device check runs this file without vLLM
+    from gpu_offload.vllm import metrics
+
+    stats = metrics.WorkerStats(rank=1)
+    assert stats.collect({}, None, None, pinned=False).reduce() == {f"{metrics.PINNED}:('cpu', '1')": 0.0}
+    assert stats.collect({}, None, None, pinned=False) is None  # a gauge: sent at most once a second
+    assert metrics.WorkerStats(0).collect({}, None, None, pinned=True).reduce() == {f"{metrics.PINNED}:('cpu', '0')": 1.0}
+    assert metrics.WorkerStats(0).collect({}, None, None) is None  # off CUDA: nothing pinned, nothing sent
+    assert metrics.PINNED in metrics.metric_definitions()
 
 
 def test_the_cuda_runtime_is_found_among_loaded_libraries():

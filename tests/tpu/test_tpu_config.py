@@ -84,9 +84,27 @@ def test_names_what_the_tpu_connector_does_not_read(monkeypatch):
     assert "TPU_OFFLOAD_NUM_STAGING_BLOCKS" not in msg and "DECODE_SAVE" not in msg
 
 
+def test_snapshot_path_without_orbax_is_refused_at_start(monkeypatch):
+    """Not at the first save at shutdown (after which the next start would be silently cold)."""
+    import importlib.util
+
+    extra = {"num_cpu_chunks": 4, "snapshot_path": "/mnt/snap"}
+    assert resolve(vllm_config(extra), page(), env={}).config.snapshot_path == "/mnt/snap"  # [tpu] installed
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name.split(".")[0] == "orbax" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"snapshot_path='/mnt/snap' .*needs orbax-checkpoint.*\[tpu\] extra"):
+        resolve(vllm_config(extra), page(), env={})
+    resolve(vllm_config({"num_cpu_chunks": 4}), page(), env={})
+
+
 def test_unpinned_host_env():
     s = resolve(vllm_config({"num_cpu_chunks": 4}), page(), env={"TPU_OFFLOAD_USE_UNPINNED_HOST": "1"})
     assert s.config.host_memory_kind == "unpinned_host"
+    with pytest.raises(ConfigError, match="TPU_OFFLOAD_HOST_MEMORY_KIND='pinned_host' and "
+                                          "TPU_OFFLOAD_USE_UNPINNED_HOST='1' contradict each other"):
+        resolve(vllm_config({"num_cpu_chunks": 4}), page(),
+                env={"TPU_OFFLOAD_USE_UNPINNED_HOST": "1", "TPU_OFFLOAD_HOST_MEMORY_KIND": "pinned_host"})
 
 
 @pytest.mark.parametrize("name", ["offload.json", "offload-fs.json"])

@@ -16,7 +16,7 @@ import os
 from typing import Mapping
 
 from tpu_offload.connector import budget, compat, models, sizing, windows as sliding
-from tpu_offload.core.config import TPU, ConfigError, OffloadConfig, warn_ignored
+from tpu_offload.core.config import TPU, ConfigError, OffloadConfig, check_extras, warn_ignored
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +83,7 @@ def resolve(vllm_config, kv_cache_config, env: Mapping[str, str] | None = None) 
     extra = dict(getattr(ktc, "kv_connector_extra_config", None) or {})
     cfg = OffloadConfig.from_sources(extra, os.environ if env is None else env)
     warn_ignored(cfg, TPU, log)  # vLLM's own keys and tpu-inference's variables given here, in one line
+    check_extras(cfg, TPU)  # snapshot_path without orbax: now, not at the first save at shutdown
     parallel = vllm_config.parallel_config
     if getattr(parallel, "pipeline_parallel_size", 1) > 1:
         raise ConfigError(f"pipeline_parallel_size={parallel.pipeline_parallel_size}: KV offloading supports PP=1 only")

@@ -7,8 +7,11 @@ naming the key, the value and what is allowed (with a "did you mean").
 
 Each setting declares its scope (TPU, VLLM or BOTH) and its meaning in
 ``_SETTINGS``; docs/reference/settings.md is generated from that table
-(``make docs``), and a non-default setting the running engine ignores is
-named in one warning at start (``warn_ignored``).
+(``make docs``). A non-default setting the running engine ignores, or that
+this configuration leaves without effect (a file-tier setting without
+``shared_storage_path``), is named in one warning at start
+(``warn_ignored``), with why. Sizes take explicit units only (``720GiB`` or
+``720GB``): a bare ``720G`` means GiB to dd and GB to Kubernetes.
 """
 
 from __future__ import annotations
@@ -29,14 +32,26 @@ class ConfigError(ValueError):
 
 # ---- value parsers: each returns the typed value or raises ValueError(allowed) ----
 
-_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
-# As dd and Kubernetes read them: K/M/G/T and KiB..TiB are powers of 1024, KB..TB powers of 1000.
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40,
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*$")
+# KiB..TiB (and Kubernetes' Ki..Ti) are powers of 1024, KB..TB powers of 1000. A bare K/M/G/T is refused:
+# dd reads "720G" as 720 GiB, Kubernetes ("memory: 720G") as 720x10**9, 49 GiB apart.
+_UNITS = {"": 1, "b": 1,
           "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30, "ti": 1 << 40,
           "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
-_SIZE_ALLOWED = ("a byte count or a size such as '512MiB', '64GiB', '1.5TiB' (KiB..TiB and K..T are powers "
+_BARE_UNITS = frozenset("kmgt")
+_SIZE_ALLOWED = ("a byte count or a size such as '512MiB', '64GiB', '1.5TiB' (KiB..TiB and Ki..Ti are powers "
                  "of 1024; KB..TB powers of 1000)")
+
+
+def _bare_unit_hint(v: Any) -> str | None:
+    """For a size with a bare K/M/G/T ('720G'): which two sizes it might mean, else None."""
+    m = _SIZE_RE.match(v) if isinstance(v, str) else None
+    if not m or m.group(2).lower() not in _BARE_UNITS:
+        return None
+    n, u = m.group(1), m.group(2).upper()
+    return (f"a bare '{m.group(2)}' is ambiguous (dd reads it as a power of 1024, Kubernetes as a power of "
+            f"1000): did you mean {n}{u}iB or {n}{u}B?")
 
 
 def _bytes(v: Any) -> int:
@@ -49,10 +64,13 @@ def _bytes(v: Any) -> int:
             raise ValueError(_SIZE_ALLOWED + " (a whole number of bytes)")
         n = int(v)
     else:
+        hint = _bare_unit_hint(v)
+        if hint:
+            raise ValueError(f"{_SIZE_ALLOWED}; {hint}")
         m = _SIZE_RE.match(v)
-        if not m:
+        if not m or m.group(2).lower() not in _UNITS:
             raise ValueError(_SIZE_ALLOWED)
-        number, unit = m.group(1), _UNITS[(m.group(2) or "").lower()]
+        number, unit = m.group(1), _UNITS[m.group(2).lower()]
         if "." in number:
             f = float(number) * unit
             if not math.isfinite(f):
@@ -220,6 +238,9 @@ def _margin(v: Any) -> int | float:
                              f"with a unit such as '{f:g}GiB'")
         if f < 1:
             return float(f)
+    hint = _bare_unit_hint(v)
+    if hint:
+        raise ValueError(f"{allowed}; {hint}")
     try:
         return _bytes(v)
     except ValueError:
@@ -313,9 +334,10 @@ _SETTINGS: tuple[_Setting, ...] = (
              doc="JAX memory kind of the host tier; every local device must offer it (checked at start)."),
     _Setting("use_unpinned_host", _bool, "TPU_OFFLOAD_USE_UNPINNED_HOST", (), scope=TPU,
              doc="tpu-inference's variable: true means host_memory_kind unpinned_host."),
-    _Setting("host_memory_margin", _margin, "TPU_OFFLOAD_HOST_MEMORY_MARGIN", ("host_memory_margin",), scope=TPU,
-             doc="Host memory the tier leaves free: a fraction (0.05 or '5%') of the host's or cgroup's memory, "
-                 "or a size ('16GiB'); a bare number from 1 to 100 is refused as ambiguous."),
+    _Setting("host_memory_margin", _margin, "TPU_OFFLOAD_HOST_MEMORY_MARGIN", ("host_memory_margin",), scope=BOTH,
+             doc="Host memory the tier leaves free, checked before it is allocated: a fraction (0.05 or '5%') "
+                 "of the host's or cgroup's memory, or a size ('16GiB'); a bare number from 1 to 100 is refused "
+                 "as ambiguous."),
     _Setting("transfer_path", _choice("auto", "program", "device_put"), "TPU_OFFLOAD_TRANSFER_PATH",
              ("transfer_path",), scope=TPU,
              doc="program: preallocated host slabs written by compiled programs; device_put: per-slot host "
@@ -406,15 +428,32 @@ _SETTINGS: tuple[_Setting, ...] = (
 # Keys that would put the secret itself into a config JSON (logged, stored, shown in pod specs).
 _SECRET_KEYS = frozenset({"fs_secret", "secret", "fs_key", "fs_secret_key", "fs_hmac_key"})
 
-# vLLM's own OffloadingConnector keys travel in the same dict; we accept them
-# without interpreting them (vLLM does), so a strict check does not reject them.
-# The TPU connector reads none of them: one given there is named in the start-up warning.
-ENGINE_KEYS = frozenset({
-    "spec_name", "spec_module_path", "eviction_policy", "cache_policy_module_path",
-    "store_threshold", "max_tracker_size", "offload_prompt_only",
-    "self_describing_kv_events", "canonical_layout", "secondary_tiers", "backpressure",
-    "tier_poll_interval_s", "sync_load_budget_bytes",
-})
+# vLLM's own OffloadingConnector keys travel in the same dict; we accept them without interpreting them,
+# so a strict check does not reject them. As vLLM 0.32 reads them (vllm/v1/kv_offload/factory.py, base.py,
+# cpu/spec.py, tiering/spec.py; kv_connector/v1/offloading/config.py): vLLM's connector reads these for
+# any spec, ours included ...
+VLLM_KEYS_READ = {
+    "spec_name": "vLLM picks the spec by it",
+    "spec_module_path": "vLLM imports the spec from it",
+    "offload_prompt_only": "vLLM's offloading scheduler reads it for any spec (our decode_save says the same)",
+    "self_describing_kv_events": "vLLM's offloading scheduler reads it for any spec",
+}
+# ... and these only its own specs read, which HostOffloadSpec replaces: they do nothing with ours (named in
+# the start-up warning on both engines), and why.
+VLLM_KEYS_IGNORED = {
+    "eviction_policy": "vLLM's CPUOffloadingSpec reads it; our host tier always evicts the least recently "
+                       "used chunk",
+    "cache_policy_module_path": "vLLM's CPUOffloadingSpec reads it; our host tier always evicts the least "
+                                "recently used chunk",
+    "store_threshold": "vLLM's CPUOffloadingSpec reads it; our host tier stores every chunk offered (TPU: "
+                       "store_policy)",
+    "max_tracker_size": "vLLM's CPUOffloadingSpec reads it for store_threshold, which our tier does not have",
+    "secondary_tiers": "vLLM's TieringOffloadingSpec reads it; our second tier is shared_storage_path",
+    "backpressure": "vLLM's TieringOffloadingSpec reads it for its secondary tiers; ours bounds file writes "
+                    "with fs_queue_depth",
+    "canonical_layout": "vLLM's OffloadingConnector reads it; our host tier keeps each worker's own layout",
+}
+ENGINE_KEYS = frozenset(VLLM_KEYS_READ) | frozenset(VLLM_KEYS_IGNORED)
 # Variables tpu-inference's own offload connector reads that mean nothing to ours: accepted (the llm-d
 # overlays' environment works unchanged), named in the start-up warning, and why.
 UPSTREAM_ENV = {
@@ -567,8 +606,12 @@ class OffloadConfig:
         names.pop("use_unpinned_host", None)
         unread = tuple(sorted((BOTH, f"environment variable {n} ({why})") for n, why in UPSTREAM_ENV.items()
                               if n in env))
-        unread += tuple((TPU, f"kv_connector_extra_config key {k!r} (read by vLLM's OffloadingConnector)")
-                        for k in (extra_config or {}) if k in ENGINE_KEYS)
+        for k in (extra_config or {}):
+            if k in VLLM_KEYS_IGNORED:
+                unread += ((BOTH, f"kv_connector_extra_config key {k!r} ({VLLM_KEYS_IGNORED[k]})"),)
+            elif k in VLLM_KEYS_READ:
+                unread += ((TPU, f"kv_connector_extra_config key {k!r} (read by vLLM's OffloadingConnector)"),)
+        _check_pairs(values, names)
         values["set_by"] = tuple(sorted(names.items()))
         values["unread"] = unread
         _resolve_secret(values, from_env, from_json)
@@ -616,16 +659,59 @@ _WARNED: set[str] = set()
 
 
 def ignored_settings(cfg: OffloadConfig, engine: str) -> list[str]:
-    """What the config sets that ``engine`` (TPU or VLLM) ignores: each a non-default setting of the other
-    engine's scope, or a name only another connector reads, as ``name=value (where it was set)``."""
+    """What the config sets that has no effect on ``engine`` (TPU or VLLM), as ``name=value (where it was
+    set)``: each non-default setting of the other engine's scope, each non-default setting this configuration
+    leaves without effect (``inert_settings``: with why), and each name only another connector reads."""
     by_field = {s.field: s for s in _SETTINGS}
+    inert = inert_settings(cfg, engine)
     out = []
     for field, where in cfg.set_by:
         s = by_field[field]
-        if s.scope in (engine, BOTH) or getattr(cfg, field) == _DEFAULTS[field]:
+        if getattr(cfg, field) == _DEFAULTS[field]:
             continue
-        out.append(f"{field}={'<hidden>' if s.secret else getattr(cfg, field)!r} ({where})")
+        if s.scope in (engine, BOTH) and field not in inert:
+            continue
+        why = f": {inert[field]}" if s.scope in (engine, BOTH) else ""
+        out.append(f"{field}={'<hidden>' if s.secret else getattr(cfg, field)!r} ({where}{why})")
     return out + [text for who, text in cfg.unread if who in (engine, BOTH)]
+
+
+# Settings that act only through another one: field -> why it does nothing, given the resolved config.
+_FILE_TIER = tuple(dict.fromkeys(s.field for s in _SETTINGS if s.field.startswith("fs_")))
+_PACING = ("transfer_piece_bytes", "transfer_inflight_bytes", "transfer_bandwidth_gbps", "transfer_stall_ms")
+
+
+def inert_settings(cfg: OffloadConfig, engine: str) -> dict[str, str]:
+    """Settings of ``engine``'s scope that this configuration leaves without effect, each with why
+    (whether or not they were set: ``ignored_settings`` names those that were)."""
+    out: dict[str, str] = {}
+    snapshot = engine == TPU and cfg.snapshot_path
+    if not cfg.shared_storage_path:
+        for f in _FILE_TIER:  # the secret also signs a TPU snapshot
+            if not (snapshot and f in ("fs_secret", "fs_secret_file")):
+                out[f] = "no file tier: shared_storage_path is unset"
+        return out | _inert_engine_settings(cfg)
+    if cfg.fs_write_mode == "write_through":
+        out["fs_write_back_lag_s"] = "fs_write_mode is write_through: every chunk is queued for its file at once"
+    if cfg.fs_encrypt:
+        out["fs_mac"] = "fs_encrypt is on: the AES-GCM tag authenticates each chunk"
+    elif not cfg.fs_secret:
+        out["fs_mac"] = "no secret: chunks are not signed"
+    if cfg.fs_secret:
+        out["fs_allow_unauthenticated"] = "a secret is set: the file tier is authenticated"
+    return out | _inert_engine_settings(cfg)
+
+
+def _inert_engine_settings(cfg: OffloadConfig) -> dict[str, str]:
+    out = {}
+    if cfg.load_decision != "auto":
+        out["load_decision_bias"] = f"load_decision is {cfg.load_decision}, not auto"
+    if cfg.sliding_window == "all":
+        out["window_every_chunks"] = "sliding_window is all: every block moves"
+    if cfg.transfer_pacing == "off" or cfg.transfer_path == "device_put":
+        why = "transfer_pacing is off" if cfg.transfer_pacing == "off" else "transfer_path device_put is not paced"
+        out.update({f: why for f in _PACING})
+    return out
 
 
 def warn_ignored(cfg: OffloadConfig, engine: str, logger) -> str | None:
@@ -639,6 +725,62 @@ def warn_ignored(cfg: OffloadConfig, engine: str, logger) -> str | None:
         _WARNED.add(msg)
         logger.warning("%s", msg)
     return msg
+
+
+# Optional packages a setting needs, per engine: (scope, field, module, distribution, pip extra). Checked at
+# start (``check_extras``) with importlib's find_spec, so core imports none of them.
+_EXTRAS = ((TPU, "snapshot_path", "orbax.checkpoint", "orbax-checkpoint", "tpu"),)
+
+
+def missing_extras(cfg: OffloadConfig, engine: str) -> list[str]:
+    """One line per setting of ``cfg`` whose package is not importable here (empty: all there)."""
+    where = dict(cfg.set_by)
+    out = []
+    for who, field, module, dist, extra in _EXTRAS:
+        value = getattr(cfg, field)
+        if who not in (engine, BOTH) or not value or _importable(module):
+            continue
+        out.append(f"{field}={value!r} ({where.get(field, 'the default')}) needs {dist} (import {module}), "
+                   f"which is not installed here: install the [{extra}] extra (pip install 'tpu-offload[{extra}]')")
+    return out
+
+
+def check_extras(cfg: OffloadConfig, engine: str) -> None:
+    """Refuse at start, not at the first use (a snapshot is first saved at shutdown)."""
+    missing = missing_extras(cfg, engine)
+    if missing:
+        raise ConfigError("; ".join(missing) + "; allowed: install it, or leave the setting unset")
+
+
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package missing
+        return False
+
+
+def _check_pairs(values: dict[str, Any], names: dict[str, str]) -> None:
+    """Settings that cannot both hold, from whichever source (or default) each came: one error naming both."""
+
+    def said(field: str) -> str:
+        value = values.get(field, _DEFAULTS[field])
+        return f"{field}={value!r} ({names.get(field, 'the default')})"
+
+    def get(field: str) -> Any:
+        return values.get(field, _DEFAULTS[field])
+
+    if ("transfer_piece_bytes" in names or "transfer_inflight_bytes" in names) \
+            and get("transfer_inflight_bytes") < get("transfer_piece_bytes"):
+        raise ConfigError(
+            f"{said('transfer_inflight_bytes')} is below {said('transfer_piece_bytes')}: one piece would already "
+            "pass the in-flight bound; allowed: transfer_inflight_bytes at least transfer_piece_bytes")
+    if values.get("snapshot_path") and get("transfer_path") == "device_put":
+        raise ConfigError(
+            f"{said('snapshot_path')} and {said('transfer_path')} contradict each other: a snapshot saves the "
+            "preallocated host slabs of transfer_path 'program'; allowed: transfer_path 'program' or 'auto', "
+            "or leave snapshot_path unset")
 
 
 def _resolve_secret(values: dict[str, Any], from_env: dict[str, Any], from_json: dict[str, Any]) -> None:
@@ -728,7 +870,7 @@ def _parse_extra(extra: Mapping[str, Any], names: dict[str, str]) -> dict[str, A
         _claim(seen, setting.field, key, value, "kv_connector_extra_config")
         out[setting.field] = parsed
         names[setting.field] = key
-    _check_contradictions(seen, "kv_connector_extra_config")
+    _check_contradictions(seen, out, "kv_connector_extra_config")
     if extra.get("offload_prompt_only") is not None and out.get("decode_save") is not None:
         try:
             prompt_only = _bool(extra["offload_prompt_only"])
@@ -763,7 +905,7 @@ def _parse_env(env: Mapping[str, str], names: dict[str, str]) -> dict[str, Any]:
         _claim(seen, setting.field, name, "<hidden>" if setting.secret else value, "environment")
         out[setting.field] = parsed
         names[setting.field] = name
-    _check_contradictions(seen, "environment")
+    _check_contradictions(seen, out, "environment")
     return out
 
 
@@ -775,7 +917,13 @@ def _claim(seen: dict[str, str], field: str, name: str, value: Any, source: str)
     seen[field] = here
 
 
-def _check_contradictions(seen: dict[str, str], source: str) -> None:
+def _check_contradictions(seen: dict[str, str], out: dict[str, Any], source: str) -> None:
+    """Two names of one source that say different things (``seen``: field -> ``name=value``)."""
+    if "use_unpinned_host" in seen and "host_memory_kind" in seen \
+            and out["use_unpinned_host"] != (out["host_memory_kind"] == "unpinned_host"):
+        raise ConfigError(
+            f"{source}: {seen['host_memory_kind']} and {seen['use_unpinned_host']} contradict each other "
+            "(tpu-inference's variable picks the host memory kind too); allowed: set only one, or both alike")
     sizes = [seen[f] for f in _SIZE_FIELDS if f in seen]
     if len(sizes) > 1:
         raise ConfigError(f"{source}: {sizes[0]} and {sizes[1]} both size the host tier; allowed: set only one")
