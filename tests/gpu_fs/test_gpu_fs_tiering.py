@@ -1,0 +1,174 @@
+"""Our file tier under vLLM's own ``TieringOffloadingSpec`` (``gpu_offload.vllm.secondary_tier``).
+
+The tier is loaded as vLLM loads an out-of-tree tier (``type`` +
+``module_path`` in ``secondary_tiers``) and driven through vLLM's
+scheduler-side ``TieringOffloadingManager``: stores cascade from the CPU
+primary tier, loads promote into it (``gpu_offload.testing.tiering`` plays
+the worker, whose copies need CUDA).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+from gpu_offload.testing.tiering import Engine, new_keys, tiering_spec
+from gpu_offload.vllm.secondary_tier import SharedFileTier
+from tpu_offload.core.config import ConfigError
+from tpu_offload.core.fs.auth import make_secret_file
+from tpu_offload.core.fs.format import HEADER_SIZE
+
+BPB = 64 << 10  # one block (= one chunk) of KV per row
+CPU = 4 << 20
+MOD = "gpu_offload.vllm.secondary_tier"
+
+
+@pytest.fixture(autouse=True)
+def _no_env(monkeypatch):
+    for k in list(os.environ):
+        if k.startswith("TPU_OFFLOAD_"):
+            monkeypatch.delenv(k)
+
+
+@pytest.fixture
+def entry(tmp_path):
+    secret = tmp_path / "secret"
+    make_secret_file(str(secret))
+    return {"type": "SharedFileTier", "module_path": MOD, "shared_storage_path": str(tmp_path / "kv"),
+            "fs_secret_file": str(secret)}
+
+
+@pytest.fixture
+def engines():
+    made = []
+
+    def make(*tiers, **kw):
+        e = Engine(tiering_spec(list(tiers), bytes_per_block=BPB, cpu_bytes=kw.pop("cpu_bytes", CPU), **kw))
+        made.append(e)
+        return e
+
+    yield make
+    for e in made:
+        e.close()
+
+
+def _payloads(e: Engine, n: int) -> list[np.ndarray]:
+    return [np.random.randint(0, 256, e.row_bytes, dtype=np.uint8) for _ in range(n)]
+
+
+def _same(got, keys, data) -> list[bool]:
+    return [got[k] is not None and bool((got[k] == d).all()) for k, d in zip(keys, data)]
+
+
+def test_vllm_loads_the_tier_from_type_and_module_path(engines, entry):
+    e = engines(entry)
+    (tier,) = e.secondary
+    assert type(tier) is SharedFileTier and tier.tier_type == "SharedFileTier"
+    assert tier.tier.authenticated and tier.tier.chunk_bytes == e.row_bytes
+
+
+def test_store_then_load_round_trip_through_the_file_tier(engines, entry):
+    e = engines(entry)
+    keys = new_keys(6)
+    data = _payloads(e, 6)
+    assert e.store(keys, data) == 6
+    assert e.secondary[0].tier.counters()["writes_ok"] == 6
+    e.drop_primary()  # hits can now only come from files
+    got = e.load(keys)
+    assert _same(got, keys, data) == [True] * 6
+    assert e.secondary[0].tier.counters()["reads_ok"] == 6
+
+
+def test_lookups_answer_off_the_scheduler_thread(engines, entry):
+    e = engines(entry)
+    keys = new_keys(1)
+    e.store(keys, _payloads(e, 1))
+    e.drop_primary()
+    ctx = ReqContext(req_id="r")
+    e.manager.on_new_request(ctx)
+    assert e.manager.lookup(keys[0], ctx) is LookupResult.RETRY  # the stat runs on vLLM's lookup thread
+    e.manager.on_request_finished(ctx)
+    e.settle()
+
+
+def test_a_second_engine_reads_what_the_first_wrote(engines, entry):
+    first, second = engines(entry), engines(entry)
+    keys = new_keys(4)
+    data = _payloads(first, 4)
+    first.store(keys, data)
+    assert _same(second.load(keys), keys, data) == [True] * 4
+
+
+def test_forged_and_junk_files_at_a_chunks_name_are_misses(engines, entry, tmp_path):
+    first = engines(entry)
+    keys = new_keys(3)
+    data = _payloads(first, 3)
+    first.store(keys, data)
+    ours = first.secondary[0].tier
+    # A forger without our secret: a well-formed file (valid checksums) signed with another key.
+    other_secret = tmp_path / "other"
+    make_secret_file(str(other_secret))
+    forger = engines({**entry, "shared_storage_path": str(tmp_path / "forger"), "fs_secret_file": str(other_secret)})
+    fake = _payloads(forger, 1)
+    forger.store(keys[:1], fake)
+    forged = Path(forger.secondary[0].tier.path_of(keys[0])).read_bytes()
+    Path(ours.path_of(keys[0])).write_bytes(forged)
+    Path(ours.path_of(keys[1])).write_bytes(os.urandom(HEADER_SIZE + first.row_bytes))  # junk of the right size
+    reader = engines(entry)
+    got = reader.load(keys)
+    assert got[keys[0]] is None and got[keys[1]] is None  # never served
+    assert _same(got, keys[2:], data[2:]) == [True]
+    c = reader.secondary[0].tier.counters()
+    assert c.get("auth_failures", 0) + c.get("corrupt", 0) == 2, c  # each rejected, counted
+    assert reader.load(keys[:2]) == {keys[0]: None, keys[1]: None}  # and not offered again
+
+
+def test_byte_budget_is_respected(engines, entry, tmp_path):
+    e = engines({**entry, "fs_capacity_bytes": 4 * (HEADER_SIZE + BPB)})
+    file_bytes = HEADER_SIZE + e.row_bytes
+    keys = new_keys(12)
+    for i in range(0, 12, 3):
+        e.store(keys[i:i + 3], _payloads(e, 3))
+    e.secondary[0].tier.flush()
+    files = [p for p in (tmp_path / "kv").rglob("*") if p.is_file() and p.stat().st_size == file_bytes]
+    assert 0 < len(files) * file_bytes <= 4 * (HEADER_SIZE + BPB)
+    assert e.secondary[0].tier.usage()["used_bytes"] <= 4 * (HEADER_SIZE + BPB)
+    assert e.secondary[0].tier.counters()["evicted"] >= 8
+
+
+def test_no_secret_is_refused_unless_opted_out(engines, entry):
+    bare = {k: v for k, v in entry.items() if k != "fs_secret_file"}
+    with pytest.raises(ConfigError, match="without a secret"):
+        engines(bare)
+    e = engines({**bare, "fs_allow_unauthenticated": True})
+    assert not e.secondary[0].tier.authenticated
+
+
+@pytest.mark.parametrize("key,value,allowed", [
+    ("fs_capacity_bytes", "lots", "a byte count"),
+    ("fs_threads", 0, "an integer >= 1"),
+    ("locality", "mars", "LOCAL or REMOTE"),
+    ("fs_capacty_bytes", 1, "allowed keys"),
+])
+def test_a_bad_entry_is_one_error_naming_key_value_and_allowed(engines, entry, key, value, allowed):
+    with pytest.raises(ConfigError) as err:
+        engines({**entry, key: value})
+    msg = str(err.value)
+    assert f"secondary_tiers entry key {key!r}" in msg and repr(value) in msg and allowed in msg, msg
+
+
+def test_kv_events_for_stores_and_evictions(engines, entry):
+    e = engines({**entry, "enable_kv_events": True, "fs_capacity_bytes": 2 * (HEADER_SIZE + BPB)}, events=True)
+    keys = new_keys(4)
+    e.store(keys, _payloads(e, 4))
+    e.secondary[0].tier.flush()
+    events = list(e.secondary[0].take_events())
+    stored = [k for ev in events if not ev.removed for k in ev.keys]
+    removed = [k for ev in events if ev.removed for k in ev.keys]
+    assert sorted(stored) == sorted(keys) and len(removed) >= 2
+    assert all(ev.medium.name == "STORAGE" for ev in events)
