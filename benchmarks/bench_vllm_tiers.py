@@ -264,7 +264,7 @@ def main() -> None:
                 title="a tenant who can write the directory")
     path = write_json("vllm_tiers", {
         "settings": {"ours": "secret (HMAC-SHA256), fs_threads 8", "vllm_fs": "n_read_threads 4, n_write_threads 4",
-                     "o_direct": b.o_direct, "repeats": args.repeats, "page_cache": "warm (same host)"},
+                     "o_direct": b.o_direct, "repeats": args.repeats},
         "throughput": tput, "budget": bud, "attacks": attacks,
         "seconds": round(time.perf_counter() - t_all, 1),
     })

@@ -172,3 +172,60 @@ def test_kv_events_for_stores_and_evictions(engines, entry):
     removed = [k for ev in events if ev.removed for k in ev.keys]
     assert sorted(stored) == sorted(keys) and len(removed) >= 2
     assert all(ev.medium.name == "STORAGE" for ev in events)
+
+
+def test_store_jobs_feed_vllms_backpressure_detector(engines, entry):
+    bp = {"backpressure_cls": "EMABackpressureDetector", "warmup_completions": 1}
+    e = engines({**entry, "backpressure": bp})
+    det = e.secondary[0].bp_detector
+    assert det is not None and det.stats["store_latency_ema"] == 0.0
+    e.store(new_keys(4), _payloads(e, 4))
+    assert det.stats["store_latency_ema"] > 0.0  # from the bytes and time our finished store jobs report
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _doc_configs() -> list[dict]:
+    import json
+    import re
+
+    text = (REPO / "docs/vllm-tiers.md").read_text()
+    return [json.loads(b) for b in re.findall(r"```json\n(.*?)```", text, re.S) if '"kv_connector"' in b]
+
+
+def test_the_docs_show_the_shipped_configs():
+    import json
+
+    shipped = [json.loads((REPO / f"configs/vllm/{n}.json").read_text())
+               for n in ("offload-host-fs", "tiering-shared-fs")]
+    assert _doc_configs() == shipped
+
+
+def test_both_documented_configs_load(tmp_path, engines):
+    from gpu_offload.testing.hooks import offloading_config
+
+    host, tiering = _doc_configs()
+    secret = tmp_path / "secret"
+    make_secret_file(str(secret))
+    here = {"shared_storage_path": str(tmp_path / "kv"), "fs_secret_file": str(secret)}
+    # Our whole stack: HostOffloadSpec (host budget shrunk to this machine's).
+    from gpu_offload.spec import HostOffloadSpec
+
+    extra = {**host["kv_connector_extra_config"], **here, "cpu_bytes_to_use": 16 << 20}
+    manager = HostOffloadSpec(offloading_config(extra, blocks_per_chunk=2)).get_manager()
+    assert manager.files is not None
+    manager.shutdown()
+    # vLLM's own offloading with only our file tier under it.
+    extra = tiering["kv_connector_extra_config"]
+    assert extra["spec_name"] == "TieringOffloadingSpec" and "spec_module_path" not in extra  # vLLM's own spec
+    (tier,) = extra["secondary_tiers"]
+    e = engines({**tier, **here})
+    (ours,) = e.secondary
+    assert type(ours) is SharedFileTier and ours.tier.capacity_bytes == 4 << 40
+    assert ours.locality.value == "REMOTE" and ours.bp_detector is not None
+    keys = new_keys(2)
+    data = _payloads(e, 2)
+    e.store(keys, data)
+    e.drop_primary()
+    assert _same(e.load(keys), keys, data) == [True, True]
