@@ -179,7 +179,10 @@ class SharedFileTier(SecondaryTierManager):
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         for key in keys:  # the index at once, the file's mtime (shared LRU order) on an I/O thread
-            self.tier.touch(key)
+            try:
+                self.tier.touch(key)
+            except ValueError:
+                pass
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
@@ -193,17 +196,27 @@ class SharedFileTier(SecondaryTierManager):
     # ---- jobs -----------------------------------------------------------
     def submit_store(self, job_metadata: TransferJob) -> None:
         keys = list(job_metadata.keys)
-        tickets = [self.tier.submit_write(key, self._rows[int(c)])
-                   for key, c in zip(keys, job_metadata.chunk_ids)]
+        tickets = [self._queue_write(key, int(c)) for key, c in zip(keys, job_metadata.chunk_ids)]
         self._stores[job_metadata.job_id] = _StoreJob(keys, tickets, time.monotonic())
+
+    def _queue_write(self, key: OffloadKey, chunk_id: int) -> WriteTicket | None:
+        try:
+            return self.tier.submit_write(key, self._rows[chunk_id])
+        except ValueError as e:  # a key this tier cannot name: that chunk is not stored, the engine goes on
+            logger.warning("secondary tier %r: not storing a chunk (%s)", self.tier_type, e)
+            return None
 
     def submit_load(self, job_metadata: TransferJob) -> None:
         keys = list(job_metadata.keys)
         job = _LoadJob(job_metadata.job_id, keys, self.block_size_bytes, self._loads_done)
         self._loads[job.job_id] = job
         for i, (key, c) in enumerate(zip(keys, job_metadata.chunk_ids)):
-            if not self.tier.submit_read(key, self._rows[int(c)], functools.partial(job.read_done, i)):
-                job.read_done(i, False)  # the tier cannot read now (off): a miss
+            try:
+                queued = self.tier.submit_read(key, self._rows[int(c)], functools.partial(job.read_done, i))
+            except ValueError:  # a key this tier cannot name
+                queued = False
+            if not queued:
+                job.read_done(i, False)  # the tier cannot read it now (off, closed): that chunk fails
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         results: list[JobResult] = []

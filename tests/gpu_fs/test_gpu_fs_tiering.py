@@ -229,3 +229,49 @@ def test_both_documented_configs_load(tmp_path, engines):
     e.store(keys, data)
     e.drop_primary()
     assert _same(e.load(keys), keys, data) == [True, True]
+
+
+def test_reads_and_writes_never_run_on_the_scheduler_thread(engines, entry):
+    """vLLM's contract: submit_store / submit_load return at once; the I/O runs on the tier's threads."""
+    import threading
+    import time
+
+    e = engines(entry)
+    files = e.secondary[0].tier.files
+    gate, io_threads = threading.Event(), set()
+
+    def held(fn):
+        def run(*a, **kw):
+            io_threads.add(threading.get_ident())
+            assert gate.wait(30)
+            return fn(*a, **kw)
+        return run
+
+    keys = new_keys(3)
+    data = _payloads(e, 3)
+    write, read = files.write, files.read
+    files.write = held(write)
+    e.store(keys, data, settle=False)  # returns while every write is held
+    assert e.manager.has_pending_work()
+    gate.set()
+    e.settle()
+    files.write = write
+    assert e.secondary[0].tier.counters()["writes_ok"] == 3
+    e.drop_primary()
+    gate.clear()
+    files.read = held(read)
+    ctx = ReqContext(req_id="held")
+    e.manager.on_new_request(ctx)
+    for _ in range(200):  # lookups resolve, promotions are submitted, every read is held
+        states = [e.manager.lookup(k, ctx) for k in keys]
+        e.step()
+        if all(s is LookupResult.HIT_PENDING for s in states):
+            break
+        time.sleep(0.02)
+    assert all(s is LookupResult.HIT_PENDING for s in states), states
+    gate.set()
+    e.manager.on_request_finished(ctx)
+    e.settle()
+    files.read = read
+    assert threading.get_ident() not in io_threads and io_threads
+    assert _same(e.load(keys), keys, data) == [True] * 3
