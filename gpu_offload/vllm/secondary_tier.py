@@ -48,6 +48,7 @@ from collections.abc import Collection, Iterable
 from typing import Any, ClassVar
 
 import numpy as np
+from prometheus_client import REGISTRY
 
 from vllm.v1.kv_offload.base import (
     Locality,
@@ -64,7 +65,7 @@ from vllm.v1.kv_offload.tiering.base import JobId, JobResult, SecondaryTierManag
 
 from gpu_offload._log import get_logger
 from gpu_offload.vllm.tier_settings import TierSettings, parse_tier_settings
-from tpu_offload.core.fs import FileTier, WriteTicket
+from tpu_offload.core.fs import FileTier, FsMetrics, WriteTicket
 from tpu_offload.core.fs.journal import PUBLISHED, REMOVED, FileJournal
 from tpu_offload.core.fs.reset import bind_weights
 from tpu_offload.core.keys import LayoutFingerprint
@@ -156,7 +157,10 @@ class SharedFileTier(SecondaryTierManager):
         # Rows of the primary buffer as byte arrays (views, never copies): row c is chunk id c.
         self._rows = np.frombuffer(primary_kv_view, dtype=np.uint8).reshape(-1, row)
         fp = row_fingerprint(offloading_spec.config, row, cfg.fs_reset_epoch_file)
-        self.tier: FileTier = FileTier.from_config(cfg, fp, row, name=f"vllm-{tier_type}")
+        # Its tpu_offload_fs_* series on the process's default registry: vLLM's /metrics, or its
+        # PROMETHEUS_MULTIPROC_DIR (which FsMetrics mirrors into), since this runs in the engine's scheduler.
+        self.tier: FileTier = FileTier.from_config(cfg, fp, row, name=f"vllm-{tier_type}",
+                                                   fs_metrics=FsMetrics.for_registry(REGISTRY))
         self._journal: FileJournal | None = None
         if self.settings.enable_kv_events:
             if offloading_spec.kv_events_config.enable_kv_cache_events:

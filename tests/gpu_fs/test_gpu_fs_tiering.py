@@ -275,3 +275,13 @@ def test_reads_and_writes_never_run_on_the_scheduler_thread(engines, entry):
     files.read = read
     assert threading.get_ident() not in io_threads and io_threads
     assert _same(e.load(keys), keys, data) == [True] * 3
+
+
+def test_file_metrics_reach_the_process_registry(engines, entry):
+    from prometheus_client import REGISTRY
+
+    e = engines(entry)
+    labels = {"tier": e.secondary[0].tier.name, "op": "write"}
+    before = REGISTRY.get_sample_value("tpu_offload_fs_bytes_total", labels) or 0.0
+    e.store(new_keys(2), _payloads(e, 2))
+    assert REGISTRY.get_sample_value("tpu_offload_fs_bytes_total", labels) - before == 2 * e.row_bytes
