@@ -248,7 +248,8 @@ def check_budgets(rep, s: dict, pacing: bool) -> None:
             f"blocks ({s['load_block_bytes'] / MIB:.2f} MiB each)")
     if pacing:
         line += (f"; paced copies {s['paced_step_bytes'] / 1e6:.0f} MB per device per step each way = "
-                 f"{s['paced_blocks_per_step']} blocks")
+                 f"{s['paced_blocks_per_step']} blocks" + ("" if s["chip"] else " (one device per chip: "
+                                                              "--topology names the chip)"))
     else:
         line += "; host copies not paced (transfer_pacing 'off', or the device_put path)"
     rep.check("budgets", "pass", line=line, load_budget_bytes=s["load_budget_bytes"],
@@ -316,6 +317,7 @@ def run_offline(rep, cfg: OffloadConfig, args, skip: set[str]) -> dict[str, Any]
     """Sizing, budgets, HBM and host RAM for ``--model``/``--tp`` (skipped without a model)."""
     model = model_shape(args)
     chip, devices = parse_topology(args.topology) if args.topology else (None, None)
+    host_bytes = parse_size("--host-memory", args.host_memory) if args.host_memory else None
     if model is None:
         for name in ("sizing", "budgets", "hbm", "host"):
             rep.check(name, "skipped", line="give --model (or --layers/--kv-heads/--head-dim) and --tp to size")
@@ -325,7 +327,6 @@ def run_offline(rep, cfg: OffloadConfig, args, skip: set[str]) -> dict[str, Any]
         raise ConfigError(f"--tp: value {tp} is not allowed; allowed: at most the {devices} devices of {args.topology}")
     s = size(cfg, model, tp, args.block_size, chip)
     pacing = s["path"] == "program" and cfg.transfer_pacing in ("on", "auto")  # as worker.register_runner
-    host_bytes = parse_size("--host-memory", args.host_memory) if args.host_memory else None
     if "sizing" not in skip:
         check_sizing(rep, s)
     if "budgets" not in skip:

@@ -528,15 +528,12 @@ def run(args, host=None) -> Report:
     rep.data["config"] = dict(kv_connector_extra_config=extra, host_memory_kind=cfg.host_memory_kind,
                               host_memory_margin=cfg.host_memory_margin, cpu_bytes=cfg.cpu_bytes,
                               num_cpu_chunks=cfg.num_cpu_chunks, staging_blocks=cfg.staging_blocks)
-    if "config" not in args.skip:
-        preflight.check_config(rep, cfg, ignored_settings(cfg, TPU))
+    preflight.check_config(rep, cfg, ignored_settings(cfg, TPU))
     if "dependencies" not in args.skip:
         preflight.check_dependencies(rep, cfg)
     if offline:
         rep.data["deployment"] = preflight.run_offline(rep, cfg, args, args.skip)
-        for name in SKIPPABLE:
-            if name in args.skip and name not in CHECKS[2:]:
-                rep.check(name, "skipped", reason="--skip")
+        _mark_skipped(rep, args.skip, OFFLINE_CHECKS)
         return rep
     model = model_shape(args)
     import_tpu_inference()
@@ -550,10 +547,14 @@ def run(args, host=None) -> Report:
         rep.check("roundtrip", "skipped", reason=f"the devices lack memory kind {cfg.host_memory_kind!r}")
     else:
         check_roundtrip(rep, model, cfg, args, bpc, staging)
-    for name in SKIPPABLE:
-        if name in args.skip:
-            rep.check(name, "skipped", reason="--skip")
+    _mark_skipped(rep, args.skip, CHECKS)
     return rep
+
+
+def _mark_skipped(rep: Report, skip: set[str], checks: tuple[str, ...]) -> None:
+    for name in checks:
+        if name in skip:
+            rep.check(name, "skipped", reason="--skip")
 
 
 def _live_line(name: str, x: dict) -> str | None:
