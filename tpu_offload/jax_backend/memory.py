@@ -21,6 +21,8 @@ import logging
 import math
 import os
 
+import jax
+
 from tpu_offload.core.config import ConfigError
 
 GIB = 1 << 30
@@ -53,11 +55,7 @@ def check_staging_fits(staging_bytes: int, scratch_bytes: int, staging_blocks: i
     nothing here can measure: taking a share of it is logged with the
     utilization that would keep the model's headroom whole.
     """
-    if devices is None:
-        import jax  # here, not at the top: the host-RAM checks run without JAX (selfcheck --offline)
-
-        devices = jax.local_devices()
-    devices = list(devices)
+    devices = list(devices if devices is not None else jax.local_devices())
     need = staging_bytes + scratch_bytes
     for d in devices:
         stats = device_hbm(d)
@@ -281,11 +279,7 @@ def device_memory_kinds(device) -> frozenset[str]:
 def check_memory_kind(kind: str, devices=None) -> None:
     """Raise ConfigError unless every device (default: this process's) offers
     memory kind ``kind``, where the host tier would live."""
-    if devices is None:
-        import jax  # here, not at the top: the host-RAM checks run without JAX (selfcheck --offline)
-
-        devices = jax.local_devices()
-    devices = list(devices)
+    devices = list(devices if devices is not None else jax.local_devices())
     offered = {d: device_memory_kinds(d) for d in devices}
     lacking = [d for d, kinds in offered.items() if kind not in kinds]
     if not lacking:
