@@ -7,7 +7,7 @@ this module reads only the config and the deployment's shape (model, TP, chip)
 and computes what the connector will at start: the host tier, staging, the
 per-step budgets and the HBM staging takes, from the same functions the
 connector sizes itself with (``OffloadConfig``, ``connector/budget.py``,
-``connector/shapes.py``, ``jax_backend/memory.py``'s host-RAM checks), and
+``connector/shapes.py``, ``core/hostmem.py``), and
 finds the optional packages the config needs in this environment. The checks
 on live devices (memory kinds, compile, round trip) stay in ``selfcheck.py``.
 
@@ -27,6 +27,7 @@ import types
 from typing import Any
 
 from tpu_offload.connector import budget, shapes
+from tpu_offload.core import hostmem
 from tpu_offload.core.config import ConfigError, OffloadConfig
 
 GIB = 1 << 30
@@ -287,14 +288,13 @@ def check_host_memory(rep, cfg: OffloadConfig, s: dict, host_bytes: int | None) 
         rep.check("host", "skipped", line=f"tier {s['tier_bytes'] / GIB:.2f} GiB; give --host-memory (the serving "
                   "host's or pod's memory, e.g. 944GiB) to check it fits")
         return
-    from tpu_offload.jax_backend import memory  # its host-RAM checks import no JAX
-
-    host = memory.HostMemory(mem_total=host_bytes, mem_available=host_bytes)
-    budget_bytes = memory.host_tier_budget(host, cfg.host_memory_margin)
+    host = hostmem.HostMemory(mem_total=host_bytes, mem_available=host_bytes)
+    budget_bytes = hostmem.host_tier_budget(host, cfg.host_memory_margin)
     fields = dict(host_bytes=host_bytes, margin=cfg.host_memory_margin, budget=budget_bytes,
                   tier_bytes=s["tier_bytes"], num_slots=s["num_slots"])
     try:
-        memory.check_host_fits(s["tier_bytes"], s["num_slots"], margin=cfg.host_memory_margin, host=host)
+        hostmem.check_host_fits(s["tier_bytes"], s["num_slots"], margin=cfg.host_memory_margin, host=host,
+                                where="on the serving host")
     except ConfigError as e:
         rep.fail("host", str(e), line=str(e), **fields)
         return

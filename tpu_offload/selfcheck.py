@@ -506,10 +506,10 @@ def host_override(args, host):
     """``--host-memory`` as host figures for the live host check (a test's ``host`` wins)."""
     if host is not None or not args.host_memory:
         return host
-    from tpu_offload.jax_backend import memory
+    from tpu_offload.core.hostmem import HostMemory
 
     n = preflight.parse_size("--host-memory", args.host_memory)
-    return memory.HostMemory(mem_total=n, mem_available=n)
+    return HostMemory(mem_total=n, mem_available=n)
 
 
 def run(args, host=None) -> Report:
