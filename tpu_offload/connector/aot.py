@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+from tpu_offload.connector.shapes import MODELS, ModelShape, padded_kv_heads  # noqa: F401 (aot.MODELS)
 from tpu_offload.jax_backend.engine import DEFAULT_MAX_SLAB_BYTES, plan_transfers
 from tpu_offload.jax_backend.layout import KVLayout, replicated_axes
 from tpu_offload.jax_backend.programs import Programs
@@ -34,28 +35,6 @@ MIB = 1 << 20
 REPLICATED_SCATTER_ACCESS = 6  # bytes accessed / bytes written, scatter with replicated heads (measured 5.2)
 # Environment libtpu needs to compile without a TPU (set before JAX is imported).
 COMPILE_ONLY_ENV = {"TPU_SKIP_MDS_QUERY": "1", "TPU_WORKER_HOSTNAMES": "localhost"}
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelShape:
-    """What the KV cache depends on; the figures are the models' published configs."""
-
-    name: str
-    layers: int
-    kv_heads: int
-    head_dim: int
-    dtype: str = "bfloat16"
-    use_mla: bool = False
-
-
-MODELS = {m.name: m for m in (
-    ModelShape("Qwen3-32B", 64, 8, 128),
-    ModelShape("Llama-3.1-70B", 80, 8, 128),
-    ModelShape("Llama-3.1-8B", 32, 8, 128),
-    ModelShape("Qwen2.5-7B", 28, 4, 128),  # 4 KV heads: replicated at TP 8
-    ModelShape("gpt-oss-120b", 36, 8, 64),  # head_dim 64; sliding-window and full layers share one shape
-    ModelShape("DeepSeek-V3", 61, 1, 576, use_mla=True),  # MLA: one latent (512 + 64 rope) per token
-)}
 
 
 def compile_only_mesh(topology: str, tp: int, attn_dp: int = 1) -> Mesh:
@@ -71,15 +50,6 @@ def compile_only_mesh(topology: str, tp: int, attn_dp: int = 1) -> Mesh:
     shape = tuple(sizes.get(name, 1) for name in MESH_AXIS_NAMES)
     return Mesh(np.array(devices[:tp]).reshape(shape), MESH_AXIS_NAMES,
                 axis_types=(AxisType.Auto,) * len(MESH_AXIS_NAMES))
-
-
-def padded_kv_heads(model: ModelShape, tp: int) -> tuple[int, int]:
-    """(heads in the cache, replicas): tpu-inference repeats each KV head up to the TP degree."""
-    if model.use_mla or model.kv_heads >= tp:
-        return model.kv_heads, 1
-    if tp % model.kv_heads:
-        raise ValueError(f"{model.name}: {model.kv_heads} KV heads cannot be repeated over TP {tp}")
-    return tp, tp // model.kv_heads
 
 
 def kv_cache_avals(mesh: Mesh, model: ModelShape, num_blocks: int, block_size: int) -> list:
