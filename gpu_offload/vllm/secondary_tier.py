@@ -73,6 +73,18 @@ from tpu_offload.core.keys import LayoutFingerprint
 logger = get_logger(__name__)
 
 
+def _process_fs_metrics() -> FsMetrics:
+    """The tier's series on the process's default registry, or, where the names are already taken there
+    (an earlier engine of this process exported them through vLLM's stat logger, as ``HostOffloadSpec``
+    does), on a private registry with one warning: metrics must never stop a tier from starting."""
+    try:
+        return FsMetrics.for_registry(REGISTRY)
+    except ValueError as e:  # prometheus_client's DuplicateTimeseries
+        logger.warning("tpu_offload_fs_* series are already registered in this process (%s); this tier's "
+                       "file metrics are not exported", e)
+        return FsMetrics()
+
+
 def row_fingerprint(config, row_bytes: int, epoch_file: str | None) -> LayoutFingerprint:
     """The namespace of primary-tier rows: model, layout, parallelism and row size (from ``OffloadingConfig``).
 
@@ -160,7 +172,7 @@ class SharedFileTier(SecondaryTierManager):
         # Its tpu_offload_fs_* series on the process's default registry: vLLM's /metrics, or its
         # PROMETHEUS_MULTIPROC_DIR (which FsMetrics mirrors into), since this runs in the engine's scheduler.
         self.tier: FileTier = FileTier.from_config(cfg, fp, row, name=f"vllm-{tier_type}",
-                                                   fs_metrics=FsMetrics.for_registry(REGISTRY))
+                                                   fs_metrics=_process_fs_metrics())
         self._journal: FileJournal | None = None
         if self.settings.enable_kv_events:
             if offloading_spec.kv_events_config.enable_kv_cache_events:

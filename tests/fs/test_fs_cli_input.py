@@ -40,7 +40,7 @@ def hostile_names(root, make_tier):
     return t
 
 
-@pytest.mark.parametrize("argv", [["inspect"], ["verify"], ["evict", "--budget", "1G"]])
+@pytest.mark.parametrize("argv", [["inspect"], ["verify"], ["evict", "--budget", "1GiB"]])
 def test_a_name_that_is_not_utf8_is_printed_escaped(capsys, root, hostile_names, argv):
     code = main([argv[0], root, *argv[1:]], env={})
     cap = capsys.readouterr()

@@ -28,6 +28,24 @@ CPU = 4 << 20
 MOD = "gpu_offload.vllm.secondary_tier"
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _fresh_process_registry():
+    """As in a fresh engine process: the suite's earlier vLLM engines (our HostOffloadSpec, whose
+    tpu_offload_fs_* series vLLM's stat logger registers) leave their collectors in the default registry,
+    as a restarted engine would find them released (``release_prometheus_names``)."""
+    from prometheus_client import REGISTRY
+
+    from gpu_offload.vllm.metrics import release_prometheus_names  # what vLLM's engine restart does
+    from tpu_offload.core.fs import metrics as fs_metrics
+
+    release_prometheus_names()
+    for collector, names in list(REGISTRY._collector_to_names.items()):  # an earlier FsMetrics' own, too
+        if any(n.startswith("tpu_offload_fs_") for n in names):
+            REGISTRY.unregister(collector)
+    fs_metrics._CACHE.pop(REGISTRY, None)
+    yield
+
+
 @pytest.fixture(autouse=True)
 def _no_env(monkeypatch):
     for k in list(os.environ):
