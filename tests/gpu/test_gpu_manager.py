@@ -7,7 +7,7 @@ import pytest
 from vllm.v1.kv_offload.base import LookupResult, Medium, ReqContext, make_offload_key
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from gpu_offload.vllm import compat as vllm_compat, hooks, metrics
+from gpu_offload.vllm import compat as vllm_compat, metrics, patches
 from gpu_offload.vllm.manager import HostTierManager
 from gpu_offload.spec import HostOffloadSpec
 
@@ -160,7 +160,7 @@ def test_033_manager_api_through_the_compat_layer(mgr):
 
 
 class _Connector:
-    """The connector attributes the hooks read; ``get_finished`` as vLLM's worker side does it."""
+    """The connector attributes our patches read; ``get_finished`` as vLLM's worker side does it."""
 
     def __init__(self, worker, groups: int):
         import types
@@ -192,7 +192,7 @@ def _failing_worker():
 def test_load_errors_reach_the_scheduler_as_blocks_or_as_failed_requests(groups):
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector as C
 
-    assert hooks.install()  # idempotent: already installed by the spec import
+    patches.install()  # idempotent: the spec's construction installs them too
     conn = _Connector(_failing_worker(), groups)
     res = C.get_transfer_results(conn, set())
     assert res.finished_recving == {"req-a"}
