@@ -94,7 +94,8 @@ PATCHES: tuple[Patch, ...] = (
     Patch(CONNECTOR, "update_state_after_alloc", "wrap", ("self", "request", "blocks", "num_external_tokens"),
           hooks.wrap_update_state_after_alloc,
           "releases the device blocks a lookup referenced once vLLM has allocated the request",
-          "no manager call follows the allocation of a request that loads nothing"),
+          "a request that loads nothing gets no manager call after its allocation, and `on_schedule_end` comes "
+          "after every allocation of the step: too late to free the blocks for the step's other requests"),
     Patch(SCHEDULER_MODULE, "_create_req_context", "wrap", ("req",), hooks.wrap_create_req_context,
           "keeps the request's `cache_salt` in its `ReqContext` (files named and signed per tenant)",
           "`ReqContext` carries `kv_transfer_params` and `kv_hints`, not the `cache_salt`"),
