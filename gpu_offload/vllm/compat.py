@@ -5,8 +5,9 @@ it. Tested against vLLM 0.32; written to the 0.33 API as documented (manager
 ``lock`` / ``config_info`` / ``on_reset_flushed``, spec ``config_info_keys``,
 ``submit_load(..., expedited=False)``). Optional members are feature-detected
 here; the rest of ``gpu_offload.vllm`` imports vLLM's offloading names only
-from this module. What we add to vLLM's ``OffloadingConnector`` (load-error
-reporting, worker metrics, the one-engine check) lives in ``hooks``.
+from this module. What we still patch on vLLM's ``OffloadingConnector``
+(load-error reporting, worker reports, the one-engine check, ...) is put in
+place by ``patches`` alone, which checks it against this vLLM first.
 """
 
 from __future__ import annotations
@@ -47,6 +48,17 @@ try:
     )
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (  # noqa: F401
         OffloadingConnector,
+    )
+    # What our patches of the connector touch (``patches``): checked at start, never used elsewhere.
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults  # noqa: F401
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading import (  # noqa: F401
+        scheduler as offloading_scheduler,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (  # noqa: F401
+        OffloadingConnectorScheduler,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (  # noqa: F401
+        OffloadingConnectorWorker,
     )
 except ImportError as e:  # pragma: no cover - depends on the installed vLLM
     raise ImportError(

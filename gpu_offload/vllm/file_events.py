@@ -27,7 +27,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 from gpu_offload.vllm.compat import Medium, OffloadingEvent, OffloadingWorkerMetadata
 
@@ -53,6 +53,8 @@ class FileTierWorkerMetadata(OffloadingWorkerMetadata):
     # Ids of the steps this report's ranks executed (the scheduler's number on the step's metadata, hooks.py):
     # the scheduler times each step from its scheduling to this report (the load decision, core/costs.py)
     steps: list[int] = dataclasses.field(default_factory=list)
+    # The ranks' metrics of the step (``OffloadingConnectorStats``), for our manager's ``get_stats``.
+    worker_stats: Any = None
 
     @classmethod
     def wrap(cls, meta: OffloadingWorkerMetadata | None, journal: Iterable[tuple[str, bytes]]):
@@ -85,6 +87,9 @@ class FileTierWorkerMetadata(OffloadingWorkerMetadata):
         merged.reports_load_failures = self.reports_load_failures and getattr(other, "reports_load_failures", False)
         merged.fs_off_delta = self.fs_off_delta + getattr(other, "fs_off_delta", 0)
         merged.steps = list(dict.fromkeys((*self.steps, *getattr(other, "steps", ()))))  # every rank echoes each
+        theirs = getattr(other, "worker_stats", None)  # summed as vLLM sums worker stats: the first accumulates
+        merged.worker_stats = theirs if self.worker_stats is None else (
+            self.worker_stats if theirs is None else self.worker_stats.aggregate(theirs))
         return merged
 
     def has_files(self) -> bool:

@@ -1,7 +1,9 @@
-"""What we add to vLLM's ``OffloadingConnector`` (installed by ``gpu_offload.vllm.spec``).
+"""What each of our patches of vLLM's ``OffloadingConnector`` does; ``patches`` puts them in place.
 
-vLLM 0.32's connector asserts ``TransferResult.success``, has no
-``get_block_ids_with_load_errors`` and sends no worker-side stats, so:
+Plain functions over a connector, so each can be tested on a stand-in; why
+each is needed (what vLLM's API lacks) is in ``patches.PATCHES``. vLLM
+0.32's connector asserts ``TransferResult.success``, has no
+``get_block_ids_with_load_errors`` and gives its manager no worker report, so:
 
 * Load errors. A failed load job is reported finished; its engine blocks go
   to the scheduler through ``get_block_ids_with_load_errors`` (one KV-cache
@@ -18,9 +20,10 @@ vLLM 0.32's connector asserts ``TransferResult.success``, has no
   block ids (one group), just the chunks that failed, which our workers list
   in their step metadata (``load_failures``), or every load job completing in
   the step if that list is missing (another worker).
-* Worker metrics. ``get_kv_connector_stats`` on a worker returns what our
-  worker measured (hits that landed, the file tier's series); vLLM merges it
-  with the scheduler's stats into ``/metrics``.
+* Worker metrics. Each worker's stats (hits that landed, the file tier's
+  series) ride in its step metadata (``build_connector_worker_meta``); the
+  scheduler side hands them to our manager, whose ``get_stats`` (vLLM's own
+  channel for a spec's metrics) returns them with its own.
 * File-tier KV events. Each worker ships its file tier's journal in the
   worker metadata (``build_connector_worker_meta``); the scheduler side hands
   it to our manager, which publishes ``STORAGE`` events (``file_events``).
@@ -44,22 +47,20 @@ vLLM 0.32's connector asserts ``TransferResult.success``, has no
   restores would land in the first engine's KV. ``register_kv_caches``
   refuses that with a clear error.
 
-Each is installed only when the class has no such member of its own (a later
-vLLM may implement one), and only once.
+Each hook runs vLLM's own code unchanged on a connector whose manager or
+worker is not ours.
 """
 
 from __future__ import annotations
 
 from gpu_offload._log import get_logger
-from gpu_offload.vllm.compat import OffloadingConnector, device_source_group
+from gpu_offload.vllm.compat import device_source_group
 from gpu_offload.vllm.device_source import DeviceSource
 from gpu_offload.vllm.file_events import FileTierWorkerMetadata
 from gpu_offload.vllm.manager import HostTierManager, RequestSalt
 from gpu_offload.vllm.worker import HostOffloadWorker
 
 logger = get_logger(__name__)
-
-_MARK = "_tpu_offload_hook"
 
 SECOND_ENGINE_ERROR = (
     "gpu_offload: a second vLLM engine with KV offloading was started in this process while "
@@ -83,7 +84,7 @@ def _hybrid(connector) -> bool:
 
 # ---- worker side ---------------------------------------------------------------
 
-def _get_transfer_results(orig):
+def wrap_get_transfer_results(orig):
     def get_transfer_results(self, finished_req_ids):
         cw = getattr(self, "connector_worker", None)
         load_jobs = dict(getattr(cw, "_load_jobs", {}))  # job id -> request id, popped by orig
@@ -112,7 +113,7 @@ def _get_transfer_results(orig):
     return get_transfer_results
 
 
-def _get_block_ids_with_load_errors(self) -> set[int]:
+def get_block_ids_with_load_errors(self) -> set[int]:
     blocks = getattr(self, "_tpu_offload_error_blocks", None)
     if not blocks:
         return set()
@@ -120,20 +121,10 @@ def _get_block_ids_with_load_errors(self) -> set[int]:
     return blocks
 
 
-def _get_kv_connector_stats(orig):
-    def get_kv_connector_stats(self):
-        worker = _our_worker(self)
-        if worker is not None and getattr(self, "connector_scheduler", None) is None:
-            return worker.take_connector_stats()
-        return orig(self)
-
-    return get_kv_connector_stats
-
-
 STEP_ATTR = "tpu_offload_step"  # our number on vLLM's step metadata, echoed by the workers
 
 
-def _build_connector_worker_meta(orig):
+def wrap_build_connector_worker_meta(orig):
     def build_connector_worker_meta(self):
         meta = orig(self)
         worker = _our_worker(self)
@@ -144,18 +135,20 @@ def _build_connector_worker_meta(orig):
         failures = getattr(self, "_tpu_offload_load_failures", None) or {}
         self._tpu_offload_load_failures = {}
         step = getattr(getattr(self, "_connector_metadata", None), STEP_ATTR, -1)
-        if meta is None and not entries and not failures and step < 0:
+        stats = worker.take_connector_stats()  # to our manager's get_stats, vLLM's channel for spec metrics
+        if meta is None and not entries and not failures and step < 0 and stats is None:
             return None
         # Always ours once our worker runs: vLLM aggregates ranks into the first one's type.
         out = FileTierWorkerMetadata.wrap(meta, entries)
         out.load_failures, out.reports_load_failures = failures, True
+        out.worker_stats = stats
         out.steps = [step] if step >= 0 else []  # echoed: the step's output is back (scheduler: update_connector_output)
         return out
 
     return build_connector_worker_meta
 
 
-def _register_kv_caches(orig):
+def wrap_register_kv_caches(orig):
     def register_kv_caches(self, kv_caches):
         if _our_worker(self) is not None:
             raise RuntimeError(SECOND_ENGINE_ERROR)
@@ -171,7 +164,7 @@ def _our_manager(connector) -> HostTierManager | None:
     return m if isinstance(m, HostTierManager) else None
 
 
-def _build_connector_meta(orig):
+def wrap_build_connector_meta(orig):
     def build_connector_meta(self, scheduler_output):
         meta = orig(self, scheduler_output)
         manager = _our_manager(self)
@@ -186,13 +179,17 @@ def _build_connector_meta(orig):
     return build_connector_meta
 
 
-def _update_connector_output(orig):
+def wrap_update_connector_output(orig):
     def update_connector_output(self, connector_output):
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(meta, FileTierWorkerMetadata) and meta.steps:
             manager = _our_manager(self)
             if manager is not None:
                 manager.steps_done(meta.steps)
+        if isinstance(meta, FileTierWorkerMetadata) and meta.worker_stats is not None:
+            manager = _our_manager(self)
+            if manager is not None:  # vLLM reads them back through the manager's get_stats in this step
+                manager.note_worker_stats(meta.worker_stats)
         if isinstance(meta, FileTierWorkerMetadata) and meta.has_files():
             manager = getattr(getattr(self, "connector_scheduler", None), "manager", None)
             if isinstance(manager, HostTierManager):
@@ -232,7 +229,7 @@ def _forget_failed_loads(connector, connector_output) -> None:
             manager.forget_chunks(status.keys if keys is None else [k for k in status.keys if k in set(keys)])
 
 
-def _bind_gpu_block_pool(self, gpu_block_pool) -> None:
+def bind_gpu_block_pool(self, gpu_block_pool) -> None:
     manager = _our_manager(self)
     if manager is None:
         return
@@ -249,7 +246,7 @@ def _bind_gpu_block_pool(self, gpu_block_pool) -> None:
         logger.exception("could not bind the device block pool as a load source")
 
 
-def _get_num_new_matched_tokens(orig):
+def wrap_get_num_new_matched_tokens(orig):
     def get_num_new_matched_tokens(self, request, num_computed_tokens, *args, **kw):
         manager = _our_manager(self)
         device = manager.device if manager is not None else None
@@ -268,7 +265,7 @@ def _get_num_new_matched_tokens(orig):
     return get_num_new_matched_tokens
 
 
-def _update_state_after_alloc(orig):
+def wrap_update_state_after_alloc(orig):
     def update_state_after_alloc(self, request, blocks, num_external_tokens, *args, **kw):
         try:
             return orig(self, request, blocks, num_external_tokens, *args, **kw)
@@ -280,36 +277,8 @@ def _update_state_after_alloc(orig):
     return update_state_after_alloc
 
 
-# ---- installation ----------------------------------------------------------------
-
-def _install(name: str, make, wrap: bool) -> bool:
-    own = vars(OffloadingConnector).get(name)
-    if own is not None and getattr(own, _MARK, False):
-        return True  # already ours
-    if wrap:
-        if own is None:
-            return False
-        new = make(own)
-        new.__wrapped__ = own
-    else:
-        if own is not None:
-            return False  # vLLM implements it now: leave it alone
-        new = make
-    setattr(new, _MARK, True)
-    setattr(OffloadingConnector, name, new)
-    return True
-
-
-def _install_request_salt() -> bool:
-    """Wrap the offloading scheduler's ``_create_req_context`` to keep the request's ``cache_salt``."""
-    try:
-        from vllm.distributed.kv_transfer.kv_connector.v1.offloading import scheduler as sched
-    except ImportError:  # pragma: no cover - another vLLM layout
-        return False
-    orig = getattr(sched, "_create_req_context", None)
-    if orig is None or getattr(orig, _MARK, False):
-        return orig is not None
-
+def wrap_create_req_context(orig):
+    """vLLM's offloading scheduler builds each request's ``ReqContext`` here: keep its ``cache_salt``."""
     def create_req_context(req):
         ctx = orig(req)
         salt = getattr(req, "cache_salt", None)
@@ -317,39 +286,4 @@ def _install_request_salt() -> bool:
             ctx.set_state(RequestSalt(str(salt).encode()))
         return ctx
 
-    create_req_context.__wrapped__ = orig
-    setattr(create_req_context, _MARK, True)
-    sched._create_req_context = create_req_context
-    return True
-
-
-def install() -> bool:
-    """Install every hook (idempotent). True when load-error reporting is ours."""
-    if not _install_request_salt():
-        logger.warning("could not hook vLLM's request contexts: with fs_secret, every request's files use "
-                       "the deployment's keys (cache_salt is not applied to file names and MACs)")
-    ok = _install("get_block_ids_with_load_errors", _get_block_ids_with_load_errors, wrap=False)
-    if ok:
-        _install("get_transfer_results", _get_transfer_results, wrap=True) \
-            or _install_missing_transfer_results()
-    _install("update_connector_output", _update_connector_output, wrap=True)
-    _install("build_connector_meta", _build_connector_meta, wrap=True)
-    _install("build_connector_worker_meta", _build_connector_worker_meta, wrap=True)
-    _install("get_kv_connector_stats", _get_kv_connector_stats, wrap=True)
-    _install("register_kv_caches", _register_kv_caches, wrap=True)
-    if _install("bind_gpu_block_pool", _bind_gpu_block_pool, wrap=False):
-        _install("get_num_new_matched_tokens", _get_num_new_matched_tokens, wrap=True)
-        _install("update_state_after_alloc", _update_state_after_alloc, wrap=True)
-    return ok
-
-
-def _install_missing_transfer_results() -> bool:
-    """The connector inherits ``get_transfer_results`` from its base: wrap that."""
-    base = getattr(OffloadingConnector, "get_transfer_results", None)
-    if base is None:
-        return False
-    new = _get_transfer_results(base)
-    new.__wrapped__ = base
-    setattr(new, _MARK, True)
-    OffloadingConnector.get_transfer_results = new
-    return True
+    return create_req_context

@@ -153,6 +153,7 @@ class HostTierManager(ManagerCompat, OffloadingManager):
         self.decision_tokens: dict[tuple[str, str, str], int] = {}  # (action, reason, tier) -> tokens
         self._decision_pending: dict[tuple[str, str, str], int] = {}  # since the last get_stats
         self._saved_pending = 0.0
+        self._worker_stats = None  # the workers' metrics since the last get_stats (note_worker_stats)
         self.closed = False
 
     def shutdown(self) -> None:
@@ -494,7 +495,13 @@ class HostTierManager(ManagerCompat, OffloadingManager):
         self._alloc_sizes = []
         metrics.add_decisions(out, self._decision_pending, self._saved_pending)
         self._decision_pending, self._saved_pending = {}, 0.0
+        if self._worker_stats is not None:
+            out, self._worker_stats = self._worker_stats.aggregate(out), None
         return out
+
+    def note_worker_stats(self, stats) -> None:
+        """The workers' metrics of a step (hooks), returned with ours by the next ``get_stats``."""
+        self._worker_stats = stats if self._worker_stats is None else self._worker_stats.aggregate(stats)
 
     def _learn_load(self, keys) -> None:
         """A load job finished: its time teaches the host tier, or the file tier when it read files."""

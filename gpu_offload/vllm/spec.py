@@ -38,8 +38,12 @@ series users check (``total_bytes``, ``total_time``, ``size``, by
 ``transfer_type`` CPU_to_GPU / GPU_to_CPU) for that class alone; their
 meaning is ours: bytes between device and host RAM.
 
-Importing this module installs ``hooks`` on vLLM's ``OffloadingConnector``
-(load-error reporting, worker metrics, one offloading engine per process).
+Building the spec (not importing this module) checks the installed vLLM and
+puts our remaining patches of vLLM's ``OffloadingConnector`` in place
+(``patches``: load-error reporting, worker reports, interleaved device
+lookups, one offloading engine per process; the table with the reasons is in
+``docs/vllm.md``). A vLLM whose connector no longer matches them is refused
+there, with one error.
 """
 
 from __future__ import annotations
@@ -52,13 +56,11 @@ from tpu_offload.core.config import VLLM, ConfigError, OffloadConfig, warn_ignor
 from tpu_offload.core.pool import PAGE
 
 from gpu_offload._log import get_logger
-from gpu_offload.vllm import hooks, metrics
+from gpu_offload.vllm import hooks, metrics, patches
 from gpu_offload.vllm.compat import HostSpecBase, OffloadingSpec, current_load_failure_policy, local_workers
 from gpu_offload.vllm.file_events import FileEvents
 
 logger = get_logger(__name__)
-
-hooks.install()
 
 class HostOffloadSpec(HostSpecBase):
     # Managers and workers alive in this process: how gpu_offload.testing finds
@@ -77,8 +79,8 @@ class HostOffloadSpec(HostSpecBase):
         return metrics.CONFIG_INFO_KEYS
 
     def __init__(self, config):
+        patches.install()  # first: a vLLM we do not match is refused before anything else happens
         OffloadingSpec.__init__(self, config)  # not CPUOffloadingSpec's: no vLLM host buffer
-        hooks.install()
         if "chunk_tokens" in self.extra_config:  # vLLM sized its chunks before this spec exists
             raise ConfigError(
                 f"kv_connector_extra_config key 'chunk_tokens' (value {self.extra_config['chunk_tokens']!r}) is "

@@ -1,8 +1,8 @@
 """The torch transfer engine as vLLM's ``OffloadingWorker``, one per worker rank.
 
 Adds what only vLLM needs: ``TransferResult``s, and the per-step stats this
-worker feeds into vLLM's metrics channel (``take_connector_stats``, sent by
-``hooks`` through ``OffloadingConnector.get_kv_connector_stats``).
+worker feeds into vLLM's metrics (``take_connector_stats``, sent by ``hooks``
+in the worker's step report to our manager, whose ``get_stats`` returns them).
 
 Every job is reported with ``success=True``: vLLM 0.32 asserts it. A failed
 load travels as load errors instead (``HostTransferEngine.take_load_errors``,

@@ -7,7 +7,7 @@ import pytest
 from vllm.v1.kv_offload.base import LookupResult, Medium, ReqContext, make_offload_key
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from gpu_offload.vllm import compat as vllm_compat, hooks, metrics
+from gpu_offload.vllm import compat as vllm_compat, metrics, patches
 from gpu_offload.vllm.manager import HostTierManager
 from gpu_offload.spec import HostOffloadSpec
 
@@ -160,7 +160,7 @@ def test_033_manager_api_through_the_compat_layer(mgr):
 
 
 class _Connector:
-    """The connector attributes the hooks read; ``get_finished`` as vLLM's worker side does it."""
+    """The connector attributes our patches read; ``get_finished`` as vLLM's worker side does it."""
 
     def __init__(self, worker, groups: int):
         import types
@@ -192,7 +192,7 @@ def _failing_worker():
 def test_load_errors_reach_the_scheduler_as_blocks_or_as_failed_requests(groups):
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector as C
 
-    assert hooks.install()  # idempotent: already installed by the spec import
+    patches.install()  # idempotent: the spec's construction installs them too
     conn = _Connector(_failing_worker(), groups)
     res = C.get_transfer_results(conn, set())
     assert res.finished_recving == {"req-a"}
@@ -203,3 +203,34 @@ def test_load_errors_reach_the_scheduler_as_blocks_or_as_failed_requests(groups)
     assert C.get_block_ids_with_load_errors(conn) == set()
     foreign = _Connector(object(), 1)
     assert C.get_block_ids_with_load_errors(foreign) == set()
+
+
+def test_worker_metrics_reach_vllm_through_the_managers_get_stats():
+    """Each worker's stats ride in its step report (summed over ranks as vLLM sums worker stats); our manager's
+    ``get_stats``, vLLM's channel for a spec's metrics, returns them with its own, once."""
+    import types
+
+    from gpu_offload.vllm import hooks
+    from gpu_offload.vllm.compat import OffloadingConnectorStats
+
+    def rank(hit_tokens: int):
+        stats = OffloadingConnectorStats()
+        stats.increase_counter(metrics.HIT_TOKENS, hit_tokens, ("cpu",))
+        worker = _failing_worker()
+        worker.take_connector_stats = lambda: stats
+        conn = _Connector(worker, 1)
+        conn._connector_metadata = None
+        return hooks.wrap_build_connector_worker_meta(lambda self: None)(conn)
+
+    report = rank(16).aggregate(rank(32))
+    m = HostTierManager(4, 8192, blocks_per_chunk=2, tokens_per_block=128)
+    try:
+        sched = types.SimpleNamespace(connector_scheduler=types.SimpleNamespace(manager=m, _jobs={}))
+        seen = []
+        out = types.SimpleNamespace(kv_connector_worker_meta=report, failed_recving=set(), invalid_block_ids=set())
+        hooks.wrap_update_connector_output(lambda self, o: seen.append(o))(sched, out)
+        assert seen == [out]  # vLLM's own update still runs
+        assert m.get_stats().data["data"][metrics.HIT_TOKENS] == {("cpu",): 48}
+        assert metrics.HIT_TOKENS not in m.get_stats().data["data"]  # handed over once
+    finally:
+        m.shutdown()

@@ -212,10 +212,10 @@ def test_the_request_salt_reaches_the_file_lookup_and_the_specs(tmp_path, cfg):
 
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading import scheduler as sched
 
-    from gpu_offload.vllm import hooks
+    from gpu_offload.vllm import patches
     from gpu_offload.vllm.manager import request_salt
 
-    hooks.install()
+    patches.install()
     req = SimpleNamespace(request_id="r1", kv_transfer_params=None, kv_hints=None, cache_salt="tenant-a")
     ctx = sched._create_req_context(req)
     assert request_salt(ctx) == b"tenant-a"
