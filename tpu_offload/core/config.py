@@ -435,8 +435,8 @@ _SETTINGS: tuple[_Setting, ...] = (
              scope=BOTH, doc="With load_decision auto: above 1 favours recomputing, below 1 loading."),
     # session leases (core/leases.py): a kv_transfer_params hint keeps a session's prefix through its tool gaps
     _Setting("lease_max_fraction", _share, "TPU_OFFLOAD_LEASE_MAX_FRACTION", ("lease_max_fraction",), scope=BOTH,
-             doc="Most of the host tier that session leases (the 'tpu_offload_lease' hint in a request's "
-                 "kv_transfer_params) may hold at once, a fraction from 0 to 1; 0 turns leases off."),
+             doc="Largest share of the host tier that leases may hold at once (a request's 'tpu_offload_lease' "
+                 "hint in kv_transfer_params keeps its prefix), a fraction from 0 to 1; 0 turns leases off."),
     _Setting("lease_max_sessions", _int(1, 1 << 20), "TPU_OFFLOAD_LEASE_MAX_SESSIONS", ("lease_max_sessions",),
              scope=BOTH, doc="Most sessions holding a lease at once; a hint for another session is ignored "
                              "until one expires."),
