@@ -257,7 +257,7 @@ class HostTierManager(ManagerCompat, OffloadingManager):
     def on_request_finished(self, req_context) -> None:
         if self.leases is not None:
             params = getattr(req_context, "kv_transfer_params", None)
-            if params:
+            if leases.has_hint(params):
                 positions = getattr(req_context, "_offload_key_positions", {})
                 leases.lease_from(self.leases, params, sorted(positions, key=positions.__getitem__))
         if self.device is not None:

@@ -195,3 +195,30 @@ def test_metrics_export_leased_bytes_and_counters():
     assert r.get_sample_value("tpu_offload_tier_leased_bytes", {"tier": "cpu"}) == 0
     table.lease("s2", 30, a[:2])
     assert r.get_sample_value("tpu_offload_tier_leased_bytes", {"tier": "cpu"}) == 20
+
+
+class CK(bytes):
+    """A chunk key that counts how often it is hashed (every dict/set probe or ordered-dict step)."""
+
+    ticks = 0
+
+    def __hash__(self):
+        CK.ticks += 1
+        return bytes.__hash__(self)
+
+
+def test_eviction_passes_each_leased_chunk_once_not_every_time():
+    """O(1) amortized per key: eviction moves the leased chunks it passes to the recent end, so a
+    thousand later evictions do not each rescan the thousand leased chunks at the least recent end."""
+    n = 2000
+    m, table, _ = tier(n, fraction=0.5)
+    ks = [CK(k) for k in keys(n)]
+    store(m, ks)
+    assert table.lease("s1", 60, ks[: n // 2]) == n // 2
+    fresh = [CK(k) for k in keys(1000)]
+    before = CK.ticks
+    for k in fresh:
+        store(m, [k])
+    per_store = (CK.ticks - before) / len(fresh)
+    assert per_store < 40, per_store  # rescanning would cost ~1,000 per store
+    assert all(m.lookup(k) is Lookup.HIT for k in ks[: n // 2])

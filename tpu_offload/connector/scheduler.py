@@ -567,7 +567,9 @@ class OffloadScheduler:
         self._start.pop(req_id, None)
         self._walked.pop(req_id, None)
         self._decided.pop(req_id, None)
-        leases.lease_from(self.manager.leases, getattr(request, "kv_transfer_params", None), self._keys(request))
+        params = getattr(request, "kv_transfer_params", None)
+        if self.manager.leases is not None and leases.has_hint(params):
+            leases.lease_from(self.manager.leases, params, self._keys(request))
         st = self._reqs.get(req_id)
         if st is None:
             return False, None

@@ -59,6 +59,11 @@ def _bad(cause: str) -> None:
                     HINT_KEY, cause, HINT_KEY)
 
 
+def has_hint(params: Any) -> bool:
+    """Whether ``kv_transfer_params`` carry a lease hint at all (cheap: before computing a request's keys)."""
+    return isinstance(params, dict) and HINT_KEY in params
+
+
 def parse_hint(params: Any) -> LeaseHint | None:
     """The request's lease hint from its ``kv_transfer_params``; None if absent or invalid (never raises)."""
     if not isinstance(params, dict):
