@@ -200,7 +200,9 @@ class LeaseTable:
         return len(self._slot)
 
     def take_counts(self) -> tuple[int, int]:
-        """(honoured, expired) since the last call, for counters."""
+        """(honoured, expired) since the last call, for counters; ends the leases due first, so the counts
+        and the leased-bytes gauge are current even while nothing is evicted (read once per step)."""
+        self.expire()
         h, e = self._taken
         self._taken = (self.honoured, self.expired)
         return self.honoured - h, self.expired - e
