@@ -46,6 +46,7 @@ def _table(head: list[str], rows: list[list[Any]]) -> str:
 # ---- settings ------------------------------------------------------------------------------------
 
 _TYPES = {"_bytes": "size", "_gib": "number (GiB)", "_bool": "bool", "_margin": "fraction or size",
+          "_share": "fraction 0..1",
           "_dir_mode": "octal mode", "_secret_env": "secret", "_int_list": "integer list"}
 
 

@@ -47,6 +47,13 @@ spec position carries the source block ids (``HostLoadSpec.device_blocks``)
 and no slot. The load decision counts it as tier ``hbm``, near free (a device copy is
 never slower).
 
+Session leases (core/leases.py): a request whose ``kv_transfer_params``
+carry a lease hint renews its session's lease when vLLM first sees it
+(``on_new_request``) and leases its keys (the positions vLLM recorded in its
+``ReqContext``, head first) to the session when it finishes; the host index
+then evicts them only after its unleased chunks, until the lease expires.
+The table outlives a reset (emptied), so its counters stay monotonic.
+
 Hits: ``hit_chunks`` / ``fs_hit_chunks`` / ``device_hit_chunks`` count chunks handed to loads here
 (tests and the demo read them). The exported ``tpu_offload_hit_*`` series
 come from the worker instead (``gpu_offload.vllm.worker``): it knows which
@@ -61,7 +68,7 @@ import time
 
 import numpy as np
 
-from tpu_offload.core import costs
+from tpu_offload.core import costs, leases
 
 try:
     from vllm.v1.kv_offload.base import get_offload_group_idx
@@ -111,6 +118,8 @@ class HostTierManager(ManagerCompat, OffloadingManager):
         reset_epoch_file: str | None = None,
         load_decision: str = "always",
         load_decision_bias: float = 1.0,
+        lease_max_fraction: float = 0.5,
+        lease_max_sessions: int = 4096,
     ):
         """``chunk_bytes``: host bytes of one chunk summed over all workers.
         ``file_events``: the file tier's KV events (``file_events``), with events on.
@@ -125,6 +134,7 @@ class HostTierManager(ManagerCompat, OffloadingManager):
         self.blocks_per_chunk = blocks_per_chunk
         self.tokens_per_chunk = blocks_per_chunk * tokens_per_block
         self.enable_events = enable_events
+        self.leases = leases.table_for(lease_max_fraction, lease_max_sessions, num_chunks)
         self._lru = self._new_index()
         # Monotonic, across resets (read by tests and the demo).
         self.hit_chunks = 0  # loaded from host RAM
@@ -160,7 +170,10 @@ class HostTierManager(ManagerCompat, OffloadingManager):
         self.closed = True
 
     def _new_index(self) -> LRUChunkManager:
-        return LRUChunkManager(self.num_chunks, self.chunk_bytes, enable_events=self.enable_events)
+        if self.leases is not None:
+            self.leases.clear()  # nothing the old index held comes back
+        return LRUChunkManager(self.num_chunks, self.chunk_bytes, enable_events=self.enable_events,
+                               leases=self.leases)
 
     @property
     def index(self) -> LRUChunkManager:
@@ -243,6 +256,11 @@ class HostTierManager(ManagerCompat, OffloadingManager):
             parent(context)
 
     def on_request_finished(self, req_context) -> None:
+        if self.leases is not None:
+            params = getattr(req_context, "kv_transfer_params", None)
+            if leases.has_hint(params):
+                positions = getattr(req_context, "_offload_key_positions", {})
+                leases.lease_from(self.leases, params, sorted(positions, key=positions.__getitem__))
         if self.device is not None:
             self.device.finished(req_context.req_id)
         self._scans.pop(req_context.req_id, None)
@@ -433,6 +451,7 @@ class HostTierManager(ManagerCompat, OffloadingManager):
 
     # ---- requests, events, reset, stats -----------------------------------------
     def on_new_request(self, req_context) -> RequestOffloadingContext:
+        leases.renew_from(self.leases, getattr(req_context, "kv_transfer_params", None))
         return RequestOffloadingContext()
 
     def take_events(self) -> Iterable:
@@ -494,6 +513,8 @@ class HostTierManager(ManagerCompat, OffloadingManager):
         self._pending_stored = 0
         self._alloc_sizes = []
         metrics.add_decisions(out, self._decision_pending, self._saved_pending)
+        if self.leases is not None:
+            metrics.add_leases(out, *self.leases.take_counts())
         self._decision_pending, self._saved_pending = {}, 0.0
         if self._worker_stats is not None:
             out, self._worker_stats = self._worker_stats.aggregate(out), None

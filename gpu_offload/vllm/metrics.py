@@ -46,6 +46,10 @@ HIT_CHUNKS = "tpu_offload_hit_chunks"
 HIT_TOKENS = "tpu_offload_hit_tokens"
 STORED_CHUNKS = "tpu_offload_stored_chunks"
 EVICTED_CHUNKS = "tpu_offload_evicted_chunks"
+# session leases (core/leases.py; the same series as tpu_offload.core.metrics)
+LEASED_BYTES = "tpu_offload_tier_leased_bytes"
+LEASE_HONOURED = "tpu_offload_lease_honoured_chunks"
+LEASES_EXPIRED = "tpu_offload_leases_expired"
 # load or recompute (core/costs.py; the same series as tpu_offload.core.metrics)
 DECISION_TOKENS = "tpu_offload_decision_tokens"
 DECISION_SAVED = "tpu_offload_decision_saved_seconds"
@@ -98,6 +102,11 @@ def metric_definitions() -> dict:
         HIT_TOKENS: counter("Tokens loaded instead of recomputed, by the tier they came from.", _T),
         STORED_CHUNKS: counter("Chunks stored into the host tier.", _T),
         EVICTED_CHUNKS: counter("Chunks evicted from the host tier.", _T),
+        LEASED_BYTES: gauge("Host-tier bytes of chunks under a session lease (the tpu_offload_lease hint in "
+                            "kv_transfer_params), stores in flight included.", _T),
+        LEASE_HONOURED: counter("Leased chunks an eviction kept while it evicted an unleased chunk of the same "
+                                "tier.", _T),
+        LEASES_EXPIRED: counter("Session leases that ran out before their session came back.", _T),
         DECISION_TOKENS: counter("Hit tokens loaded or recomputed, by the load decision's reason (auto: measured "
                                  "costs; always/never: the setting) and the tier that held them.",
                                  ("action", "reason", "tier")),
@@ -156,6 +165,7 @@ def build_stats(
     out.set_gauge(USED_BYTES, s.used_bytes, TIER)
     out.set_gauge(CAPACITY_CHUNKS, s.capacity_chunks, TIER)
     out.set_gauge(USED_CHUNKS, s.used_chunks, TIER)
+    out.set_gauge(LEASED_BYTES, s.leased_bytes, TIER)
     for n in allocation_sizes:
         out.observe_histogram(ALLOCATION_SIZE, n)
     if stored_chunks:
@@ -172,6 +182,14 @@ def add_decisions(out: OffloadingConnectorStats, tokens: dict[tuple[str, str, st
             out.increase_counter(DECISION_TOKENS, n, labels)
     if saved_s > 0:
         out.increase_counter(DECISION_SAVED, saved_s)
+
+
+def add_leases(out: OffloadingConnectorStats, honoured: int, expired: int) -> None:
+    """The host tier's session leases since the last call: chunks kept over unleased ones, leases run out."""
+    if honoured:
+        out.increase_counter(LEASE_HONOURED, honoured, TIER)
+    if expired:
+        out.increase_counter(LEASES_EXPIRED, expired, TIER)
 
 
 class _RecordingHistogram:

@@ -150,6 +150,8 @@ class HostOffloadSpec(HostSpecBase):
                 reset_epoch_file=self.offload_config.fs_reset_epoch_file,
                 load_decision=self.offload_config.load_decision,
                 load_decision_bias=self.offload_config.load_decision_bias,
+                lease_max_fraction=self.offload_config.lease_max_fraction,
+                lease_max_sessions=self.offload_config.lease_max_sessions,
             )
             HostOffloadSpec.live_parts.add(self._manager)
             logger.info(

@@ -108,6 +108,10 @@ def invalid_values(parse, as_env: bool = False):
                              "5", "100", "16G", "1.5 t"])
         raw = st.one_of(st.floats(max_value=0, exclude_max=True), st.floats(1.01, 1e6).filter(lambda f: not f.is_integer()),
                         bad_float, st.booleans(), junk, st.integers(max_value=-1))
+    elif k == "share":  # a fraction from 0 to 1, or a percentage up to 100%
+        s = st.sampled_from(["", " ", "abc", "-0.1", "-5%", "150%", "1.5", "nan", "inf", "-1", "5 %%", "0x10", "2"])
+        raw = st.one_of(st.floats(max_value=0, exclude_max=True), st.floats(1.01, 1e6), bad_float, st.booleans(),
+                        junk, st.integers(min_value=2), st.integers(max_value=-1))
     elif k == "secret_env":  # env only; shorter than 16 bytes once stripped
         s = st.text(max_size=15).filter(lambda t: len(t.encode().strip()) < 16)
         raw = s
@@ -137,6 +141,8 @@ def valid_values(parse):
         return st.lists(st.integers(1, 4096), min_size=1, max_size=5)
     if k == "dir_mode":
         return st.sampled_from(["0700", "0750"])
+    if k == "share":
+        return st.one_of(st.floats(0, 1), st.sampled_from(["0", "1", "0.5", "50%", "100%"]))
     if k == "margin":
         # a bare 1..100 is refused as ambiguous (bytes or percent?): tests/core/test_settings_rules.py
         return st.one_of(st.floats(0, 0.99), st.integers(101, 1 << 40), st.sampled_from(["5%", "0.1", "64GiB", "0"]))

@@ -306,13 +306,14 @@ class Harness:
         return self.conn_w.worker
 
     def add(self, prompt: list[int], max_tokens: int = 4, req_id: str | None = None,
-            cache_salt: str | None = None) -> str:
+            cache_salt: str | None = None, kv_transfer_params: dict | None = None) -> str:
         from vllm import SamplingParams
         from vllm.v1.request import Request
 
         req_id = req_id or f"r{self._n}"
         self._n += 1
-        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                            extra_args={"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None)
         sp.update_from_generation_config({}, 2)
         self.sched.add_request(Request(request_id=req_id, prompt_token_ids=list(prompt), sampling_params=sp,
                                        pooling_params=None, block_hasher=self._hasher, cache_salt=cache_salt))

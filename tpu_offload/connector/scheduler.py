@@ -47,6 +47,10 @@ Invariants this file keeps (each one a defect of the upstream connector):
   ``finished_recving``, its request finishes, or the tier is reset. A request
   that waited loads the rest of its hit inside its step when that fits the
   staging budget (an asynchronous load would add two steps to its wait).
+* Session leases (core/leases.py): a request whose ``kv_transfer_params``
+  carry a lease hint renews its session's lease when it is allocated, and
+  leases its prefix's chunks to the session when it finishes; the host tier
+  then evicts them only after its unleased chunks, until the lease expires.
 """
 
 from __future__ import annotations
@@ -68,7 +72,7 @@ from tpu_offload.connector.settings import Settings
 from tpu_offload.connector.stats import OffloadStats
 from tpu_offload.connector.stores import StorePlanner
 from tpu_offload.connector.tails import Tails
-from tpu_offload.core import costs
+from tpu_offload.core import costs, leases
 from tpu_offload.core.keys import ChunkKey, make_chunk_key
 from tpu_offload.core.lru import LRUChunkManager
 from tpu_offload.core.manager import Lookup
@@ -99,7 +103,9 @@ class OffloadScheduler:
         cfg = settings.config
         self.bpc = s.blocks_per_chunk
         self.chunk_tokens = s.chunk_tokens
-        self.manager = LRUChunkManager(s.num_slots, s.chunk_bytes, enable_events=cfg.enable_events)
+        self.manager = LRUChunkManager(s.num_slots, s.chunk_bytes, enable_events=cfg.enable_events,
+                                       leases=leases.table_for(cfg.lease_max_fraction, cfg.lease_max_sessions,
+                                                               s.num_slots))
         self.tails = Tails(s)  # sliding-window layers: which chunks hold them, ids per layer class
         self.async_load = not cfg.sync_load
         self.decode_save = cfg.decode_save
@@ -319,6 +325,7 @@ class OffloadScheduler:
 
     # ---- admission -------------------------------------------------------
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        leases.renew_from(self.manager.leases, getattr(request, "kv_transfer_params", None))
         self.loading.release(request.request_id)  # a new allocation: any earlier load is over
         self._waited.discard(request.request_id)
         load_async = self._load_async.pop(request.request_id, self.async_load)
@@ -444,6 +451,7 @@ class OffloadScheduler:
         self._sync_blocks_left = self.s.load_budget_blocks  # lookups after this belong to the next step
         if self.fs is not None:
             self.fs.new_step()
+        self.metrics.core.record_leases(self.manager.leases)
         self._time_orders(meta, so)
         return meta
 
@@ -559,6 +567,9 @@ class OffloadScheduler:
         self._start.pop(req_id, None)
         self._walked.pop(req_id, None)
         self._decided.pop(req_id, None)
+        params = getattr(request, "kv_transfer_params", None)
+        if self.manager.leases is not None and leases.has_hint(params):
+            leases.lease_from(self.manager.leases, params, self._keys(request))
         st = self._reqs.get(req_id)
         if st is None:
             return False, None

@@ -139,6 +139,21 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
 
+def _share(v: Any) -> float:
+    """A fraction from 0 to 1 (a float, or a percentage such as '50%')."""
+    allowed = "a fraction from 0 to 1, e.g. 0.5 or '50%'"
+    if isinstance(v, bool) or not isinstance(v, (int, float, str)):
+        raise ValueError(allowed)
+    text = v.strip() if isinstance(v, str) else v
+    try:
+        f = float(text[:-1]) / 100 if isinstance(text, str) and text.endswith("%") else float(text)
+    except (ValueError, OverflowError):
+        raise ValueError(allowed) from None
+    if not (math.isfinite(f) and 0.0 <= f <= 1.0):
+        raise ValueError(allowed)
+    return f
+
+
 def _bool(v: Any) -> bool:
     if isinstance(v, bool):
         return v
@@ -418,6 +433,13 @@ _SETTINGS: tuple[_Setting, ...] = (
                              "recompute it, and recompute the rest; always: load every hit; never: recompute."),
     _Setting("load_decision_bias", _float(0.0), "TPU_OFFLOAD_LOAD_DECISION_BIAS", ("load_decision_bias",),
              scope=BOTH, doc="With load_decision auto: above 1 favours recomputing, below 1 loading."),
+    # session leases (core/leases.py): a kv_transfer_params hint keeps a session's prefix through its tool gaps
+    _Setting("lease_max_fraction", _share, "TPU_OFFLOAD_LEASE_MAX_FRACTION", ("lease_max_fraction",), scope=BOTH,
+             doc="Largest share of the host tier that leases may hold at once (a request's 'tpu_offload_lease' "
+                 "hint in kv_transfer_params keeps its prefix), a fraction from 0 to 1; 0 turns leases off."),
+    _Setting("lease_max_sessions", _int(1, 1 << 20), "TPU_OFFLOAD_LEASE_MAX_SESSIONS", ("lease_max_sessions",),
+             scope=BOTH, doc="Most sessions holding a lease at once; a hint for another session is ignored "
+                             "until one expires."),
     # interleaved lookups: a hit goes on past the device's own prefix-cache hit through chunks HBM caches
     _Setting("interleaved_lookups", _bool, "TPU_OFFLOAD_INTERLEAVED_LOOKUPS", ("interleaved_lookups",), scope=TPU,
              doc="A hit continues through chunks HBM's prefix cache still holds after its first miss (copied "
@@ -565,6 +587,11 @@ class OffloadConfig:
     # load_decision_bias > 1 favours recomputing, < 1 loading.
     load_decision: str = "always"
     load_decision_bias: float = 1.0
+    # session leases (core/leases.py): chunks a request's hint leases are evicted only after every unleased
+    # chunk of the tier, until the lease expires; leases hold at most this share of the host tier (0: off) ...
+    lease_max_fraction: float = 0.5
+    # ... and at most this many sessions (the table is allocated once, at start).
+    lease_max_sessions: int = 4096
     # interleaved lookups: a hit continues through chunks HBM still caches after vLLM's first miss (copied
     # on the device), as well as through the offload tiers' chunks; HBM preferred (connector/interleave.py).
     interleaved_lookups: bool = True
@@ -706,6 +733,8 @@ def _inert_engine_settings(cfg: OffloadConfig) -> dict[str, str]:
     out = {}
     if cfg.load_decision != "auto":
         out["load_decision_bias"] = f"load_decision is {cfg.load_decision}, not auto"
+    if cfg.lease_max_fraction == 0:
+        out["lease_max_sessions"] = "lease_max_fraction is 0: leases are off"
     if cfg.sliding_window == "all":
         out["window_every_chunks"] = "sliding_window is all: every block moves"
     if cfg.transfer_pacing == "off" or cfg.transfer_path == "device_put":

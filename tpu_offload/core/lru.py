@@ -16,6 +16,10 @@ cost is engine overhead on the critical path. Hence:
   there is unlinked ("parked") once and relinked as most recent when its
   last pin goes. So eviction never rescans pinned chunks (peers do, every
   time) and every operation is O(1) amortized per key.
+* Session leases (``core/leases.py``): eviction passes over leased chunks
+  while an unleased one is left, and moves each it passed to the recent end,
+  so the next eviction does not meet it again first; when only leased chunks
+  are left, the least recent of them go. The check is one probe per victim.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from tpu_offload.core.keys import ChunkKey
+from tpu_offload.core.leases import LeaseTable
 from tpu_offload.core.manager import (
     ChunkEvent,
     ChunkManager,
@@ -68,6 +73,7 @@ class LRUChunkManager(ChunkManager):
         medium: Medium = Medium.CPU,
         enable_events: bool = True,
         max_pending_events: int = 1 << 20,
+        leases: LeaseTable | None = None,
     ):
         if num_chunks <= 0:
             raise ValueError(f"num_chunks must be > 0, got {num_chunks}")
@@ -93,6 +99,8 @@ class LRUChunkManager(ChunkManager):
         # Monotonic counters the metrics layer reads; never reset with the tier.
         self.evictions = 0
         self.allocation_failures = 0
+        # Session leases (None: off). Shared with the adapter, which leases and renews through it.
+        self.leases = leases
         # Bound methods, made once: the hot paths map them over keys.
         self._in_lru = self._lru.__contains__
         self._in_pending = self._pending.__contains__
@@ -222,28 +230,52 @@ class LRUChunkManager(ChunkManager):
         lru, pins = self._lru, self._pins
         if need > len(lru) - (len(pins) - len(self._parked)):  # fewer unpinned ready chunks
             return None
+        leases = self.leases
+        if leases is not None:
+            leases.expire()  # no clock read while no lease is held
+            if not len(leases):
+                leases = None
         victims = list(islice(lru, need))
-        if (pins and not pins.keys().isdisjoint(victims)) or (protect and not set(keys).isdisjoint(victims)):
-            victims = self._scan(need, set(keys) if protect else ())
+        if (pins and not pins.keys().isdisjoint(victims)) or (protect and not set(keys).isdisjoint(victims)) \
+                or (leases is not None and not leases.isdisjoint(victims)):
+            victims = self._scan(need, set(keys) if protect else (), leases)
             if victims is None:
                 return None
         self._free.extend(map(lru.pop, victims))
+        if leases is not None:
+            leases.drop(victims)
         self.evictions += need
         self._emit(victims, removed=True)
         return victims
 
-    def _scan(self, need: int, protected) -> list[ChunkKey] | None:
-        """Victims past pinned and protected chunks; parks the pinned ones it meets."""
+    def _scan(self, need: int, protected, leases: LeaseTable | None = None) -> list[ChunkKey] | None:
+        """Victims past pinned, protected and leased chunks; parks the pinned ones it meets.
+
+        Leased chunks are victims only once no unleased one is left; those it
+        passed over and kept move to the recent end (met once per pass)."""
         lru, pins = self._lru, self._pins
-        victims, parked = [], []
+        leased = leases if leases is not None else ()
+        victims, parked, held = [], [], []
         for key in lru:
             if key in pins:
                 parked.append(key)
-            elif key not in protected:
+            elif key in protected:
+                continue
+            elif key in leased:
+                held.append(key)
+            else:
                 victims.append(key)
                 if len(victims) == need:
                     break
         self._parked.update(zip(parked, map(lru.pop, parked)))  # never scanned again while pinned
+        if held:
+            unleased = len(victims)
+            if unleased < need:  # only leased chunks are left: the least recent of them go
+                victims.extend(held[: need - unleased])
+                del held[: need - unleased]
+            if unleased and held:
+                leases.honoured += len(held)
+            _consume(map(self._move, held))
         return victims if len(victims) == need else None
 
     def discard(self, keys: Iterable[ChunkKey]) -> list[ChunkKey]:
@@ -256,6 +288,8 @@ class LRUChunkManager(ChunkManager):
         gone = [k for k in dict.fromkeys(keys) if k in self._lru and k not in self._pins]
         if gone:
             self._free.extend(map(self._lru.pop, gone))
+            if self.leases is not None:
+                self.leases.drop(gone)
             self._emit(gone, removed=True)
         return gone
 
@@ -308,6 +342,7 @@ class LRUChunkManager(ChunkManager):
             pinned_chunks=len(self._pins) + self._doomed_pins,
             pending_chunks=len(self._pending) + self._doomed_writes,
             chunk_bytes=self.chunk_bytes,
+            leased_chunks=len(self.leases) if self.leases is not None else 0,
         )
 
     def reset(self) -> None:
@@ -324,6 +359,8 @@ class LRUChunkManager(ChunkManager):
         parked.clear()
         pins.clear()
         self._pending.clear()
+        if self.leases is not None:
+            self.leases.clear()
         self._emit(removed, removed=True)
 
     def __len__(self) -> int:

@@ -59,6 +59,11 @@ class TierStats:
     pinned_chunks: int
     pending_chunks: int
     chunk_bytes: int
+    leased_chunks: int = 0  # under a session lease (core/leases.py), stores still in flight included
+
+    @property
+    def leased_bytes(self) -> int:
+        return self.leased_chunks * self.chunk_bytes
 
     @property
     def capacity_bytes(self) -> int:

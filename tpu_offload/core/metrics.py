@@ -51,6 +51,9 @@ class _TierCollector:
             "pinned_chunks": GaugeMetricFamily("tpu_offload_tier_pinned_chunks", "Chunks pinned by in-flight loads", labels=names),
             "pending_chunks": GaugeMetricFamily("tpu_offload_tier_pending_chunks", "Chunks whose write is in flight", labels=names),
             "usage": GaugeMetricFamily("tpu_offload_tier_usage_ratio", "used / capacity", labels=names),
+            "leased_bytes": GaugeMetricFamily(
+                "tpu_offload_tier_leased_bytes", "Bytes of chunks under a session lease (the tpu_offload_lease "
+                "hint in kv_transfer_params), stores in flight included", labels=names),
         }
         for tier, fn in self._tiers.items():
             s = fn()
@@ -62,6 +65,7 @@ class _TierCollector:
             fams["pinned_chunks"].add_metric(values, s.pinned_chunks)
             fams["pending_chunks"].add_metric(values, s.pending_chunks)
             fams["usage"].add_metric(values, s.usage)
+            fams["leased_bytes"].add_metric(values, s.leased_bytes)
         yield from fams.values()
         for name, (doc, fn) in list(self._extra.items()):
             fam = GaugeMetricFamily(name, doc, labels=list(self._labels))
@@ -110,6 +114,12 @@ class OffloadMetrics:
         self.decision_saved = counter(
             "tpu_offload_decision_saved_seconds", "Seconds the load decision expects to have saved against "
             "the other choice for each hit (loading its prefix, recomputing the rest)")
+        # session leases (core/leases.py)
+        self.lease_honoured = counter(
+            "tpu_offload_lease_honoured_chunks", "Leased chunks an eviction kept while it evicted an unleased "
+            "chunk of the same tier", ["tier"])
+        self.leases_expired = counter(
+            "tpu_offload_leases_expired", "Session leases that ran out before their session came back", ["tier"])
         self.latency = Histogram(
             "tpu_offload_transfer_latency_seconds", "Latency of one batched transfer",
             ["direction", *ln], buckets=_LATENCY_BUCKETS, registry=r,
@@ -190,6 +200,17 @@ class OffloadMetrics:
     def record_exclusive(self, outcome: str, n: int) -> None:
         if n:
             self.exclusive_chunks.labels(**self._l(outcome=outcome)).inc(n)
+
+    def record_leases(self, table, tier: str = "cpu") -> None:
+        """A tier's ``core.leases.LeaseTable`` (None: leases off): its honoured and expired counts since the
+        last call."""
+        if table is None:
+            return
+        honoured, expired = table.take_counts()
+        if honoured:
+            self.lease_honoured.labels(**self._l(tier=tier)).inc(honoured)
+        if expired:
+            self.leases_expired.labels(**self._l(tier=tier)).inc(expired)
 
     def record_decision(self, decision, chunk_tokens: int) -> None:
         """A ``core.costs.Decision`` taken for one request's hit."""
