@@ -55,13 +55,12 @@ class TransferCost:
     Thread-safe: a probe thread (``core/fs/probe.py``) may feed it while the scheduler reads it.
     """
 
-    def __init__(self, bytes_per_s: float, latency_s: float, window: int = 16, prior_weight: float = 0.5,
+    def __init__(self, bytes_per_s: float, latency_s: float, window: int = 16,
                  clock: Callable[[], float] = time.monotonic):
         self.prior = (float(latency_s), 1.0 / float(bytes_per_s))
         self._fit = self.prior
         self._x: collections.deque = collections.deque(maxlen=window)
         self._y: collections.deque = collections.deque(maxlen=window)
-        self._k = prior_weight  # kept for callers; the prior serves only until the first sample
         self._open: dict[object, float] = {}  # outstanding transfers: id -> start time
         self._clock = clock
         self._lock = threading.RLock()
@@ -321,7 +320,7 @@ class CostModel:
         """Seconds a file-tier load of ``tokens`` hit tokens may take before it is abandoned (``auto`` only).
 
         The time recomputing them would take: past it the load can no longer win, so its reads are given
-        up and the tokens recomputed (a failed load). At least ``HEDGE_FLOOR_S``. None-like (0) otherwise.
+        up and the tokens recomputed (a failed load). At least ``HEDGE_FLOOR_S``; 0 (no hedge) in other modes.
         """
         if self.mode != "auto" or tokens <= 0:
             return 0.0
