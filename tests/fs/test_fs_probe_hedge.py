@@ -71,3 +71,23 @@ def test_a_probe_that_hangs_prices_the_tier_at_its_age_and_none_runs_without_fil
     assert m.tiers[FILE].seconds(1) >= 0.5  # outstanding: priced at least at its age
     faults.clear()
     p.stop()
+
+
+def test_a_probe_is_due_only_when_nothing_taught_the_tier_for_an_interval(root, make_tier):
+    now = [0.0]
+    clock = lambda: now[0]  # noqa: E731
+    t = make_tier(root, secret=SECRET)
+    write_all(t, 1)
+    t.flush(10)
+    cost = TransferCost(1e9, 5e-3, clock=clock)
+    p = ReadProbe(lambda: t.ns_dir, cost, interval_s=30.0, clock=clock)
+    assert p.due()  # never measured
+    assert p.probe_once() and not p.due()
+    now[0] = 29.0
+    assert not p.due()
+    now[0] = 31.0
+    assert p.due()  # idle for an interval: measure again
+    cost.observe(CHUNK, 0.01)  # a real load taught it meanwhile
+    assert not p.due()
+    now[0] = 62.0
+    assert p.due()
