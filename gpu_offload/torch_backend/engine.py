@@ -314,7 +314,8 @@ class HostTransferEngine:
             if promote is not None and promote.any() and slots.min(initial=0) >= 0:
                 idx = np.flatnonzero(promote)
                 p = self.fs.start_promotion(slots[idx].tolist(), [src_spec.keys[i] for i in idx],
-                                            getattr(src_spec, "evicted", ()), getattr(src_spec, "salt", b""))
+                                            getattr(src_spec, "evicted", ()), getattr(src_spec, "salt", b""),
+                                            budget_s=getattr(src_spec, "budget_s", 0.0))
                 self._promoting_slots.update(p.slots)
                 self._deferred.append(_DeferredLoad(job_id, src_spec, dst_spec, expedited, p))
                 return True

@@ -200,13 +200,16 @@ class FileLink:
                     self.stats.writes += 1
 
     def start_promotion(self, slots: list[int], keys: list[bytes], evicted: Sequence[bytes] = (),
-                        salt: bytes = b"") -> Promotion:
-        """Queue the reads that fill ``slots``; the slots are invalid until they land."""
+                        salt: bytes = b"", budget_s: float = 0.0) -> Promotion:
+        """Queue the reads that fill ``slots``; the slots are invalid until they land.
+
+        ``budget_s``: the load's hedge (``core/costs.py``): a read not done by then fails (0: none)."""
         self.before_overwrite(slots, keys, evicted, salt)
         self.pool.valid[slots] = False
         p = Promotion(slots)
         for i, (slot, key) in enumerate(zip(slots, keys)):
-            if not self.tier.submit_read(key, self.pool.row(slot), lambda ok, i=i: p.done(i, ok), salt):
+            if not self.tier.submit_read(key, self.pool.row(slot), lambda ok, i=i: p.done(i, ok), salt,
+                                         deadline_s=budget_s if budget_s > 0 else None):
                 p.done(i, False)
         return p
 

@@ -58,11 +58,13 @@ class HostLoadSpec(CPULoadStoreSpec):
 
     ``device_blocks[i]``: the engine block ids chunk i is copied from, when the
     device's own prefix cache holds it (``device_source``); its slot is -1.
+    ``budget_s``: the load's hedge (``core/costs.py``); 0 for none.
     """
 
     def __init__(
         self, slots: Sequence[int], keys: Sequence[bytes], promote: Sequence[bool], evicted: Sequence[bytes] = (),
         salt: bytes = b"", epoch: str = "", device_blocks: Sequence[tuple[int, ...] | None] | None = None,
+        budget_s: float = 0.0,
     ):
         super().__init__(slots)
         self.keys = list(keys)
@@ -71,6 +73,7 @@ class HostLoadSpec(CPULoadStoreSpec):
         self.salt = salt
         self.epoch = epoch
         self.device_blocks = list(device_blocks) if device_blocks is not None else None
+        self.budget_s = budget_s  # load_decision auto: file reads not done this long after they start fail (the hedge)
 
 
 def fingerprint(config, rank: int) -> LayoutFingerprint:

@@ -31,7 +31,11 @@ Load or recompute (``load_decision``, core/costs.py): vLLM looks a
 request's keys up one by one, in order, after its device prefix; the first
 lookup of a scan decides, over the rest of the request's keys (their
 positions are in its ``ReqContext``), the longest prefix worth loading, and
-later keys read as misses (recomputed). A chunk whose store is in flight
+later keys read as misses (recomputed). A load that promotes files carries
+its hedge (``HostLoadSpec.budget_s``, the recompute time of its chunks): the
+workers give up reads not done by then, so its blocks are load errors and
+vLLM recomputes them. The file tier is probed at start and when idle
+(``core/fs/probe.py``). A chunk whose store is in flight
 (``HIT_PENDING``: vLLM makes the request wait) is offered only when waiting
 for it pays. Costs are learned here from ``prepare_load`` → ``complete_load``
 and ``prepare_store`` → ``complete_store``, and the prefill time per token
@@ -165,9 +169,16 @@ class HostTierManager(ManagerCompat, OffloadingManager):
         self._saved_pending = 0.0
         self._worker_stats = None  # the workers' metrics since the last get_stats (note_worker_stats)
         self.closed = False
+        self.probe = None  # auto: the file tier's timed probe reads (core/fs/probe.py)
+        if files is not None and load_decision == "auto" and getattr(files, "ns_dirs", None):
+            from tpu_offload.core.fs.probe import ReadProbe
+
+            self.probe = ReadProbe(lambda: self.files.ns_dirs[0], self.costs.tiers[costs.FILE]).start()
 
     def shutdown(self) -> None:
         self.closed = True
+        if self.probe is not None:
+            self.probe.stop()
 
     def _new_index(self) -> LRUChunkManager:
         if self.leases is not None:
@@ -310,7 +321,7 @@ class HostTierManager(ManagerCompat, OffloadingManager):
                   else (next(slots), next(promote), None) for k in keys]
         return HostLoadSpec([m[0] for m in merged], keys, [m[1] for m in merged],
                             getattr(tier, "evicted", ()), salt=request_salt(req_context), epoch=self.epoch,
-                            device_blocks=[m[2] for m in merged])
+                            device_blocks=[m[2] for m in merged], budget_s=getattr(tier, "budget_s", 0.0))
 
     def _prepare_tier_load(self, keys: list, req_context) -> CPULoadStoreSpec:
         now = time.monotonic()
@@ -360,7 +371,9 @@ class HostTierManager(ManagerCompat, OffloadingManager):
             logger.warning("file tier: no free host slot for %d chunk(s); they will be recomputed",
                            len(file_keys) - len(placed))
         self._count_hits(len(host_keys), len(placed))
-        return HostLoadSpec(slots, keys, in_files, evicted, salt=salt, epoch=self.epoch)
+        # the hedge (auto): reads not done by the time recomputing these chunks would be give up
+        budget = self.costs.hedge_s(len(keys) * self.tokens_per_chunk) if placed else 0.0
+        return HostLoadSpec(slots, keys, in_files, evicted, salt=salt, epoch=self.epoch, budget_s=budget)
 
     def _count_hits(self, host: int, files: int) -> None:
         self.hit_chunks += host
@@ -537,8 +550,10 @@ class HostTierManager(ManagerCompat, OffloadingManager):
         took = time.monotonic() - min(t for t, _ in t0s)
         files = sum(1 for _, f in t0s if f)
         if files:  # the file reads, less the host-to-device copy every chunk takes
-            self.costs.tiers[costs.FILE].observe(files * self.chunk_bytes,
-                                                 max(took - host.seconds(n * self.chunk_bytes), 1e-6))
+            read_s = max(took - host.seconds(n * self.chunk_bytes), 1e-6)
+            if self._forgotten and any(k in self._forgotten for k in keys):
+                read_s *= costs.CENSORED  # failed (its hedge gave up on it): it would have taken longer
+            self.costs.tiers[costs.FILE].observe(files * self.chunk_bytes, read_s)
         else:
             host.observe(n * self.chunk_bytes, took)
 

@@ -205,3 +205,61 @@ def test_a_lost_report_or_an_unknown_id_does_not_skew_the_timing():
     for k in range(3, 3 + 2 * PrefillCost.MAX_OPEN):  # a worker that echoes nothing: bounded
         p.scheduled(k, 0)
     assert len(p._scheduled) == PrefillCost.MAX_OPEN
+
+
+def test_two_reads_of_different_sizes_separate_latency_and_bandwidth():
+    """A 10 MB/s mount with 2 ms per read: a header read and a 22 MB read are enough to price any size."""
+    c = TransferCost(1e9, 5e-3)
+    c.observe(4096, 0.002 + 4096 / 10e6)
+    c.observe(22 * MB, 0.002 + 22 * MB / 10e6)
+    assert c.bytes_per_s == pytest.approx(10e6, rel=0.05)
+    assert c.latency_s == pytest.approx(0.002, rel=0.2)
+    assert c.seconds(4 * MB) == pytest.approx(0.002 + 4 * MB / 10e6, rel=0.05)
+
+
+@pytest.mark.parametrize("slower", [7.0, 300.0])
+def test_the_prior_does_not_pull_a_measured_tier_back_after_two_loads(slower):
+    """Two loads of one size that took ``slower`` times the prior: the estimate is what they took."""
+    c = TransferCost(1e9, 5e-3)
+    took = slower * (5e-3 + 22 * MB / 1e9)
+    c.observe(22 * MB, took)
+    c.observe(22 * MB, took)
+    assert c.seconds(22 * MB) == pytest.approx(took, rel=0.01)
+
+
+def test_one_measurement_replaces_the_prior():
+    c = TransferCost(1e9, 5e-3)
+    c.observe(MB, 0.5)
+    assert c.seconds(MB) == pytest.approx(0.5, rel=0.01)
+
+
+def test_recent_transfers_weigh_most_and_a_line_sloping_down_falls_back_to_the_scale():
+    c = TransferCost(1e9, 1e-3, window=16)
+    for _ in range(16):
+        c.observe(MB, 0.01)
+    for _ in range(4):  # the mount slowed 10x: four transfers move the estimate most of the way (in log)
+        c.observe(MB, 0.1)
+    assert c.seconds(MB) > 0.01 * 10 ** 0.55
+    d = TransferCost(1e9, 1e-3)
+    d.observe(MB, 0.2)  # noise: the big read was the fast one
+    d.observe(8 * MB, 0.1)
+    assert 0.1 <= d.seconds(4 * MB) <= 0.2
+
+
+def test_an_abandoned_transfer_counts_as_more_than_its_age():
+    clock = Clock()
+    c = TransferCost(1e9, 1e-3, clock=clock)
+    c.start("op")
+    clock.t = 1.0  # abandoned by its hedge after 1 s
+    c.finish("op", MB, censored=True)
+    assert c.seconds(MB) >= 1.5
+    assert c.last_sample_at == 1.0
+
+
+def test_the_hedge_is_the_recompute_time_of_the_loaded_tokens_in_auto_only():
+    m = _model()  # 1e-4 s per token
+    assert m.hedge_s(2048) == pytest.approx(0.2048)
+    assert m.hedge_s(16) == pytest.approx(0.05)  # the floor: a tiny hit is not abandoned at once
+    assert m.hedge_s(0) == 0.0
+    assert _model("always").hedge_s(2048) == 0.0
+    assert _model("never").hedge_s(2048) == 0.0

@@ -34,6 +34,11 @@ os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")  # same cores with an
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def _fit(cost) -> dict:
+    """What the load decision believes of a tier (its learned latency and bandwidth)."""
+    return {"latency_s": cost.latency_s, "bytes_per_s": cost.bytes_per_s, "samples": cost.samples}
+
+
 def main(plan_path: str) -> int:
     with open(plan_path) as f:
         plan = json.load(f)
@@ -70,7 +75,9 @@ def main(plan_path: str) -> int:
             rec.update(host_hits=manager.hit_chunks - before[0], fs_hits=manager.fs_hit_chunks - before[1],
                        load_error_blocks=worker.stats.load_error_blocks - before[2],
                        decisions={"/".join(k): n for k, n in getattr(manager, "decision_tokens", {}).items()},
-                       prefill_echoed=manager.costs.prefill.echoed, prefill_samples=manager.costs.prefill.samples)
+                       prefill_echoed=manager.costs.prefill.echoed, prefill_samples=manager.costs.prefill.samples,
+                       prefill_s_per_token=manager.costs.prefill.s_per_token,
+                       file_fit=_fit(manager.costs.tiers["fs"]), probes=getattr(manager.probe, "probes", None))
         if step.get("idle_s"):
             time.sleep(step["idle_s"])
         if fs is not None:

@@ -3,9 +3,10 @@ from load to recompute, with the tokens of no connector.
 
 A writer engine publishes four prompts' chunks to a file tier. Two fresh replicas
 (``load_decision: auto``) in a child process then run a cold prompt (its steps compile the forward and
-teach the engine's time per token), then the four one by one (the first's promotion from files teaches
-the file tier's time). Every file read of the slow replica is delayed at the tier's syscall wrapper
-(``fileio.fault``, as the hung-mount test does): once its first promotion has taught that, the others
+teach the engine's time per token), then the four one by one. Every file read of the slow replica is
+delayed at the tier's syscall wrapper (``fileio.fault``, as the hung-mount test does): its probe prices
+the mount before the first prompt (a probe read still outstanding counts as at least its age), or the
+hedge gives a load up at its recompute time, so no prompt waits for a read and at least the last three
 are recomputed; the unthrottled replica loads all four. ``load_decision_bias`` 0.25: on this tiny
 model a step recomputes six chunks about as fast as it loads them.
 """
@@ -60,9 +61,10 @@ def test_decision_moves_from_load_to_recompute_as_the_file_tier_slows(engines, m
     hit = 95  # a published prompt's six chunks, less the one token vLLM always computes
     for run, want in zip((slow, fast), base):
         assert run["tokens"] == want  # identical to no connector
-        assert run["totals"].get("load_errors", 0) == 0
-    assert slow["run_s"] > DELAY_S  # the premise: the slow replica waited on its reads for the first prompt
-    assert slow["totals"]["hit_tokens"] == hit, slow["totals"]  # the first prompt only: the rest recomputed
-    assert slow["totals"].get("recomputed_hit_tokens", 0) == 3 * 96, slow["totals"]
+    assert fast["totals"].get("load_errors", 0) == 0
+    # the first prompt after start included, nothing waited for a slow read (the probe, or the hedge)
+    assert slow["run_s"] < fast["run_s"] + DELAY_S, (slow["run_s"], fast["run_s"])
+    assert slow["totals"].get("hit_tokens", 0) <= hit, slow["totals"]  # at most the first prompt bet on files
+    assert slow["totals"].get("recomputed_hit_tokens", 0) >= 3 * 96, slow["totals"]
     assert fast["totals"].get("recomputed_hit_tokens", 0) == 0, fast["totals"]
     assert fast["totals"]["hit_tokens"] == 4 * hit, fast["totals"]  # all four loaded

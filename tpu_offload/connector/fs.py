@@ -330,8 +330,10 @@ class FsMover:
                         "lacks those chunks", reason, self.dropped_writes, dict(self.drops))
 
     # ---- reads -------------------------------------------------------------
-    def read(self, op_id: int, key: ChunkKey, slot: int, salt: bytes = b"") -> bool:
-        """Queue a file read for ``slot`` (verified with ``salt``'s keys); False if no buffer is free (retry later)."""
+    def read(self, op_id: int, key: ChunkKey, slot: int, salt: bytes = b"", deadline_s: float | None = None) -> bool:
+        """Queue a file read for ``slot`` (verified with ``salt``'s keys); False if no buffer is free (retry later).
+
+        ``deadline_s``: the load's hedge (``core/costs.py``): past it the read is reported failed."""
         with self._wlock:
             buf = self._take()
         if buf is None:
@@ -341,7 +343,7 @@ class FsMover:
             with self._lock:
                 self._reads.append((op_id, slot, buf, ok))
 
-        if not self.tier.submit_read(key, self._bufs[buf], done, salt):
+        if not self.tier.submit_read(key, self._bufs[buf], done, salt, deadline_s=deadline_s):
             done(False)
         return True
 

@@ -100,6 +100,7 @@ class LoadPlan:
     groups: list[list[int]] = dataclasses.field(default_factory=list)  # ids per layer class (LoadOp.groups)
     restart: int = -1  # LoadOp.restart
     src: list[list[int] | None] = dataclasses.field(default_factory=list)  # per chunk: HBM source ids (pinned)
+    budget_s: float = 0.0  # the hedge of its promotions (PromoteOp.budget_s): 0 for none
     emitted: int = 0
     cancelled: bool = False
 
@@ -130,7 +131,7 @@ class LoadPlanner:
             if plan.to_promote and not plan.cancelled:
                 idx, plan.to_promote = plan.to_promote, []
                 op = PromoteOp(self._next_id(), req_id, [plan.slots[i] for i in idx],
-                               [bytes(plan.keys[i]) for i in idx], plan.evict, plan.salt)
+                               [bytes(plan.keys[i]) for i in idx], plan.evict, plan.salt, plan.budget_s)
                 plan.evict = []
                 meta.promotes.append(op)
                 self.promote_orders[op.op_id] = Order(req_id, [plan.keys[i] for i in idx], op.slots, idx)

@@ -61,6 +61,7 @@ class PromoteOp:
     keys: list[bytes]
     evict: list[tuple[int, bytes, bytes]] = dataclasses.field(default_factory=list)
     salt: bytes = b""  # the request's cache_salt: its files are verified with that tenant's keys
+    budget_s: float = 0.0  # load_decision auto: reads not done this long after the worker gets them fail (the hedge)
 
 
 @dataclasses.dataclass

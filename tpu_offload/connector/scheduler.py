@@ -34,7 +34,10 @@ Invariants this file keeps (each one a defect of the upstream connector):
   the report that echoes its id, so async scheduling's pipelined steps are
   timed by their compute, not their dispatch; under DP, where workers echo
   no id, from the intervals between ``build_connector_meta`` calls). The lookup
-  fixes the decision; the allocation uses that one, so the two agree.
+  fixes the decision; the allocation uses that one, so the two agree. A
+  promotion carries its hedge (``PromoteOp.budget_s``, the loaded tokens'
+  recompute time): reads not done by then fail, and the tokens are recomputed
+  as any failed load's are. The file tier is probed at start and when idle.
 * Interleaved lookups (``interleaved_lookups``, connector/interleave.py):
   past vLLM's own hit, a chunk HBM's prefix cache still holds is copied on
   the device (preferred), one the tiers hold is loaded; the hit ends where
@@ -149,6 +152,11 @@ class OffloadScheduler:
         self.loads.unpin_hbm = self._unpin_hbm
         self._walked: dict[str, tuple[int, int]] = {}  # interleaved: the last lookup's (first chunk, chunks offered)
         self._fs_lookup = fs  # also when loads are synchronous (it learns resets)
+        self.probe = None  # load_decision auto: the file tier's timed probe reads (core/fs/probe.py)
+        if self.fs is not None and cfg.load_decision == "auto":
+            from tpu_offload.core.fs.probe import ReadProbe
+
+            self.probe = ReadProbe(lambda: self._fs_lookup.ns_dir, self.costs.tiers[costs.FILE]).start()
         self.reset_salt = ""  # see reset_cache
         self.restored_id = self.snapshot_id = ""  # warm restart: see connector/snapshot.py
         if cfg.snapshot_path and fingerprint is not None:
@@ -418,7 +426,8 @@ class OffloadScheduler:
         restart = next(b for b in dst if b >= 0) if groups and not self.s.hybrid else -1
         self.loads.add(LoadPlan(request.request_id, load_async, load_keys, slots, dst, ready,
                                 to_promote=fs_idx, evict=evict, salt=salt, groups=groups, restart=restart,
-                                src=[ids or None for ids in hbm_src]))
+                                src=[ids or None for ids in hbm_src],
+                                budget_s=self.costs.hedge_s(num_external_tokens) if fs_idx else 0.0))
         if load_async:
             self.loading.add(request.request_id, load_keys)
         if not st.looked_up:
@@ -523,7 +532,8 @@ class OffloadScheduler:
                 self._slot_of.pop(k, None)
                 self._salt_of.pop(k, None)
         for order, failed in self._complete(self.loads.promote_orders, report.promotes):
-            self.costs.tiers[costs.FILE].finish(order.op_id, len(order.keys) * cb)
+            # a failed read (its hedge or fs_io_timeout_s gave up on it) took at least that long
+            self.costs.tiers[costs.FILE].finish(order.op_id, len(order.keys) * cb, censored=bool(failed))
             for k in self.loads.promoted(order, failed):
                 self.events.forget(k)
                 self._slot_of.pop(k, None)
@@ -654,6 +664,8 @@ class OffloadScheduler:
 
     def shutdown(self) -> None:
         """Save the index for a warm restart (``snapshot_path``); never raises."""
+        if self.probe is not None:
+            self.probe.stop()
         cfg = self.s.config
         if not cfg.snapshot_path or self._fp is None or not self.snapshot_id:
             return

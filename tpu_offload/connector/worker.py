@@ -101,6 +101,7 @@ class OffloadWorker:
         self._saved_meta = None
         self._to_read: collections.deque = collections.deque()  # (op_id, key, slot, salt) waiting for a buffer
         self._promoting: dict[int, tuple[set[int], list[int]]] = {}  # op_id -> (slots left, failed slots)
+        self._hedge_end: dict[int, float] = {}  # op_id -> when its reads are given up (load_decision auto)
         self._restored_id: str | None = None  # id of the restored slabs (warm restart)
         self._snapshot_id = ""  # id to save under, from the scheduler
         self._snapshot_checked = False
@@ -192,6 +193,8 @@ class OffloadWorker:
             if self.fs is not None:
                 self.fs.overwrite(op.slots)  # queued writes of these slots go out now or are dropped
             self._promoting[op.op_id] = (set(op.slots), [])
+            if getattr(op, "budget_s", 0) > 0:  # the hedge: past its recompute time the load cannot win
+                self._hedge_end[op.op_id] = time.monotonic() + op.budget_s
             for slot, key in zip(op.slots, op.keys):
                 self.engine.valid[slot] = False
                 self._to_read.append((op.op_id, key, slot, op.salt))
@@ -448,7 +451,15 @@ class OffloadWorker:
             self._to_read.clear()
         while self._to_read:
             op_id, key, slot, salt = self._to_read[0]
-            if not self.fs.read(op_id, key, slot, salt):
+            end = self._hedge_end.get(op_id)
+            left_s = None if end is None else end - time.monotonic()
+            if left_s is not None and left_s <= 0:  # its hedge passed while it waited for a buffer: recomputed
+                self._to_read.popleft()
+                self.engine.complete_store([slot], False)
+                self._promoting[op_id][0].discard(slot)
+                self._promoting[op_id][1].append(slot)
+                continue
+            if not self.fs.read(op_id, key, slot, salt, deadline_s=left_s):
                 break  # every buffer busy: the rest start on a later poll
             self._to_read.popleft()
         if self.fs is not None:
@@ -460,6 +471,7 @@ class OffloadWorker:
                     failed.append(slot)
         for op_id in [o for o, (left, _) in self._promoting.items() if not left]:
             _, failed = self._promoting.pop(op_id)
+            self._hedge_end.pop(op_id, None)
             self._report.promotes.append((op_id, self._pidx, failed))
 
     def _poll(self, wait: bool = False) -> None:

@@ -2,13 +2,18 @@
 
 A hit is worth loading only while its load finishes before recomputing it
 would. Each tier's time for ``n`` bytes is modelled as ``latency + n /
-bandwidth``, fitted to the tier's last completed transfers (a fixed window:
-it follows a mount that slows down; transfers all of one size scale the
-prior's shape by a geometric EWMA of what they took) and pulled toward a modest prior until
-enough arrive. A transfer still outstanding counts as at least its age, so a
-hung mount stops being offered after one timeout's worth of waiting, not
-after it fails. The engine's prefill time per token is the median of its
-recent steps, each timed from its scheduling to its output's return.
+bandwidth``, fitted to the tier's last completed transfers (a fixed window
+that weighs recent ones most: it follows a mount that slows down). Transfers
+of different sizes separate latency and bandwidth (a weighted least-squares
+line); transfers all of one size scale the prior's shape to what they took.
+The prior (a modest guess) serves only until the first measurement: a
+measured tier is never pulled back toward it. Timed probe reads
+(``core/fs/probe.py``) measure the file tier before any request bets on it.
+A transfer still outstanding counts as at least its age, so a hung mount
+stops being offered after one timeout's worth of waiting, not after it fails;
+one abandoned by its hedge (``hedge_s``) counts ``CENSORED`` times its age
+(it took at least that). The engine's prefill time per token is the median of
+its recent steps, each timed from its scheduling to its output's return.
 ``decide`` returns the longest prefix of a hit whose expected load time
 (scaled by ``bias``) is at most its recompute time; the rest is recomputed.
 Backend-neutral: callers time their own transfers and steps.
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import threading
 import time
 from typing import Callable, Sequence
 
@@ -37,82 +43,98 @@ _PRIOR = {  # tier -> (bytes/s, latency s)
 }
 PRIOR_PREFILL_S_PER_TOKEN = 2e-4
 STALE_S = 600.0  # an outstanding transfer older than this was lost, not slow (every tier I/O has a deadline)
+CENSORED = 2.0  # an abandoned transfer took at least its age: counted this many times it, so the next
+# decision lands clearly on the recompute side instead of at the edge the hedge just proved too slow
+RECENCY = 0.8  # weight of a sample one transfer older than the next (a window of 16: the newest ~ 5x the oldest)
+HEDGE_FLOOR_S = 0.05  # the least a file read is given before it is abandoned (a tiny hit's recompute is ~0)
 
 
 class TransferCost:
-    """Seconds one tier takes for ``n`` bytes: ``latency + n / bandwidth``, fitted to recent transfers."""
+    """Seconds one tier takes for ``n`` bytes: ``latency + n / bandwidth``, fitted to recent transfers.
 
-    def __init__(self, bytes_per_s: float, latency_s: float, window: int = 16, prior_weight: float = 0.5,
+    Thread-safe: a probe thread (``core/fs/probe.py``) may feed it while the scheduler reads it.
+    """
+
+    def __init__(self, bytes_per_s: float, latency_s: float, window: int = 16,
                  clock: Callable[[], float] = time.monotonic):
         self.prior = (float(latency_s), 1.0 / float(bytes_per_s))
         self._fit = self.prior
         self._x: collections.deque = collections.deque(maxlen=window)
         self._y: collections.deque = collections.deque(maxlen=window)
-        self._k = prior_weight
-        self._logf = 0.0  # EWMA of log(seen / prior) over transfers: the one-size scale
         self._open: dict[object, float] = {}  # outstanding transfers: id -> start time
         self._clock = clock
+        self._lock = threading.RLock()
         self.samples = 0
+        self.last_sample_at = float("-inf")  # when the last transfer was learned (the probe's idle test)
 
     # ---- outstanding transfers ---------------------------------------------
     def start(self, tag: object) -> None:
-        self._open.setdefault(tag, self._clock())
+        with self._lock:
+            self._open.setdefault(tag, self._clock())
 
-    def finish(self, tag: object, nbytes: int) -> None:
-        """A transfer started with ``start(tag)`` completed, well or not: learn its time."""
-        t0 = self._open.pop(tag, None)
-        if t0 is not None and nbytes > 0:
-            self.observe(nbytes, self._clock() - t0)
+    def finish(self, tag: object, nbytes: int, censored: bool = False) -> None:
+        """A transfer started with ``start(tag)`` completed, well or not: learn its time.
 
-    def finish_many(self, tags: Sequence[object], nbytes: int) -> None:
+        ``censored``: it was abandoned (or failed at a deadline): it would have taken at least ``CENSORED``
+        times as long."""
+        with self._lock:
+            t0 = self._open.pop(tag, None)
+            if t0 is not None and nbytes > 0:
+                self.observe(nbytes, (self._clock() - t0) * (CENSORED if censored else 1.0))
+
+    def finish_many(self, tags: Sequence[object], nbytes: int, censored: bool = False) -> None:
         """One transfer of several outstanding tags (e.g. a job's chunks): timed from the oldest."""
-        starts = [t0 for t0 in (self._open.pop(t, None) for t in tags) if t0 is not None]
-        if starts and nbytes > 0:
-            self.observe(nbytes, self._clock() - min(starts))
+        with self._lock:
+            starts = [t0 for t0 in (self._open.pop(t, None) for t in tags) if t0 is not None]
+            if starts and nbytes > 0:
+                self.observe(nbytes, (self._clock() - min(starts)) * (CENSORED if censored else 1.0))
 
     def drop(self, tag: object) -> None:
-        self._open.pop(tag, None)
+        with self._lock:
+            self._open.pop(tag, None)
 
     def forget_open(self) -> None:
         """Outstanding transfers that will never report (a reset)."""
-        self._open.clear()
+        with self._lock:
+            self._open.clear()
 
     def oldest_age(self) -> float:
         """Age of the oldest transfer still outstanding (one older than ``STALE_S`` was lost: dropped)."""
-        if not self._open:
-            return 0.0
-        now = self._clock()
-        for tag in [t for t, t0 in self._open.items() if now - t0 > STALE_S]:
-            del self._open[tag]
-        return now - min(self._open.values()) if self._open else 0.0
+        with self._lock:
+            if not self._open:
+                return 0.0
+            now = self._clock()
+            for tag in [t for t, t0 in self._open.items() if now - t0 > STALE_S]:
+                del self._open[tag]
+            return now - min(self._open.values()) if self._open else 0.0
 
     # ---- the model -------------------------------------------------------------
     def observe(self, nbytes: int, seconds: float) -> None:
         if nbytes <= 0 or not np.isfinite(seconds) or seconds < 0:
             return
-        lat0, inv0 = self.prior
-        a = max(0.5, 1.0 / (self.samples + 1 + self._k))  # the first samples weigh against the prior
-        self._logf += a * (float(np.log(max(seconds, 1e-9) / (lat0 + inv0 * nbytes))) - self._logf)
-        self._x.append(float(nbytes))
-        self._y.append(float(seconds))
-        self.samples += 1
-        self._fit = self._refit()
+        with self._lock:
+            self._x.append(float(nbytes))
+            self._y.append(max(float(seconds), 1e-9))
+            self.samples += 1
+            self.last_sample_at = self._clock()
+            self._fit = self._refit()
 
     def _refit(self) -> tuple[float, float]:
+        """Weighted (newest first) fit of the window; the prior sets only the one-size split of the two."""
         x, y = np.asarray(self._x), np.asarray(self._y)
-        n = len(x)
+        w = RECENCY ** np.arange(len(x))[::-1]
+        w = w / w.sum()
         lat0, inv0 = self.prior
-        mx, my = float(x.mean()), float(y.mean())
-        var = float(((x - mx) ** 2).mean())
-        if n >= 3 and var > (0.05 * mx) ** 2:  # sizes differ: latency and bandwidth separate
-            inv = max(float(((x - mx) * (y - my)).mean()) / var, 1e-15)
-            lat = min(max(my - inv * mx, 0.0), float(y.min()))
-            inv = max((my - lat) / mx, 1e-15)  # the fit passes through the mean
-        else:  # one size: the prior's shape, scaled by a geometric EWMA (one odd transfer moves it halfway)
-            f = float(np.exp(self._logf))
-            return lat0 * f, inv0 * f
-        w = n / (n + self._k)
-        return (w * lat + (1 - w) * lat0, w * inv + (1 - w) * inv0)
+        mx, my = float((w * x).sum()), float((w * y).sum())
+        var = float((w * (x - mx) ** 2).sum())
+        if var > (0.05 * mx) ** 2:  # sizes differ: latency and bandwidth separate
+            inv = float((w * (x - mx) * (y - my)).sum()) / var
+            if inv > 0:
+                lat = min(max(my - inv * mx, 0.0), float(y.min()))
+                return lat, max((my - lat) / mx, 1e-15)  # the line passes through the (weighted) mean
+        # one size (or a line sloping down: noise): the prior's shape, scaled to what the transfers took
+        f = float(np.exp((w * np.log(y / (lat0 + inv0 * x))).sum()))
+        return lat0 * f, inv0 * f
 
     def seconds(self, nbytes: int) -> float:
         """Expected seconds for ``nbytes``; at least the age of the oldest transfer still outstanding."""
@@ -294,3 +316,12 @@ class CostModel:
         rest = max(0.0, (load_all - best_l) - (rec_all - best_r))
         return Decision(tiers, best, "auto", best_l, best_r, max(0.0, best_r - best_l) + rest)
 
+    def hedge_s(self, tokens: int) -> float:
+        """Seconds a file-tier load of ``tokens`` hit tokens may take before it is abandoned (``auto`` only).
+
+        The time recomputing them would take: past it the load can no longer win, so its reads are given
+        up and the tokens recomputed (a failed load). At least ``HEDGE_FLOOR_S``; 0 (no hedge) in other modes.
+        """
+        if self.mode != "auto" or tokens <= 0:
+            return 0.0
+        return max(self.prefill.seconds(tokens), HEDGE_FLOOR_S)

@@ -2,7 +2,8 @@
 
 A mixin of ``FileTier`` (tier.py), which owns the state these methods use.
 A read re-checks header, checksum and (with a secret) the MAC; anything
-else is a miss. With ``fs_io_timeout_s`` a queued read lands in a
+else is a miss. With ``fs_io_timeout_s`` (or a caller's ``deadline_s``: the
+load decision's hedge, ``core/costs.py``) a queued read lands in a
 per-thread bounce buffer and reaches the caller's slot only before its
 deadline, so a read that un-hangs late never writes into a reused slot.
 """
@@ -71,9 +72,11 @@ class ReadPath:
         return True
 
     def submit_read(self, key: ChunkKey, out: np.ndarray, on_done: Callable[[bool], None],
-                    salt: bytes = b"") -> bool:
+                    salt: bytes = b"", deadline_s: float | None = None) -> bool:
         """Queue ``read_into`` ahead of writes; ``on_done(ok)`` runs on an I/O thread.
 
+        ``deadline_s``: the caller's own bound (a hedged load: past it recomputing wins), on top of
+        ``fs_io_timeout_s``; a read past it is reported failed and counted ``read_hedged``.
         False (and no callback) if the tier cannot read at all.
         """
         if self._state in (TierState.OFF, TierState.CLOSED) or self._workers is None:
@@ -82,7 +85,10 @@ class ReadPath:
         out_mv = byte_view(out, writable=True)
         if len(out_mv) != self.chunk_bytes:
             raise ValueError(f"buffer is not {self.chunk_bytes} bytes")
-        if not self.io_timeout_s:
+        timeout, hedged = self.io_timeout_s, False
+        if deadline_s is not None and (not timeout or deadline_s < timeout):
+            timeout, hedged = max(0.0, deadline_s), True
+        if not timeout and not hedged:
             return self._submit_plain_read(key, out, on_done, salt)
         # With a deadline the read lands in a per-thread bounce buffer and is copied into ``out`` only if
         # the deadline has not fired: a read that un-hangs later never writes into a slot reused since.
@@ -99,6 +105,11 @@ class ReadPath:
                 if state[0]:
                     return
                 state[0] = True
+            if hedged:  # the load's own bound: the mount is slow, not hung (no warning)
+                self._count("read_hedged")
+                self._m.op("read", "hedged")
+                report(False)
+                return
             self._count("read_timeouts")
             self._m.op("read", "timeout")
             if "read_timeout" not in self._warned_errnos:
@@ -126,7 +137,7 @@ class ReadPath:
                     report(ok)
             return ok and not late
 
-        entry = WATCHDOG.arm(self.io_timeout_s, expire)
+        entry = WATCHDOG.arm(timeout, expire)
         try:
             self._workers.submit(task, high=True)
         except RuntimeError:
