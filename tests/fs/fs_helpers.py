@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 
 import numpy as np
 import pytest
@@ -149,3 +150,13 @@ def shared_writer(root: str, seed: int, capacity: int, n_ops: int, keyspace: int
     t.flush(60)
     out.put({"seed": seed, "hits": hits, "wrong": wrong, "writes": writes, "counters": t.counters()})
     t.close()
+
+
+def wait_for(cond, timeout: float = 10.0) -> bool:
+    """Poll ``cond`` every 20 ms until it holds or ``timeout`` passes; its last answer."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return cond()

@@ -19,7 +19,7 @@ import time
 import numpy as np
 import pytest
 
-from fs_helpers import FILE, NOBODY_PRELUDE, REPO, aligned, filled, key, payload, run_child, write_all
+from fs_helpers import FILE, NOBODY_PRELUDE, REPO, aligned, filled, key, payload, run_child, write_all, wait_for
 from tpu_offload.core.fs import TierState
 from tpu_offload.core.fs import layout as fslayout
 from tpu_offload.core.fs.journal import TIER_OFF, TIER_ON, FileJournal
@@ -28,13 +28,6 @@ OTHER = 0x12345678  # a key under other fan-out directories than key(0..65535) (
 OTHER2 = 0x56780000  # and another ("56/78")
 
 
-def _wait(cond, timeout=10.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
 
 
 def _mode(path):
@@ -242,7 +235,7 @@ def test_a_namespace_moved_aside_and_replaced_turns_the_tier_off_and_tells_the_s
         os.rmdir(t.ns_dir)  # the cause is gone
     time.sleep(0.35)
     t.contains(key(1))  # any use after the retry delay re-vets the path
-    assert _wait(lambda: t.state is TierState.RW)
+    assert wait_for(lambda: t.state is TierState.RW)
     assert (TIER_ON, b"") in t.journal.take()
     write_all(t, 2)
     assert os.path.isfile(t.path_of(key(2))) and os.stat(t.ns_dir).st_uid == os.geteuid()

@@ -17,7 +17,7 @@ import time
 import numpy as np
 import pytest
 
-from fs_helpers import CHUNK, FILE, aligned, filled, key, mounted, payload, write_all
+from fs_helpers import CHUNK, FILE, aligned, filled, key, mounted, payload, write_all, wait_for
 from tpu_offload.core.fs import TierState, admin, fileio
 from tpu_offload.core.fs import layout as fslayout
 from tpu_offload.core.fs.keyring import Keyring
@@ -32,13 +32,6 @@ def tmpfs():
         yield d
 
 
-def _wait(cond, timeout=10.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
 
 
 def _on_disk(t):
@@ -193,7 +186,7 @@ def test_a_full_disk_at_namespace_creation_is_retried(tmpfs, make_tier, monkeypa
     full[0] = False  # space is back
     time.sleep(0.25)
     t.contains(key(1))  # any use after the retry delay tries again
-    assert _wait(lambda: t.state is TierState.RW)
+    assert wait_for(lambda: t.state is TierState.RW)
     write_all(t, 1)
 
 

@@ -139,16 +139,24 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
 
-def _share(v: Any) -> float:
-    """A fraction from 0 to 1 (a float, or a percentage such as '50%')."""
-    allowed = "a fraction from 0 to 1, e.g. 0.5 or '50%'"
+def _fraction_or_none(v: Any, allowed: str) -> float | None:
+    """``v`` as a number, a trailing '%' dividing by 100; None where it is no number. Raises ValueError(allowed)
+    for a type no setting takes (a bool, a list, ...)."""
     if isinstance(v, bool) or not isinstance(v, (int, float, str)):
         raise ValueError(allowed)
     text = v.strip() if isinstance(v, str) else v
     try:
-        f = float(text[:-1]) / 100 if isinstance(text, str) and text.endswith("%") else float(text)
+        return float(text[:-1]) / 100 if isinstance(text, str) and text.endswith("%") else float(text)
     except (ValueError, OverflowError):
-        raise ValueError(allowed) from None
+        return None
+
+
+def _share(v: Any) -> float:
+    """A fraction from 0 to 1 (a float, or a percentage such as '50%')."""
+    allowed = "a fraction from 0 to 1, e.g. 0.5 or '50%'"
+    f = _fraction_or_none(v, allowed)
+    if f is None:
+        raise ValueError(allowed)
     if not (math.isfinite(f) and 0.0 <= f <= 1.0):
         raise ValueError(allowed)
     return f
@@ -237,13 +245,8 @@ def _dir_mode(v: Any) -> int:
 def _margin(v: Any) -> int | float:
     """A fraction of host memory (a float; ``0.1`` or ``'10%'``) or a size (an int, bytes)."""
     allowed = "a fraction of host memory below 1 (e.g. 0.1 or '10%'), a size such as '16GiB', or 0 for none"
-    if isinstance(v, bool) or not isinstance(v, (int, float, str)):
-        raise ValueError(allowed)
+    f = _fraction_or_none(v, allowed)  # None: a size with a unit, or nothing valid
     text = v.strip() if isinstance(v, str) else v
-    try:
-        f = float(text[:-1]) / 100 if isinstance(text, str) and text.endswith("%") else float(text)
-    except (ValueError, OverflowError):
-        f = None  # a size with a unit, or nothing valid
     if f is not None:
         if not math.isfinite(f) or f < 0 or (f >= 1 and (not f.is_integer() or str(text).endswith("%"))):
             raise ValueError(allowed)
