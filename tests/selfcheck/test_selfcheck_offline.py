@@ -180,7 +180,9 @@ def test_fs_encrypt_without_cryptography_is_a_dependency_failure_not_bad_input(t
     rc, rep = offline(tmp_path, "--config", cfg)
     assert rc == 1 and rep["checks"]["dependencies"]["status"] == "fail"
     (reason,) = rep["reasons"]
-    assert "fs_encrypt" in reason and "'cryptography' package" in reason
+    # Named by the config's own refusal or, where an earlier import left cryptography's submodules cached
+    # (a longer pytest process), by the self-check's package check: either way the setting and the package.
+    assert "fs_encrypt" in reason and "cryptography" in reason
 
 
 def test_secret_file_of_the_serving_host_is_stood_in_for(tmp_path):
