@@ -108,3 +108,25 @@ def test_short_staging_sends_what_holds_it_never_refuses():
     for layer in range(len(ref)):
         for i in range(6):
             assert np.array_equal(got[layer][30 + i], ref[layer][20 + i]), (layer, i)
+
+
+def test_a_claim_that_sends_a_queued_scatter_hands_back_its_caches():
+    """A load whose claim finds staging short sends the queued load's scatter, which replaces the caches:
+    the caller gets those, never the donated ones."""
+    eng, caches, pacer, b = engine(piece_blocks=1, staging=8)
+    ref = [bits(c) for c in caches]
+    st = eng.store(caches, [StoreChunk(i, [i]) for i in range(8)])
+    drain(pacer, st)
+    eng.complete_store(range(8), True)
+    state = {"caches": caches}
+    cur, back = (lambda: state["caches"]), (lambda c: state.update(caches=c))
+    state["caches"], first = eng.load(cur(), [LoadChunk(i, [20 + i]) for i in range(5)], on_pass=back, current=cur)
+    second_chunks = [LoadChunk(5 + i, [30 + i]) for i in range(3)] + [LoadChunk(0, [35]), LoadChunk(1, [36])]
+    state["caches"], second = eng.load(cur(), second_chunks, on_pass=back, current=cur)  # 5 of 3 free
+    assert eng.staging_overdrawn > 0 and first.left == 0  # the first load went out whole, past the budget
+    assert not any(c.is_deleted() for c in state["caches"])
+    drain(pacer, second)
+    got = [bits(c) for c in state["caches"]]
+    for layer in range(len(ref)):
+        for c in [LoadChunk(i, [20 + i]) for i in range(5)] + second_chunks:
+            assert np.array_equal(got[layer][c.blocks[0]], ref[layer][c.slot]), (layer, c)

@@ -333,7 +333,7 @@ class OffloadWorker:
             bad: dict[int, list[int]] = {}
             hbm = self._wait_for_hbm(self.engine.device_moved_bytes(chunks), "store") if self.hbm.enabled else 0
             try:
-                done = self.engine.store(self.runner.kv_caches, chunks)
+                done = self.engine.store(self.runner.kv_caches, chunks, current=lambda: self.runner.kv_caches)
             except Exception:
                 log.exception("tpu_offload: store dispatch failed; %d chunks not stored", len(chunks))
                 done = None

@@ -240,17 +240,17 @@ class TransferEngine:
         per = max(1, self.pacer.piece_bytes // max(1, self.layout.device_block_bytes() * self.bpc))
         return [slice(i, i + per) for i in range(0, len(chunks), per)]
 
-    def _store_paced(self, kv_caches, chunks: Sequence[StoreChunk]) -> Paced:
+    def _store_paced(self, caches: Callable[[], list], chunks: Sequence[StoreChunk]) -> Paced:
         owner = Paced(self.pacer)
         for part in _split(chunks, self.staging_chunks):  # more than staging: one part's pieces, then the next
-            self._store_part(kv_caches, part, owner)
+            self._store_part(caches, part, owner)
         return owner
 
-    def _store_part(self, kv_caches, chunks: Sequence[StoreChunk], owner: Paced) -> None:
+    def _store_part(self, caches: Callable[[], list], chunks: Sequence[StoreChunk], owner: Paced) -> None:
         at = self._claim(len(chunks))
         lists = self._block_lists(chunks, at)
         try:
-            self.staging = self.programs.gather()(tuple(kv_caches), self.staging,
+            self.staging = self.programs.gather()(tuple(caches()), self.staging,
                                                   *self.programs.block_args(lists, "gather"))
         except Exception:
             self._busy[at] = False
@@ -350,7 +350,8 @@ class TransferEngine:
         if self.pacer is not None:
             if current is None or on_pass is None:
                 raise ValueError("a paced load needs current and on_pass: its scatter runs in a later pump")
-            return kv_caches, self.load_paced(chunks, current, on_pass)
+            paced = self.load_paced(chunks, current, on_pass)  # its claim may send a queued scatter:
+            return current(), paced  # the caches are then that scatter's output
         return self._in_passes(kv_caches, chunks, self._load_pass, on_pass)
 
     def copy(self, kv_caches: list, chunks: Sequence[CopyChunk],
@@ -365,7 +366,8 @@ class TransferEngine:
         if self.pacer is not None:
             if current is None or on_pass is None:
                 raise ValueError("a paced copy needs current and on_pass: it runs in a later pump")
-            return kv_caches, self._copy_paced(chunks, current, on_pass)
+            paced = self._copy_paced(chunks, current, on_pass)
+            return current(), paced
         return self._in_passes(kv_caches, chunks, self._copy_pass, on_pass)
 
     def _in_passes(self, kv_caches, chunks, run_pass, on_pass):
@@ -401,10 +403,14 @@ class TransferEngine:
         self.pacer.queue.append(_Piece("scatter", 0, run, owner, at))
         return owner
 
-    def store(self, kv_caches: list, chunks: Sequence[StoreChunk]) -> jax.Array | None:
-        """Paged blocks -> host slots. The caches are only read, so they are not returned."""
+    def store(self, kv_caches: list, chunks: Sequence[StoreChunk],
+              current: Callable[[], list] | None = None) -> jax.Array | None:
+        """Paged blocks -> host slots. The caches are only read, so they are not returned.
+
+        Paced: ``current()`` (default: ``kv_caches``) is read after staging is claimed, since a claim that
+        finds staging short sends queued pieces, and a load's scatter among them replaces the caches."""
         if self.pacer is not None:
-            done = self._store_paced(kv_caches, chunks)  # before any slot is marked: a refusal changes nothing
+            done = self._store_paced(current or (lambda: kv_caches), chunks)  # a failed gather marks nothing
             for c in chunks:
                 self.valid[c.slot] = False
             return done
