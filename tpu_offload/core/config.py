@@ -317,7 +317,8 @@ _SETTINGS: tuple[_Setting, ...] = (
                  "itself)."),
     _Setting("staging_blocks", _int(1), "TPU_OFFLOAD_STAGING_BLOCKS", ("staging_blocks",), scope=BOTH,
              env_aliases=("TPU_OFFLOAD_NUM_STAGING_BLOCKS",),
-             doc="Device staging buffer in blocks; also the most blocks moved per step in each direction."),
+             doc="Device staging buffer in blocks; a step's loads and stores together move at most this many "
+                 "blocks (each direction also within the per-step budget, transfer_stall_ms)."),
     # the per-step byte budget (core/step_budget.py): a chip's link x the stall a step may take, per device
     _Setting("transfer_bandwidth_gbps", _float(0.001), "TPU_OFFLOAD_TRANSFER_BANDWIDTH_GBPS",
              ("transfer_bandwidth_gbps",), scope=TPU,
@@ -343,7 +344,8 @@ _SETTINGS: tuple[_Setting, ...] = (
                             "(pieces are never held back by local readiness, so every host sends the same)."),
     _Setting("transfer_pacing", _choice("auto", "on", "off"), "TPU_OFFLOAD_TRANSFER_PACING", ("transfer_pacing",),
              scope=TPU, doc="auto: pace on TPU (program path, one attention-DP rank, one JAX process); on: wherever "
-                            "that applies; off: every host copy of a step at once."),
+                            "that applies; off: every host copy of a step at once (the scheduler still sends at "
+                            "most the per-step budget each step)."),
     _Setting("decode_save", _bool, "TPU_OFFLOAD_DECODE_SAVE", ("decode_save",), scope=TPU,
              doc="Also store chunks that decoding fills (vLLM: its own key 'offload_prompt_only': false)."),
     _Setting("store_policy", _choice("write_through", "exclusive"), "TPU_OFFLOAD_STORE_POLICY", ("store_policy",),
