@@ -72,28 +72,18 @@ class Pacer:
         self.sent = {"store": 0, "load": 0}  # this step's bytes per direction
         self.log: list[tuple] = []
         self._log_size = log_size
-        self.on_land: Callable[[_Piece], None] | None = None
         self.on_send: list[Callable[[_Piece], None]] = []  # the engine (staging), recorders (tests)
 
     @property
     def in_flight(self) -> int:
         return sum(p.nbytes for p in self.flying)
 
-    def queued_bytes(self, direction: str) -> int:
-        return sum(p.nbytes for p in self.queue if _direction(p) == direction)
-
     def new_step(self) -> None:
         self.sent = {"store": 0, "load": 0}
 
     def poll(self) -> None:
-        still = []
-        for p in self.flying:
-            if p.done is None or p.done.is_ready():
-                if self.on_land is not None:
-                    self.on_land(p)
-            else:
-                still.append(p)
-        self.flying = still
+        """Forget pieces that have landed (``in_flight``, the log's figure; no dispatch depends on it)."""
+        self.flying = [p for p in self.flying if p.done is not None and not p.done.is_ready()]
 
     def pump(self, force: bool = False, only: Paced | None = None) -> int:
         """Dispatch queued pieces within this step's budgets. ``force``: the next one regardless, after
