@@ -351,8 +351,9 @@ def test_step_budget_is_the_chips_link_times_stall_shared_by_its_devices():
     ("devices_per_chip", "TPU_OFFLOAD_DEVICES_PER_CHIP", "0"),
 ])
 def test_bad_load_budget_settings_name_key_value_and_allowed(key, env, value):
+    allowed = "an integer >= 1 and <= 64" if key == "devices_per_chip" else "a number >= 0.001"
     for extra, environ, where in (({key: value}, {}, key), ({}, {env: value}, env)):
         with pytest.raises(ConfigError) as e:
             resolve(vllm_config({"num_cpu_chunks": 4, **extra}), page(), env=environ)
         msg = str(e.value)
-        assert where in msg and value in msg and "a number >= 0.001" in msg, msg
+        assert where in msg and value in msg and allowed in msg, msg
