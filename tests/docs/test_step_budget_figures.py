@@ -57,6 +57,9 @@ def test_enable_and_host_paths_quote_the_same_figure():
     assert m, "docs/tpu/enable.md no longer quotes the per-step budget"
     assert (_num(m[1]) * 1e6, int(m[2]), int(m[4])) == (budget, round(budget / 2**20), blocks)
     assert _num(m[3]) == OffloadConfig().transfer_stall_ms
+    m = re.search(r"budgets pass: per step and direction ([\d,]+) MB per device = (\d+) blocks",
+                  _text("docs/tpu/enable.md"))  # the self-check's sample output
+    assert m and (_num(m[1]) * 1e6, int(m[2])) == (budget, blocks), m
     m = re.search(r"× ([\d.]+) ms = ([\d,]+) MB per device", _text("docs/tpu/host-paths.md"))
     assert m and _num(m[2]) * 1e6 == budget, m
 
