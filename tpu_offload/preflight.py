@@ -27,7 +27,7 @@ import types
 from typing import Any
 
 from tpu_offload.connector import budget, shapes
-from tpu_offload.core import hostmem
+from tpu_offload.core import hostmem, step_budget
 from tpu_offload.core.config import ConfigError, OffloadConfig
 
 GIB = 1 << 30
@@ -217,22 +217,21 @@ def size(cfg: OffloadConfig, model: shapes.ModelShape, tp: int, block_size: int,
     staging = staged_blocks(cfg, bpc)
     path = "device_put" if cfg.transfer_path == "device_put" else "program"  # "auto" is program on TPU
     staging_bytes = staging * sizes.device_block_bytes
-    # the load budget counts each device's share of a chunk's distinct bytes (settings.resolve)
+    # the per-step budget counts each device's share of a chunk's distinct bytes (settings.resolve)
     engine = types.SimpleNamespace(model_config=types.SimpleNamespace(use_mla=model.use_mla),
                                    parallel_config=types.SimpleNamespace(tensor_parallel_size=tp))
-    load_block = budget.device_block_bytes(chunk, bpc, budget.chunk_devices(engine, sizes.kv_replicas))
-    load_blocks = budget.load_budget_blocks(cfg.load_budget_bytes, load_block, bpc, staging)
+    step_block = budget.device_block_bytes(chunk, bpc, budget.chunk_devices(engine, sizes.kv_replicas))
+    step_blocks = step_budget.blocks(cfg.step_budget_bytes, step_block, bpc, staging)
     kind = chip.name if chip else ""
-    paced = budget.step_bytes(cfg.transfer_bandwidth_gbps, cfg.transfer_stall_ms, kind)
     return dict(model=dataclasses.asdict(model), tp=tp, block_size=block_size, chip=chip.name if chip else None,
                 cache_block_shape=list(sizes.shape), kv_head_replicas=sizes.kv_replicas,
                 block_bytes=sizes.block_bytes, device_block_bytes=sizes.device_block_bytes,
                 blocks_per_chunk=bpc, chunk_bytes=chunk, num_slots=num_slots, tier_bytes=num_slots * chunk,
                 staging_blocks=staging, staging_device_bytes=staging_bytes, path=path,
                 in_flight_device_bytes=staging_bytes if path == "device_put" else 0,
-                load_budget_bytes=cfg.load_budget_bytes, load_block_bytes=load_block, load_blocks_per_step=load_blocks,
-                paced_step_bytes=paced, paced_blocks_per_step=paced // max(1, sizes.device_block_bytes),
-                devices_per_chip=budget.devices_per_chip(kind))
+                step_budget_bytes=cfg.step_budget_bytes, step_block_bytes=step_block, step_blocks=step_blocks,
+                devices_per_chip=cfg.devices_per_chip,
+                chip_devices_per_chip=budget.devices_per_chip(kind) if chip else None)
 
 
 def check_sizing(rep, s: dict) -> None:
@@ -244,18 +243,20 @@ def check_sizing(rep, s: dict) -> None:
 
 
 def check_budgets(rep, s: dict, pacing: bool) -> None:
-    """The two per-step bounds: loads sent per step, and (when paced) host copies per step and direction."""
-    line = (f"loads {s['load_budget_bytes'] / 1e6:.0f} MB per device per step = {s['load_blocks_per_step']} "
-            f"blocks ({s['load_block_bytes'] / MIB:.2f} MiB each)")
-    if pacing:
-        line += (f"; paced copies {s['paced_step_bytes'] / 1e6:.0f} MB per device per step each way = "
-                 f"{s['paced_blocks_per_step']} blocks" + ("" if s["chip"] else " (one device per chip: "
-                                                              "--topology names the chip)"))
-    else:
-        line += "; host copies not paced (transfer_pacing 'off', or the device_put path)"
-    rep.check("budgets", "pass", line=line, load_budget_bytes=s["load_budget_bytes"],
-              load_blocks_per_step=s["load_blocks_per_step"], paced=pacing, paced_step_bytes=s["paced_step_bytes"],
-              paced_blocks_per_step=s["paced_blocks_per_step"])
+    """The per-step budget (core/step_budget.py): blocks of loads and of stores the scheduler sends per step,
+    and (when paced) what the worker sends after each forward; the line says so when the chip's devices per
+    chip differ from ``devices_per_chip`` (the budget per device is then off by that ratio)."""
+    line = (f"per step and direction {s['step_budget_bytes'] / 1e6:.0f} MB per device = {s['step_blocks']} "
+            f"blocks ({s['step_block_bytes'] / MIB:.2f} MiB each)")
+    line += ("; host copies paced in pieces after the forward" if pacing else
+             "; host copies not paced (transfer_pacing 'off', or the device_put path): each step's at once")
+    fields = dict(step_budget_bytes=s["step_budget_bytes"], step_blocks=s["step_blocks"], paced=pacing,
+                  devices_per_chip=s["devices_per_chip"])
+    chip_n = s.get("chip_devices_per_chip")
+    if chip_n is not None and chip_n != s["devices_per_chip"]:
+        line += (f"; devices_per_chip={s['devices_per_chip']}, but {s['chip']} has {chip_n} devices per chip: "
+                 f"set devices_per_chip to {chip_n} for its budget")
+    rep.check("budgets", "pass", line=line, **fields)
 
 
 def check_hbm(rep, s: dict, chip: Chip | None, utilization: float | None) -> None:

@@ -48,6 +48,7 @@ from typing import Any
 
 from tpu_offload import preflight
 from tpu_offload.connector import shapes
+from tpu_offload.core import step_budget
 from tpu_offload.core.config import TPU, ConfigError, OffloadConfig, ignored_settings
 
 GIB = 1 << 30
@@ -307,7 +308,7 @@ def link_budget(moved_per_device: int, devices: int, device_kind: str, stall_ms:
     for name, vm in VM_LINK_GBPS.items():
         chip_gbps = vm / 4  # a tpu7x-8 VM: 4 chips
         out[f"{name}_ms"] = round(moved_per_device * per_chip / (chip_gbps * 1e9) * 1e3, 3)
-        out[f"{name}_bytes_per_step_per_device"] = int(chip_gbps * 1e9 * stall_ms / 1e3 / per_chip)
+        out[f"{name}_bytes_per_step_per_device"] = step_budget.bytes_per_device(chip_gbps, stall_ms, per_chip)
     return out
 
 

@@ -423,9 +423,6 @@ def test_extra_config_overrides_env(setting, data):
     json_value = data.draw(valid_values(setting.parse), label="json")
     env_text = ",".join(map(str, env_value)) if isinstance(env_value, list) else str(env_value)
     extra = {setting.keys[0]: json_value}
-    # the partner of a pair that must hold (tests/core/test_settings_rules.py), at the end that always holds
-    extra.update({"transfer_piece_bytes": {"transfer_inflight_bytes": (1 << 63) - 1},
-                  "transfer_inflight_bytes": {"transfer_piece_bytes": 1}}.get(setting.field, {}))
     if setting.field != "fs_allow_unauthenticated":  # a shared_storage_path without a secret is refused
         extra["fs_allow_unauthenticated"] = True
     cfg = OffloadConfig.from_sources(extra, env={setting.env: env_text})

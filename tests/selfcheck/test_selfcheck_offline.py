@@ -90,19 +90,18 @@ def test_tpu_inference_missing_goes_offline_and_topology_then_cannot_run(tmp_pat
 
 def test_sizing_figures_for_tp(tmp_path, capsys):
     """Qwen3-32B: 32 MiB per block (64 layers x 128 tokens x 8 heads x 128 x K,V x bf16), a 1/TP piece per
-    device; the load budget 47 GB/s x 20 ms per device, the paced budget 38 GB/s x 20 ms per TPU7x chip
-    shared by its two devices."""
+    device; the per-step budget 38 GB/s x 20 ms per TPU7x chip shared by its two devices, for loads and
+    stores alike."""
     rc, rep = offline(tmp_path, "--config", SHIPPED, *TPU7X)
     assert rc == 0 and rep["verdict"] == "PASS", rep["reasons"]
     s = rep["deployment"]
     assert s["block_bytes"] == 32 * MIB and s["device_block_bytes"] == 4 * MIB and s["num_slots"] == 23040
     assert s["tier_bytes"] == 720 * GIB and s["staging_device_bytes"] == 1000 * 4 * MIB
-    assert s["load_budget_bytes"] == 940_000_000 and s["load_blocks_per_step"] == 224
-    assert s["paced_step_bytes"] == 380_000_000 and s["paced_blocks_per_step"] == 90
+    assert s["step_budget_bytes"] == 380_000_000 and s["step_blocks"] == 90 and s["chip_devices_per_chip"] == 2
     out = capsys.readouterr().out
     assert ("sizing       pass: Qwen3-32B at TP 8: 32.0 MiB per block (4.00 MiB per device); host tier 720.00 GiB "
             "= 23040 chunks of 1 block(s)") in out
-    assert "budgets      pass: loads 940 MB per device per step = 224 blocks" in out
+    assert "budgets      pass: per step and direction 380 MB per device = 90 blocks (4.00 MiB each)" in out
     rc, rep = offline(tmp_path, "--config", SHIPPED, "--model", "Qwen3-32B", "--tp", "2")
     assert rc == 0 and rep["deployment"]["device_block_bytes"] == 16 * MIB
     assert rep["checks"]["hbm"]["status"] == "skipped"  # no chip given

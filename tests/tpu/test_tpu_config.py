@@ -322,30 +322,38 @@ def test_transfer_path_auto_is_program_everywhere_and_bad_values_are_named():
         OffloadConfig.from_sources({"transfer_path": "dma"}, env={})
 
 
-def test_load_budget_is_bandwidth_times_stall_per_device():
-    """Defaults (47 GB/s per chip x 20 ms) at the deployment shape: Qwen3-32B blocks of 32 MiB over 8 devices."""
+def test_step_budget_is_the_chips_link_times_stall_shared_by_its_devices():
+    """Defaults (38 GB/s per chip x 20 ms, 2 devices per chip: 380 MB per device and direction) at the
+    deployment shape: Qwen3-32B blocks of 32 MiB over 8 devices. The old names still set the same figure."""
     vc = vllm_config({"num_cpu_chunks": 100, "staging_blocks": 1000})
     s = resolve(vc, page(), env={})
-    assert s.config.load_budget_bytes == 940_000_000
-    assert s.device_block_bytes == 32 << 20 and s.load_budget_blocks == 28  # TP 1: one device holds all
+    assert s.config.step_budget_bytes == s.step_budget_bytes == 380_000_000
+    assert s.device_block_bytes == 32 << 20 and s.step_budget_blocks == 11  # TP 1: one device holds all
     vc.parallel_config.tensor_parallel_size = 8
     s = resolve(vc, page(), env={})
-    assert s.device_block_bytes == 4 << 20 and s.load_budget_blocks == 940_000_000 // (4 << 20) == 224
+    assert s.device_block_bytes == 4 << 20 and s.step_budget_blocks == 380_000_000 // (4 << 20) == 90
     env = {"TPU_OFFLOAD_LOAD_BANDWIDTH_GBPS": "10", "TPU_OFFLOAD_LOAD_STALL_MS": "5"}
     s = resolve(vllm_config({"num_cpu_chunks": 100, "staging_blocks": 1000, "blocks_per_chunk": 4}), page(), env=env)
-    assert s.config.load_budget_bytes == 50_000_000 and s.load_budget_blocks == 4  # at least one chunk
+    assert s.step_budget_bytes == 25_000_000 and s.step_budget_blocks == 4  # at least one chunk
+    s = resolve(vllm_config({"num_cpu_chunks": 100, "staging_blocks": 1000, "transfer_bandwidth_gbps": 10,
+                             "transfer_stall_ms": 5, "devices_per_chip": 1}), page(), env={})
+    assert s.step_budget_bytes == 50_000_000
     s = resolve(vllm_config({"num_cpu_chunks": 100, "staging_blocks": 8, "load_stall_ms": 1000}), page(), env={})
-    assert s.load_budget_blocks == 8  # never more than staging
+    assert s.step_budget_blocks == 8  # never more than staging
+    with pytest.raises(ConfigError, match="both set transfer_stall_ms"):
+        resolve(vllm_config({"num_cpu_chunks": 4, "load_stall_ms": 5, "transfer_stall_ms": 6}), page(), env={})
 
 
 @pytest.mark.parametrize("key,env,value", [
     ("load_bandwidth_gbps", "TPU_OFFLOAD_LOAD_BANDWIDTH_GBPS", "0"),
     ("load_stall_ms", "TPU_OFFLOAD_LOAD_STALL_MS", "-1"),
     ("load_stall_ms", "TPU_OFFLOAD_LOAD_STALL_MS", "fast"),
+    ("devices_per_chip", "TPU_OFFLOAD_DEVICES_PER_CHIP", "0"),
 ])
 def test_bad_load_budget_settings_name_key_value_and_allowed(key, env, value):
+    allowed = "an integer >= 1 and <= 64" if key == "devices_per_chip" else "a number >= 0.001"
     for extra, environ, where in (({key: value}, {}, key), ({}, {env: value}, env)):
         with pytest.raises(ConfigError) as e:
             resolve(vllm_config({"num_cpu_chunks": 4, **extra}), page(), env=environ)
         msg = str(e.value)
-        assert where in msg and value in msg and "a number >= 0.001" in msg, msg
+        assert where in msg and value in msg and allowed in msg, msg

@@ -125,8 +125,8 @@ def test_worker_invalidates_queued_writes_before_storing_into_their_slots(make):
     seen = []
     orig_overwrite, orig_store = fs.overwrite, h.wrk.engine.store
     fs.overwrite = lambda slots: (seen.append(("overwrite", sorted(int(s) for s in slots))), orig_overwrite(slots))
-    h.wrk.engine.store = lambda caches, chunks: (seen.append(("store", sorted(c.slot for c in chunks))),
-                                                orig_store(caches, chunks))[1]
+    h.wrk.engine.store = lambda caches, chunks, **kw: (seen.append(("store", sorted(c.slot for c in chunks))),
+                                                      orig_store(caches, chunks, **kw))[1]
     h.add(prompt(4 * BS, 3), max_tokens=1)
     h.run()
     h.add(prompt(4 * BS, 4), max_tokens=1)  # the host tier (4 slots) evicts the first prompt's chunks

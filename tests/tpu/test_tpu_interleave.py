@@ -147,8 +147,8 @@ def test_abort_while_the_copy_waits_for_its_budget_releases_the_sources(make):
     reported. Nothing stays pinned, nothing is left in flight."""
     from vllm.v1.request import RequestStatus
 
-    h = make(load_bandwidth_gbps=0.001, load_stall_ms=70)  # 70,000 B per device: one 2-block chunk a step
-    assert h.sch.s.load_budget_blocks == BPC
+    h = make(load_bandwidth_gbps=0.001, load_stall_ms=70)  # 35,000 B per device: one 2-block chunk a step
+    assert h.sch.s.step_budget_blocks == BPC
     p = prompt(6 * BPC * BS, 24)
     interleave(h, p)
     rid = h.add(p + [7, 8, 9], max_tokens=2)

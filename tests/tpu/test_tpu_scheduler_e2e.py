@@ -101,12 +101,14 @@ def test_staging_smaller_than_request_defers_and_never_truncates(make):
 
 
 def test_load_budget_spreads_a_large_hit_over_steps(make):
-    """A hit of 10 blocks under a load budget of 3 blocks' bytes per device: sent over 4+ steps, no step's
-    loads above the budget, every restored block checked by the stand-in's forward (wrong KV raises)."""
-    h = make(blocks_per_chunk=1, load_bandwidth_gbps=0.001, load_stall_ms=200)  # 200,000 B per device
+    """A hit of 10 blocks under a step budget of 3 blocks' bytes per device: sent over 4+ steps, no step's
+    loads (nor stores) above the budget, every restored block checked by the stand-in's forward (wrong KV
+    raises)."""
+    h = make(blocks_per_chunk=1, transfer_bandwidth_gbps=0.001, transfer_stall_ms=400)  # 400,000 B per chip
     s = h.sch.s
     assert s.device_block_bytes == 2 * 16 * 8 * 64 * 4  # 2 layers of 16 tokens x 8 K/V heads x 64 x f32
-    assert s.load_budget_blocks == 3 and s.staging_blocks == 16
+    assert s.step_budget_bytes == 200_000 and s.step_budget_blocks == 3 and s.staging_blocks == 16
+    stored = spy(h, "build_connector_meta")
     p = prompt(10 * BS, 11)
     h.add(p, max_tokens=1)
     h.run()
@@ -119,7 +121,8 @@ def test_load_budget_spreads_a_large_hit_over_steps(make):
     per_step = [sum(len(op.blocks) for op in m.loads) for _, m in metas]
     sent = [b for b in per_step if b]
     assert sum(sent) == 10 and len(sent) >= 4, per_step
-    assert max(b * s.device_block_bytes for b in sent) <= s.config.load_budget_bytes, per_step
+    assert max(b * s.device_block_bytes for b in sent) <= s.step_budget_bytes, per_step
+    assert max(sum(len(op.blocks) for op in m.stores) for _, m in stored) <= 3
     assert h.wrk.totals["loaded_chunks"] == 10 and h.wrk.totals.get("load_errors", 0) == 0
     assert h.sch.totals["deferred_load_blocks"] > 0
     assert h.runner.checked_positions > 0 and not h.runner.failures

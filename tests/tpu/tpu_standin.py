@@ -234,18 +234,22 @@ class StandInRunner:
 # ---- the harness: real vLLM scheduler + our connector on both sides ----------
 def make_vllm_config(model_dir: str, *, block_size: int, num_blocks: int, extra: dict,
                      max_num_batched_tokens: int = 512, max_num_seqs: int = 8,
-                     failure_policy: str = "recompute", dtype: str = "float32", prefix_caching: bool = True):
+                     failure_policy: str = "recompute", dtype: str = "float32", prefix_caching: bool = True,
+                     max_model_len: int = 2048, tp: int = 1):
     from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
 
-    mc = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype=dtype, max_model_len=2048, seed=0)
+    mc = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype=dtype, max_model_len=max_model_len, seed=0)
     sc = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                         max_model_len=2048, enable_chunked_prefill=True, is_encoder_decoder=False)
+                         max_model_len=max_model_len, enable_chunked_prefill=True, is_encoder_decoder=False)
     cc = CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching)
     kv = KVTransferConfig(kv_connector="TPUOffloadConnector", kv_connector_module_path="tpu_offload.connector",
                           kv_role="kv_both", kv_connector_extra_config=extra, kv_load_failure_policy=failure_policy)
     vc = VllmConfig(model_config=mc, scheduler_config=sc, cache_config=cc, kv_transfer_config=kv,
                     device_config=DeviceConfig("cpu"))
     vc.cache_config.num_gpu_blocks = num_blocks
+    # the KV heads' sharding degree the connector sizes per-device bytes by (the stand-in shards its K/V
+    # rows over every device of the mesh: tp = the mesh's 8 makes the scheduler's bytes per device exact)
+    vc.parallel_config.tensor_parallel_size = tp
     return vc
 
 
@@ -253,7 +257,7 @@ class Harness:
     def __init__(self, mesh, model_dir: str, *, block_size: int = 16, num_blocks: int = 64, extra: dict,
                  dtype=jnp.float32, max_num_batched_tokens: int = 512, kv_heads: int = 4, head_dim: int = 64,
                  layers: int = 2, async_scheduling: bool = False, window: int | None = None,
-                 prefix_caching: bool = True):
+                 prefix_caching: bool = True, max_model_len: int = 2048, tp: int = 1):
         from vllm.distributed.kv_transfer import kv_transfer_state
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -268,7 +272,7 @@ class Harness:
         self.vc = make_vllm_config(model_dir, block_size=block_size, num_blocks=num_blocks, extra=extra,
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    dtype="bfloat16" if dtype == jnp.bfloat16 else "float32",
-                                   prefix_caching=prefix_caching)
+                                   prefix_caching=prefix_caching, max_model_len=max_model_len, tp=tp)
         if window:  # the model config tpu-inference would read: sliding on even layers (as gpt-oss)
             hf = self.vc.model_config.hf_config
             hf.sliding_window, hf.num_hidden_layers = window, layers

@@ -86,7 +86,7 @@ def test_small_load_budget_gives_identical_tokens_and_hits(setup, engines):
     run = engines.get(("ours-small-load-budget", setup), setup,
                       kv_transfer_config("offload.json", **OURS, load_bandwidth_gbps=0.001, load_stall_ms=0.001))
     s = sch(run).s
-    assert s.config.load_budget_bytes == 1 and s.load_budget_blocks == s.blocks_per_chunk
+    assert s.step_budget_bytes == 1 and s.step_budget_blocks == s.blocks_per_chunk
     t1, t2 = round_trip_every_chunk(run, w, base, setup)
     assert delta(t2, t1, "deferred_load_blocks") > 0  # the budget held parts back to later steps
 

@@ -1,10 +1,10 @@
-"""The load budget per step: how many blocks one step's loads may send.
+"""The per-step budget in blocks: how many blocks one step's loads, and one step's stores, may send.
 
-A load makes the next forward wait for its host-to-device bytes, so a large
-hit sent whole stalls every running decode. The budget is bytes per device
-(``load_bandwidth_gbps`` x ``load_stall_ms``, config), turned into whole
-chunks of blocks from the bytes each device holds of one block. Never less
-than one chunk (a step always makes progress), never more than staging.
+The budget itself is bytes per device and direction, from the config alone (core/step_budget.py: a chip's
+link x the accepted stall, shared by its devices). Here it becomes whole chunks of blocks, from the bytes
+each device holds of one block: the scheduler admits that many blocks per step and direction, and the
+worker's pacer sends the same bytes per step, so what the scheduler emits leaves the worker's queue in
+the step it was emitted.
 """
 
 from __future__ import annotations
@@ -20,16 +20,8 @@ def chunk_devices(vllm_config, kv_replicas: int) -> int:
 
 
 def device_block_bytes(chunk_bytes: int, blocks_per_chunk: int, devices: int) -> int:
-    """Bytes one device receives per loaded block (0: unknown)."""
+    """Bytes one device holds of one block (rounded up; 0: unknown)."""
     return -(-chunk_bytes // (blocks_per_chunk * max(1, devices))) if chunk_bytes else 0
-
-
-def load_budget_blocks(budget_bytes: int, block_bytes: int, blocks_per_chunk: int, staging_blocks: int) -> int:
-    """Whole chunks of blocks within ``budget_bytes`` per device; at least one chunk, at most staging."""
-    if block_bytes <= 0:
-        return staging_blocks
-    chunks = budget_bytes // (block_bytes * blocks_per_chunk)
-    return min(staging_blocks, max(1, chunks) * blocks_per_chunk)
 
 
 # Devices that share one chip's host link, by device kind (TPU7x: two TensorCores, each its own device).
@@ -37,10 +29,5 @@ DEVICES_PER_CHIP = {"TPU7x": 2, "TPU v7": 2}
 
 
 def devices_per_chip(device_kind: str) -> int:
+    """What the devices' kind says (the worker checks the config's ``devices_per_chip`` against it)."""
     return next((n for k, n in DEVICES_PER_CHIP.items() if k.lower() in (device_kind or "").lower()), 1)
-
-
-def step_bytes(bandwidth_gbps: float, stall_ms: float, device_kind: str) -> int:
-    """Bytes per device one step may send one way: a chip's link bandwidth x the acceptable stall, shared
-    by the chip's devices."""
-    return max(1, int(bandwidth_gbps * 1e9 * stall_ms / 1e3 / devices_per_chip(device_kind)))

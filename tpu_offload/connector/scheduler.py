@@ -11,9 +11,12 @@ Invariants this file keeps (each one a defect of the upstream connector):
   always, decode chunks with ``decode_save``), including chunks the request
   got from the HBM prefix cache that the host tier no longer holds
   (planned in ``connector/stores.py``).
-* The staging budget (``staging_blocks`` per step and direction) and the load
-  budget (bytes per device per step, ``connector/budget.py``) defer work to
-  later steps; they never drop a chunk.
+* One budget per step and direction (``core/step_budget.py``: a chip's link x
+  the accepted stall, bytes per device, in whole chunks) bounds the loads and
+  the stores each step sends, and this step's loads and stores together fit
+  staging; the worker's pacer sends the same bytes per step, so it never has
+  to refuse or drop what it is given. The rest waits for later steps, counted
+  (``tpu_offload_deferred_bytes_total``); nothing is dropped.
 * No store reads a freed block: ``request_finished`` keeps the blocks (returns
   True) while the request still has chunks to store, and the worker reports
   the request in ``finished_sending`` after the last one lands.
@@ -126,7 +129,7 @@ class OffloadScheduler:
         self.loading = InFlight()  # async loads vLLM waits for: their chunks are not loaded twice
         self._waited: set[str] = set()  # requests held back for another's load
         self._load_async: dict[str, bool] = {}  # what the last lookup told vLLM, per request
-        self._sync_blocks_left = s.load_budget_blocks  # this step's budget for loads inside the step
+        self._sync_blocks_left = s.step_budget_blocks  # this step's budget for loads inside the step
         self._store_orders: dict[int, Order] = {}
         self.fs = fs if self.async_load else None  # file hits are always loaded asynchronously
         self.write_through = fs is not None and cfg.fs_write_mode == "write_through"
@@ -448,16 +451,19 @@ class OffloadScheduler:
             meta = OffloadMetadata(restored_id=self.restored_id, snapshot_id=self.snapshot_id,
                                    reset_salt=self.reset_salt)
         meta.step, self._step_id = self._step_id, self._step_id + 1
-        store_budget = self.s.staging_blocks
-        # Loads: sync ones whole (the forward needs them now), async ones within the load budget (bytes per
-        # device per step, connector/budget.py): a larger hit spreads over steps.
-        load_total = self.s.load_budget_blocks
-        load_budget = self.loads.emit(meta, load_total, lambda n: self._defer("load", n))
+        # One budget per direction and step (core/step_budget.py), the bytes the worker's pacer sends per step.
+        # Loads: sync ones whole (the forward needs them now), async ones within it: a larger hit spreads over
+        # steps. Stores: within it and what staging has left after this step's loads (a paced transfer holds
+        # its staging chunks until its pieces are sent).
+        step = self.s.step_budget_blocks
+        loaded = step - self.loads.emit(meta, step, lambda n: self._defer("load", n))
+        store_total = max(0, min(step, self.s.staging_blocks - loaded))
+        store_budget = store_total
         if self.exclusive is not None:  # chunks whose HBM blocks this step reuses: copied first or lost
             store_budget = self.exclusive.emit(meta, so, store_budget)
         store_budget = self.stores.emit(meta, so, store_budget)
-        self._staging_used = max(load_total - load_budget, self.s.staging_blocks - max(store_budget, 0))
-        self._sync_blocks_left = self.s.load_budget_blocks  # lookups after this belong to the next step
+        self._staging_used = max(0, loaded) + store_total - max(store_budget, 0)
+        self._sync_blocks_left = step  # lookups after this belong to the next step
         if self.fs is not None:
             self.fs.new_step()
         self.metrics.core.record_leases(self.manager.leases)
@@ -478,7 +484,7 @@ class OffloadScheduler:
         self.costs.prefill.scheduled(meta.step, getattr(so, "total_num_scheduled_tokens", 0) or 0)
 
     def _defer(self, direction: str, blocks: int) -> None:
-        self.metrics.core.record_deferred(direction, blocks)
+        self.metrics.core.record_deferred(direction, blocks, blocks * self.s.chunk_bytes // self.bpc)
         self._add(f"deferred_{direction}_blocks", blocks)
 
     def _allocated(self, alloc, salt: bytes = b"") -> list[tuple[int, bytes, bytes]]:

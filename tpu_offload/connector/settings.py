@@ -16,6 +16,7 @@ import os
 from typing import Mapping
 
 from tpu_offload.connector import budget, compat, models, sizing, windows as sliding
+from tpu_offload.core import step_budget
 from tpu_offload.core.config import TPU, ConfigError, OffloadConfig, check_extras, warn_ignored
 
 log = logging.getLogger(__name__)
@@ -37,8 +38,10 @@ class Settings:
     group_windows: tuple[int | None, ...] = (None,)
     group_layers: tuple[tuple[str, ...], ...] = ()
     dp: int = 1  # attention-DP ranks (tpu-inference's DPScheduler): one scheduler each, one host tier
-    load_blocks: int = 0  # loads sent per step (connector/budget.py); 0: staging_blocks
-    device_block_bytes: int = 0  # bytes one device receives per loaded block (0: unknown)
+    # The per-step budget (core/step_budget.py) in blocks, each direction: loads and stores the scheduler
+    # sends per step, and (as bytes per device) what the worker's pacer dispatches per step. 0: staging_blocks
+    step_blocks: int = 0
+    device_block_bytes: int = 0  # bytes one device holds of one block (0: unknown)
 
     @property
     def failures_by_request(self) -> bool:
@@ -47,8 +50,14 @@ class Settings:
         return self.hybrid or self.dp > 1
 
     @property
-    def load_budget_blocks(self) -> int:
-        return self.load_blocks or self.staging_blocks
+    def step_budget_blocks(self) -> int:
+        """Blocks per step and direction the scheduler sends (whole chunks, at least one, at most staging)."""
+        return self.step_blocks or self.staging_blocks
+
+    @property
+    def step_budget_bytes(self) -> int:
+        """Bytes per device and step each direction may move: the pacer's budget (the config's figure)."""
+        return self.config.step_budget_bytes
 
     @property
     def hybrid(self) -> bool:
@@ -141,11 +150,11 @@ def resolve(vllm_config, kv_cache_config, env: Mapping[str, str] | None = None) 
         )
     staging_blocks = cfg.staging_blocks // bpc * bpc
     dev_block = budget.device_block_bytes(chunk_bytes, bpc, budget.chunk_devices(vllm_config, kv_replicas))
-    load_blocks = budget.load_budget_blocks(cfg.load_budget_bytes, dev_block, bpc, staging_blocks)
+    step_blocks = step_budget.blocks(cfg.step_budget_bytes, dev_block, bpc, staging_blocks)
     return Settings(
         config=cfg, block_size=block_size, blocks_per_chunk=bpc, num_slots=num_slots,
         chunk_bytes=chunk_bytes, staging_blocks=staging_blocks, kv_replicas=kv_replicas,
-        load_blocks=load_blocks, device_block_bytes=dev_block,
+        step_blocks=step_blocks, device_block_bytes=dev_block,
         hbm_utilization=getattr(vllm_config.cache_config, "gpu_memory_utilization", None),
         windows=windows, group_windows=group_windows,
         group_layers=tuple(tuple(g.layer_names) for g in getattr(kv_cache_config, "kv_cache_groups", ()) or ()),

@@ -33,7 +33,7 @@ from tpu_offload.connector.registration import build_engine
 from tpu_offload.connector.settings import Settings
 from tpu_offload.connector.stats import OffloadStats
 from tpu_offload.core.config import ConfigError
-from tpu_offload.connector.budget import step_bytes
+from tpu_offload.connector import budget
 from tpu_offload.connector.interleave import HBM_SLOT
 from tpu_offload.jax_backend.engine import CopyChunk, Done, LoadChunk, StoreChunk, TransferEngine
 from tpu_offload.jax_backend.pacing import Paced, Pacer
@@ -124,14 +124,21 @@ class OffloadWorker:
         staging_per_device = self.engine.staging_device_bytes
         self.hbm = HbmInFlight(self.engine.in_flight_device_bytes)
         self.pacer = None
-        # Host copies in pieces, after the forward; one process only: with several, every host must launch
-        # the same programs in the same order, which pacing by local readiness would not keep.
-        platform = self.engine.layout.mesh.devices.flat[0].platform
-        pace = cfg.transfer_pacing == "on" or (cfg.transfer_pacing == "auto" and platform == "tpu")
+        # Host copies in pieces after the forward, up to the per-step budget the scheduler admits (the same
+        # figure: core/step_budget.py). The pacer decides by bytes and steps only, but it stays off with
+        # several JAX processes (multi-host) and attention-DP ranks: their staging is split per rank and their
+        # waits (a slot overwritten, shutdown) follow local readiness. There the scheduler's budget still
+        # bounds each step, and each step's copies go out at once.
+        device = self.engine.layout.mesh.devices.flat[0]
+        pace = cfg.transfer_pacing == "on" or (cfg.transfer_pacing == "auto" and device.platform == "tpu")
+        if device.platform == "tpu" and budget.devices_per_chip(getattr(device, "device_kind", "")) \
+                != cfg.devices_per_chip:
+            log.warning("tpu_offload: devices_per_chip=%d, but %s has %d devices per chip: the per-step budget "
+                        "per device is off by that ratio; set devices_per_chip (TPU_OFFLOAD_DEVICES_PER_CHIP)",
+                        cfg.devices_per_chip, device.device_kind,
+                        budget.devices_per_chip(device.device_kind))
         if pace and path == "program" and self.engine.layout.ranks == 1 and jax.process_count() == 1:
-            kind = getattr(self.engine.layout.mesh.devices.flat[0], "device_kind", "")
-            self.pacer = Pacer(cfg.transfer_piece_bytes, cfg.transfer_inflight_bytes,
-                               step_bytes(cfg.transfer_bandwidth_gbps, cfg.transfer_stall_ms, kind))
+            self.pacer = Pacer(cfg.transfer_piece_bytes, self.s.step_budget_bytes)
             self.engine.pace(self.pacer)
         self.chunk_bytes = self.engine.chunk_bytes  # what one chunk costs on the host and on the wire
         if cfg.shared_storage_path:
@@ -237,11 +244,8 @@ class OffloadWorker:
                 self.runner.kv_caches, cdone = self.engine.copy(self.runner.kv_caches, copies,
                                                                 on_pass=self._hand_back,
                                                                 current=lambda: self.runner.kv_caches)
-            except Exception as e:
-                if type(e).__name__ == "StagingBusy":
-                    log.warning("tpu_offload: %s; %d chunks will be recomputed", e, len(copies))
-                else:
-                    log.exception("tpu_offload: HBM copy dispatch failed; %d chunks will be recomputed", len(copies))
+            except Exception:
+                log.exception("tpu_offload: HBM copy dispatch failed; %d chunks will be recomputed", len(copies))
                 for op, blocks in copy_ops:
                     bad.setdefault(op.op_id, []).append(HBM_SLOT)
                     self._load_failed(op, blocks)
@@ -256,11 +260,8 @@ class OffloadWorker:
                 self.runner.kv_caches, done = self.engine.load(self.runner.kv_caches, chunks,
                                                                on_pass=self._hand_back,
                                                                current=lambda: self.runner.kv_caches)
-            except Exception as e:  # dispatch failed: nothing was written
-                if type(e).__name__ == "StagingBusy":
-                    log.warning("tpu_offload: %s; %d chunks will be recomputed", e, len(chunks))
-                else:
-                    log.exception("tpu_offload: load dispatch failed; %d chunks will be recomputed", len(chunks))
+            except Exception:  # dispatch failed: nothing was written
+                log.exception("tpu_offload: load dispatch failed; %d chunks will be recomputed", len(chunks))
                 self._fail_loads(meta.loads, bad)
                 done = None
         copied = len(copies) if cdone is not None else 0
@@ -309,9 +310,12 @@ class OffloadWorker:
         self._poll()
 
     def _pump(self) -> None:
-        """Send queued host-copy pieces within the bounds (pacing.Pacer); only ever after the forward."""
+        """Send queued host-copy pieces within the step's budget (pacing.Pacer); only ever after the forward."""
         if self.pacer is not None:
             self.pacer.pump()
+            over, self.engine.staging_overdrawn = self.engine.staging_overdrawn, 0
+            if over:  # handed more than a step's budget sends (should not happen: the scheduler's admission)
+                self._add("staging_overdrawn_pieces", over)
 
     def _count_stores(self, stores) -> None:
         for op in stores:
@@ -329,13 +333,9 @@ class OffloadWorker:
             bad: dict[int, list[int]] = {}
             hbm = self._wait_for_hbm(self.engine.device_moved_bytes(chunks), "store") if self.hbm.enabled else 0
             try:
-                done = self.engine.store(self.runner.kv_caches, chunks)
-            except Exception as e:
-                if type(e).__name__ == "StagingBusy":  # the link is behind: drop, never wait
-                    log.warning("tpu_offload: %s; %d chunks not stored", e, len(chunks))
-                    self._add("stores_dropped_busy", len(chunks))
-                else:
-                    log.exception("tpu_offload: store dispatch failed; %d chunks not stored", len(chunks))
+                done = self.engine.store(self.runner.kv_caches, chunks, current=lambda: self.runner.kv_caches)
+            except Exception:
+                log.exception("tpu_offload: store dispatch failed; %d chunks not stored", len(chunks))
                 done = None
                 bad = {op.op_id: list(op.slots) for op in stores}
             self._flights.append(_Flight(done, "store", list(stores), bad,

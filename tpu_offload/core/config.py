@@ -23,6 +23,8 @@ import os
 import re
 from typing import Any, Callable, Mapping
 
+from tpu_offload.core import step_budget
+
 GIB = 1 << 30
 
 
@@ -315,29 +317,35 @@ _SETTINGS: tuple[_Setting, ...] = (
                  "itself)."),
     _Setting("staging_blocks", _int(1), "TPU_OFFLOAD_STAGING_BLOCKS", ("staging_blocks",), scope=BOTH,
              env_aliases=("TPU_OFFLOAD_NUM_STAGING_BLOCKS",),
-             doc="Device staging buffer in blocks; also the most blocks moved per step in each direction."),
-    # load budget per step: host-to-device bandwidth per chip x the stall a step may take
-    _Setting("load_bandwidth_gbps", _float(0.001), "TPU_OFFLOAD_LOAD_BANDWIDTH_GBPS", ("load_bandwidth_gbps",),
-             scope=TPU, doc="Host-to-device GB/s per chip assumed when pacing loads (TPU7x measured about 47)."),
-    _Setting("load_stall_ms", _float(0.001), "TPU_OFFLOAD_LOAD_STALL_MS", ("load_stall_ms",), scope=TPU,
-             doc="Stall one step may take for loads; a larger hit spreads over several steps."),
-    # transfer pacing: pieces, bytes in flight, and a byte budget per step and direction
+             doc="Device staging buffer in blocks; a step's loads and stores together move at most this many "
+                 "blocks (each direction also within the per-step budget, transfer_stall_ms)."),
+    # the per-step byte budget (core/step_budget.py): a chip's link x the stall a step may take, per device
+    _Setting("transfer_bandwidth_gbps", _float(0.001), "TPU_OFFLOAD_TRANSFER_BANDWIDTH_GBPS",
+             ("transfer_bandwidth_gbps",), scope=TPU,
+             doc="Host link GB/s of one chip, each direction, assumed for the per-step budget (default: "
+                 "google/tpu-sync's ~152 GB/s per 4-chip TPU7x VM, fragmented); the chip's devices share it."),
+    _Setting("transfer_bandwidth_gbps", _float(0.001), "TPU_OFFLOAD_LOAD_BANDWIDTH_GBPS", ("load_bandwidth_gbps",),
+             scope=TPU, doc="Another name for transfer_bandwidth_gbps."),
+    _Setting("transfer_stall_ms", _float(0.001), "TPU_OFFLOAD_TRANSFER_STALL_MS", ("transfer_stall_ms",), scope=TPU,
+             doc="Stall one step may add to the next forward, per direction. Per step and direction the "
+                 "scheduler sends, and the worker dispatches, at most transfer_bandwidth_gbps x "
+                 "transfer_stall_ms / devices_per_chip bytes per device; the rest waits for later steps."),
+    _Setting("transfer_stall_ms", _float(0.001), "TPU_OFFLOAD_LOAD_STALL_MS", ("load_stall_ms",), scope=TPU,
+             doc="Another name for transfer_stall_ms."),
+    _Setting("devices_per_chip", _int(1, 64), "TPU_OFFLOAD_DEVICES_PER_CHIP", ("devices_per_chip",), scope=TPU,
+             doc="JAX devices that share one chip's host link (TPU7x: 2 TensorCores, each its own device; "
+                 "v5e, v6e: 1). Each device's share of the per-step budget is the chip's divided by it."),
+    # transfer pacing: pieces after the forward, within the per-step budget
     _Setting("transfer_piece_bytes", _bytes, "TPU_OFFLOAD_TRANSFER_PIECE_BYTES", ("transfer_piece_bytes",),
              scope=TPU, doc="Largest host copy sent at once, per device: TPU7x queues DMAs and program launches "
                             "in one order, so a forward waits behind whatever was queued before it."),
     _Setting("transfer_inflight_bytes", _bytes, "TPU_OFFLOAD_TRANSFER_INFLIGHT_BYTES", ("transfer_inflight_bytes",),
-             scope=TPU, doc="Host copies dispatched and not yet landed, per device, at most; more waits for a "
-                            "later step."),
-    _Setting("transfer_bandwidth_gbps", _float(0.001), "TPU_OFFLOAD_TRANSFER_BANDWIDTH_GBPS",
-             ("transfer_bandwidth_gbps",), scope=TPU,
-             doc="Host link GB/s per chip assumed for the per-step budget (default: google/tpu-sync's ~152 GB/s "
-                 "per 4-chip VM, fragmented); a chip's devices share it."),
-    _Setting("transfer_stall_ms", _float(0.001), "TPU_OFFLOAD_TRANSFER_STALL_MS", ("transfer_stall_ms",), scope=TPU,
-             doc="Stall one step may take for host copies, per direction: bandwidth x stall is the step's byte "
-                 "budget."),
+             scope=TPU, doc="Accepted and ignored: the per-step budget alone bounds what a forward waits behind "
+                            "(pieces are never held back by local readiness, so every host sends the same)."),
     _Setting("transfer_pacing", _choice("auto", "on", "off"), "TPU_OFFLOAD_TRANSFER_PACING", ("transfer_pacing",),
              scope=TPU, doc="auto: pace on TPU (program path, one attention-DP rank, one JAX process); on: wherever "
-                            "that applies; off: every host copy of a step at once."),
+                            "that applies; off: every host copy of a step at once (the scheduler still sends at "
+                            "most the per-step budget each step)."),
     _Setting("decode_save", _bool, "TPU_OFFLOAD_DECODE_SAVE", ("decode_save",), scope=TPU,
              doc="Also store chunks that decoding fills (vLLM: its own key 'offload_prompt_only': false)."),
     _Setting("store_policy", _choice("write_through", "exclusive"), "TPU_OFFLOAD_STORE_POLICY", ("store_policy",),
@@ -503,25 +511,19 @@ class OffloadConfig:
     blocks_per_chunk: int = 1
     chunk_tokens: int | None = None
     staging_blocks: int = 128
-    # Loads sent per step are bounded per device by load_bandwidth_gbps (GB/s host to device, per chip;
-    # TPU7x measured ~47) x load_stall_ms (the stall one step may take): a larger hit spreads over steps.
-    load_bandwidth_gbps: float = 47.0
-    load_stall_ms: float = 20.0
-    # Transfer pacing. TPU7x runs a TensorCore's DMAs and program launches through one in-order
-    # queue (google/tpu-sync): a forward queued behind 1 GiB of host copies waits ~19 ms, behind 16 MiB
-    # ~0.5 ms. So every host copy goes out in pieces of at most transfer_piece_bytes, with at most
-    # transfer_inflight_bytes dispatched and not landed, and at most transfer_bandwidth_gbps (GB/s per chip)
-    # x transfer_stall_ms per step and direction (a chip's devices share its link: TPU7x has two). All per
-    # device, counted by the process (every local device moves the same share). Work past a bound waits
-    # for a later step; the step thread never waits. Default bandwidth: tpu-sync's RAW_TRANSFER, ~152 GB/s
-    # per 8-device (4-chip) VM fragmented (~190 contiguous), 38 GB/s per chip.
-    transfer_piece_bytes: int = 16 << 20
-    transfer_inflight_bytes: int = 64 << 20
+    # The per-step byte budget (core/step_budget.py), per device and direction: transfer_bandwidth_gbps (GB/s
+    # of one chip's host link) x transfer_stall_ms / devices_per_chip. The scheduler emits at most that many
+    # bytes of loads and of stores per step (the rest is deferred, never dropped); the worker's pacer sends
+    # at most that per step after the forward, in pieces of at most transfer_piece_bytes. Default bandwidth:
+    # tpu-sync's RAW_TRANSFER, ~152 GB/s per 8-device (4-chip) TPU7x VM fragmented (~190 contiguous), 38 GB/s
+    # per chip; TPU7x has two devices per chip. load_bandwidth_gbps / load_stall_ms are other names.
     transfer_bandwidth_gbps: float = 38.0
     transfer_stall_ms: float = 20.0
+    devices_per_chip: int = 2
+    transfer_piece_bytes: int = 16 << 20
+    transfer_inflight_bytes: int = 64 << 20  # ignored (inert_settings says why)
     # "auto": pace on TPU (the program path, one attention-DP rank, one JAX process); "on" anywhere that
-    # applies (tests); "off": every host copy of a step at once. A store that finds staging still held by
-    # earlier paced copies (the link behind the steps) is dropped and counted, never waited for.
+    # applies (tests); "off": every host copy of a step at once (the scheduler's budget still applies).
     transfer_pacing: str = "auto"
     decode_save: bool = False
     # write_through: every computed chunk goes to the host tier at once. exclusive: a chunk the device's
@@ -604,9 +606,10 @@ class OffloadConfig:
     unread: tuple[tuple[str, str], ...] = dataclasses.field(default=(), repr=False, compare=False)
 
     @property
-    def load_budget_bytes(self) -> int:
-        """Bytes per device the loads of one step may move: bandwidth x acceptable stall."""
-        return max(1, int(self.load_bandwidth_gbps * 1e9 * self.load_stall_ms / 1e3))
+    def step_budget_bytes(self) -> int:
+        """Bytes per device one step may move in each direction (core/step_budget.py)."""
+        return step_budget.bytes_per_device(self.transfer_bandwidth_gbps, self.transfer_stall_ms,
+                                            self.devices_per_chip)
 
     # -------------------------------------------------------------------
     @classmethod
@@ -708,7 +711,7 @@ def ignored_settings(cfg: OffloadConfig, engine: str) -> list[str]:
 
 # Settings that act only through another one: field -> why it does nothing, given the resolved config.
 _FILE_TIER = tuple(dict.fromkeys(s.field for s in _SETTINGS if s.field.startswith("fs_")))
-_PACING = ("transfer_piece_bytes", "transfer_inflight_bytes", "transfer_bandwidth_gbps", "transfer_stall_ms")
+_PACING = ("transfer_piece_bytes",)  # the budget itself (bandwidth, stall) also bounds what the scheduler sends
 
 
 def inert_settings(cfg: OffloadConfig, engine: str) -> dict[str, str]:
@@ -743,6 +746,8 @@ def _inert_engine_settings(cfg: OffloadConfig) -> dict[str, str]:
     if cfg.transfer_pacing == "off" or cfg.transfer_path == "device_put":
         why = "transfer_pacing is off" if cfg.transfer_pacing == "off" else "transfer_path device_put is not paced"
         out.update({f: why for f in _PACING})
+    out["transfer_inflight_bytes"] = ("the per-step budget (transfer_bandwidth_gbps x transfer_stall_ms / "
+                                      "devices_per_chip) alone bounds what a forward waits behind")
     return out
 
 
@@ -803,11 +808,6 @@ def _check_pairs(values: dict[str, Any], names: dict[str, str]) -> None:
     def get(field: str) -> Any:
         return values.get(field, _DEFAULTS[field])
 
-    if ("transfer_piece_bytes" in names or "transfer_inflight_bytes" in names) \
-            and get("transfer_inflight_bytes") < get("transfer_piece_bytes"):
-        raise ConfigError(
-            f"{said('transfer_inflight_bytes')} is below {said('transfer_piece_bytes')}: one piece would already "
-            "pass the in-flight bound; allowed: transfer_inflight_bytes at least transfer_piece_bytes")
     if values.get("snapshot_path") and get("transfer_path") == "device_put":
         raise ConfigError(
             f"{said('snapshot_path')} and {said('transfer_path')} contradict each other: a snapshot saves the "

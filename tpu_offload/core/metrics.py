@@ -102,7 +102,8 @@ class OffloadMetrics:
         self.evictions = counter("tpu_offload_evicted_chunks", "Chunks evicted", ["tier"])
         self.alloc_failures = counter("tpu_offload_allocation_failures", "Stores refused: nothing evictable", ["tier"])
         self.load_errors = counter("tpu_offload_load_errors", "Loads that failed and were recomputed", ["tier"])
-        self.deferred_blocks = counter("tpu_offload_deferred_blocks", "Blocks deferred to a later step by the staging budget", ["direction"])
+        self.deferred_blocks = counter("tpu_offload_deferred_blocks", "Blocks deferred to a later step by the per-step budget or staging (counted each step they wait)", ["direction"])
+        self.deferred_bytes = counter("tpu_offload_deferred_bytes", "Bytes (all devices) deferred to a later step by the per-step budget or staging (counted each step they wait)", ["direction"])
         self.exclusive_chunks = counter(
             "tpu_offload_exclusive_chunks", "store_policy=exclusive: chunks whose HBM blocks were reused, by outcome "
             "(copied to the host, already there, lost: no staging budget or host slot in time)", ["outcome"])
@@ -193,9 +194,11 @@ class OffloadMetrics:
         if n:
             self.load_errors.labels(**self._l(tier=tier)).inc(n)
 
-    def record_deferred(self, direction: str, blocks: int) -> None:
+    def record_deferred(self, direction: str, blocks: int, nbytes: int = 0) -> None:
         if blocks:
             self.deferred_blocks.labels(**self._l(direction=direction)).inc(blocks)
+        if nbytes:
+            self.deferred_bytes.labels(**self._l(direction=direction)).inc(nbytes)
 
     def record_exclusive(self, outcome: str, n: int) -> None:
         if n:

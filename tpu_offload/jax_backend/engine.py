@@ -41,7 +41,7 @@ import numpy as np
 
 from tpu_offload.jax_backend import hostview, memory
 from tpu_offload.jax_backend.layout import KVLayout
-from tpu_offload.jax_backend.pacing import Paced, Pacer, StagingBusy, _Piece  # noqa: F401 (re-exported)
+from tpu_offload.jax_backend.pacing import Paced, Pacer, _Piece  # noqa: F401 (re-exported)
 from tpu_offload.jax_backend.programs import Programs, ints
 
 log = logging.getLogger(__name__)
@@ -213,21 +213,25 @@ class TransferEngine:
     def pace(self, pacer: "Pacer") -> None:
         """Send host copies through ``pacer`` (the program path, one attention-DP rank): a store gathers at
         once and queues its copies to host in pieces; a load queues its copies from host, then the scatter.
-        Each holds its staging chunks until it has landed, so later passes use other chunks meanwhile."""
+        Each holds its staging chunks until its last piece reading them is sent, so later passes use other
+        chunks meanwhile."""
         if self.path != "program" or self.layout.ranks > 1:
             raise ValueError("pacing needs the program path and one attention-DP rank")
         self.pacer = pacer
-        pacer.on_land = self._landed
+        pacer.on_send.append(self._sent)
+        self.staging_overdrawn = 0  # pieces sent past the step budget because staging was short
 
-    def _landed(self, piece: "_Piece") -> None:
+    def _sent(self, piece: "_Piece") -> None:
         self._busy[piece.free] = False
 
-    def _claim(self, n: int, what: str) -> np.ndarray:
-        self.pacer.poll()  # pieces that landed since the last pump give their staging chunks back
+    def _claim(self, n: int) -> np.ndarray:
+        """``n`` free staging chunks. Never refuses: when earlier transfers still hold too many (more was
+        handed over than one step's budget sends: the scheduler's admission keeps that from happening),
+        their queued pieces are sent now, past the budget, and counted in ``staging_overdrawn``."""
         free = np.flatnonzero(~self._busy)
         if len(free) < n:
-            raise StagingBusy(f"{what} of {n} chunks: only {len(free)} of {self.staging_chunks} staging chunks are "
-                              "free (earlier transfers still wait for the link)")
+            self.staging_overdrawn += self.pacer.send_all()
+            free = np.flatnonzero(~self._busy)
         at = free[:n]
         self._busy[at] = True
         return at
@@ -236,32 +240,44 @@ class TransferEngine:
         per = max(1, self.pacer.piece_bytes // max(1, self.layout.device_block_bytes() * self.bpc))
         return [slice(i, i + per) for i in range(0, len(chunks), per)]
 
-    def _store_paced(self, kv_caches, chunks: Sequence[StoreChunk]) -> Paced:
-        at = self._claim(len(chunks), "a store")
+    def _store_paced(self, caches: Callable[[], list], chunks: Sequence[StoreChunk]) -> Paced:
+        owner = Paced(self.pacer)
+        for part in _split(chunks, self.staging_chunks):  # more than staging: one part's pieces, then the next
+            self._store_part(caches, part, owner)
+        return owner
+
+    def _store_part(self, caches: Callable[[], list], chunks: Sequence[StoreChunk], owner: Paced) -> None:
+        at = self._claim(len(chunks))
         lists = self._block_lists(chunks, at)
         try:
-            self.staging = self.programs.gather()(tuple(kv_caches), self.staging,
+            self.staging = self.programs.gather()(tuple(caches()), self.staging,
                                                   *self.programs.block_args(lists, "gather"))
         except Exception:
             self._busy[at] = False
             raise
         self._count_dmas(lists, "gather")
         moved = [self._chunks_moved(pos) for _, pos in lists]
-        owner, slots = Paced(self.pacer), [c.slot for c in chunks]
+        slots = [c.slot for c in chunks]
         for sl in self._pieces(chunks):
             run = lambda s=slots[sl], a=at[sl]: self._staging_to_host(s, a, moved)
             owner.left += 1
             self.pacer.queue.append(_Piece("store", self.device_moved_bytes(chunks[sl]), run, owner, at[sl]))
-        return owner
 
     def load_paced(self, chunks: Sequence[LoadChunk], caches: Callable[[], list],
                    hand_back: Callable[[list], None]) -> Paced:
         """Queue a load: its copies from host in pieces, then the scatter into ``caches()`` (the runner's
         caches when it is dispatched, after that step's forward), whose output goes to ``hand_back``."""
-        at = self._claim(len(chunks), "a load")
+        owner = Paced(self.pacer)
+        for part in _split(chunks, self.staging_chunks):
+            self._load_part(part, caches, hand_back, owner)
+        return owner
+
+    def _load_part(self, chunks: Sequence[LoadChunk], caches: Callable[[], list],
+                   hand_back: Callable[[list], None], owner: Paced) -> None:
+        at = self._claim(len(chunks))
         lists = self._block_lists(chunks, at)
         moved = [self._chunks_moved(pos) for _, pos in lists]
-        owner, slots = Paced(self.pacer), [c.slot for c in chunks]
+        slots = [c.slot for c in chunks]
         for sl in self._pieces(chunks):
             run = lambda s=slots[sl], a=at[sl]: self._host_to_staging(s, a, moved)
             owner.left += 1
@@ -275,7 +291,6 @@ class TransferEngine:
 
         owner.left += 1
         self.pacer.queue.append(_Piece("scatter", 0, scatter, owner, at))
-        return owner
 
     # ---- public ----------------------------------------------------------
     @property
@@ -335,7 +350,8 @@ class TransferEngine:
         if self.pacer is not None:
             if current is None or on_pass is None:
                 raise ValueError("a paced load needs current and on_pass: its scatter runs in a later pump")
-            return kv_caches, self.load_paced(chunks, current, on_pass)
+            paced = self.load_paced(chunks, current, on_pass)  # its claim may send a queued scatter:
+            return current(), paced  # the caches are then that scatter's output
         return self._in_passes(kv_caches, chunks, self._load_pass, on_pass)
 
     def copy(self, kv_caches: list, chunks: Sequence[CopyChunk],
@@ -350,7 +366,8 @@ class TransferEngine:
         if self.pacer is not None:
             if current is None or on_pass is None:
                 raise ValueError("a paced copy needs current and on_pass: it runs in a later pump")
-            return kv_caches, self._copy_paced(chunks, current, on_pass)
+            paced = self._copy_paced(chunks, current, on_pass)
+            return current(), paced
         return self._in_passes(kv_caches, chunks, self._copy_pass, on_pass)
 
     def _in_passes(self, kv_caches, chunks, run_pass, on_pass):
@@ -374,7 +391,7 @@ class TransferEngine:
 
     def _copy_paced(self, chunks: Sequence[CopyChunk], caches: Callable[[], list],
                     hand_back: Callable[[list], None]) -> Paced:
-        at = self._claim(len(chunks), "an HBM copy")
+        at = self._claim(len(chunks))  # the scheduler sends at most a step's budget: within staging
         owner = Paced(self.pacer)
 
         def run():
@@ -386,10 +403,14 @@ class TransferEngine:
         self.pacer.queue.append(_Piece("scatter", 0, run, owner, at))
         return owner
 
-    def store(self, kv_caches: list, chunks: Sequence[StoreChunk]) -> jax.Array | None:
-        """Paged blocks -> host slots. The caches are only read, so they are not returned."""
+    def store(self, kv_caches: list, chunks: Sequence[StoreChunk],
+              current: Callable[[], list] | None = None) -> jax.Array | None:
+        """Paged blocks -> host slots. The caches are only read, so they are not returned.
+
+        Paced: ``current()`` (default: ``kv_caches``) is read after staging is claimed, since a claim that
+        finds staging short sends queued pieces, and a load's scatter among them replaces the caches."""
         if self.pacer is not None:
-            done = self._store_paced(kv_caches, chunks)  # before any slot is marked: a refusal changes nothing
+            done = self._store_paced(current or (lambda: kv_caches), chunks)  # a failed gather marks nothing
             for c in chunks:
                 self.valid[c.slot] = False
             return done
