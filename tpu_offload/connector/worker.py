@@ -29,7 +29,7 @@ from tpu_offload.connector.hbm import HbmInFlight
 from tpu_offload.connector.metadata import LoadOp, OffloadMetadata, OffloadReport
 from tpu_offload.core.fs.journal import PUBLISHED, REMOVED
 from tpu_offload.connector.metrics import ConnectorMetrics
-from tpu_offload.connector.registration import build_engine
+from tpu_offload.connector.registration import build_engine, start_up_round_trip
 from tpu_offload.connector.settings import Settings
 from tpu_offload.connector.stats import OffloadStats
 from tpu_offload.core.config import ConfigError
@@ -115,9 +115,10 @@ class OffloadWorker:
         self.runner = runner
         self._pidx = jax.process_index()
         self._report = OffloadReport(process_count=jax.process_count())
-        self.engine = build_engine(self.s, runner, self._pidx, transfer_path, free_hbm_bytes=self._free_hbm,
-                                   hbm_limit_bytes=self._hbm_limit, free_host_bytes=self._free_host,
-                                   max_slab_bytes=self._max_slab_bytes)
+        build = lambda direct=True: build_engine(  # noqa: E731
+            self.s, runner, self._pidx, transfer_path, free_hbm_bytes=self._free_hbm, hbm_limit_bytes=self._hbm_limit,
+            free_host_bytes=self._free_host, max_slab_bytes=self._max_slab_bytes, direct=direct)
+        self.engine = start_up_round_trip(build(), runner, lambda: build(False))
         self._windowed = self.engine.layout.kv_groups > 1
         path = self.engine.path
         staging_per_device = self.engine.staging_device_bytes

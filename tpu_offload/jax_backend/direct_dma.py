@@ -148,7 +148,8 @@ def load_call(num_layers: int, tiles: int, cache_shape, dtype, platform: str = "
 def _call(kernel, out_shape, out_specs, in_specs, aliases, num_layers: int, platform: str):
     if platform != "tpu":
         raise ValueError(f"the direct host kernel runs on TPU only (its u8 view of the caches is a TPU "
-                         f"bitcast that interpret mode cannot run), not on {platform!r}")
+                         f"bitcast that interpret mode cannot run), not on {platform!r}; tests on CPU use "
+                         f"stand_in_call")
     return pl.pallas_call(
         kernel, out_shape=out_shape,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -157,6 +158,53 @@ def _call(kernel, out_shape, out_specs, in_specs, aliases, num_layers: int, plat
         input_output_aliases=aliases,
         compiler_params=pltpu.CompilerParams(has_side_effects=True),
     )
+
+
+def stand_in_call(direction: str, num_layers: int, tiles: int):
+    """What the kernel does, in XLA ops on u8 views (``bitcast_convert_type``), for CPU tests of the engine's
+    bookkeeping (slots, rows, runs, calls): never the TPU's bytes or cost, and no path picks it by itself.
+    Same operands as ``store_call``/``load_call``."""
+    from jax import lax
+    L = num_layers
+
+    def view(c):
+        return lax.bitcast_convert_type(c, jnp.uint8).reshape(c.shape[0], tiles, *TILE)
+
+    def store(n, blk, row, length, col, *refs):
+        caches, slab = refs[:L], refs[L]
+        views = [view(c) for c in caches]
+
+        def per_block(j, slab):  # one block of a run at a time: runs have dynamic lengths
+            i = jnp.searchsorted(jnp.cumsum(length), j, side="right")
+            off = j - (jnp.cumsum(length)[i] - length[i])
+            for li, v in enumerate(views):
+                part = jax.device_put(lax.dynamic_slice_in_dim(v, blk[i] + off, 1, axis=0), jax.memory.Space.Host)
+                slab = lax.dynamic_update_slice(slab, part, (row[i] + off, (col[i] * L + li) * tiles, 0, 0))
+            return slab
+
+        return lax.fori_loop(0, jnp.sum(jnp.where(jnp.arange(length.size) < n[0], length, 0)), per_block, slab)
+
+    def load(n, blk, row, length, col, slab, *caches):
+        def per_block(j, views):
+            i = jnp.searchsorted(jnp.cumsum(length), j, side="right")
+            off = j - (jnp.cumsum(length)[i] - length[i])
+            def part(li):
+                x = lax.dynamic_slice(slab, (row[i] + off, (col[i] * L + li) * tiles, 0, 0), (1, tiles, *TILE))
+                return jax.device_put(x, jax.memory.Space.Device)
+
+            return tuple(lax.dynamic_update_slice_in_dim(v, part(li), blk[i] + off, axis=0)
+                         for li, v in enumerate(views))
+
+        total = jnp.sum(jnp.where(jnp.arange(length.size) < n[0], length, 0))
+        views = lax.fori_loop(0, total, per_block, tuple(view(c) for c in caches))
+
+        def back(v, c):
+            k = c.dtype.itemsize
+            return lax.bitcast_convert_type(v.reshape(*c.shape, k) if k > 1 else v.reshape(c.shape), c.dtype)
+
+        return tuple(back(v, c) for v, c in zip(views, caches))
+
+    return store if direction == "store" else load
 
 
 # ---- the compiled programs of one layout --------------------------------------------------------
@@ -249,6 +297,7 @@ class DirectPrograms:
             for rows in sorted(set(self.slab_rows)):
                 out[f"direct_store_{gi}_{rows}"] = self.store(gi, rows)
                 out[f"direct_load_{gi}_{rows}"] = self.load(gi, rows)
+        out["direct_alloc_slabs"] = self._get(("alloc",), self._build_allocator)
         return out
 
     def _get(self, key, build, *args):
@@ -271,6 +320,8 @@ class DirectPrograms:
         L = len(g.layers)
 
         def store_local(caches, slab, *scalars):
+            if platform != "tpu":
+                return stand_in_call("store", L, tiles)(*scalars, *caches, slab)
             return store_call(L, tiles, slab.shape, platform)(*scalars, *caches, slab)
 
         cs, ss, ints = self._specs(g)
@@ -284,6 +335,8 @@ class DirectPrograms:
         L = len(g.layers)
 
         def load_local(caches, slab, *scalars):
+            if platform != "tpu":
+                return stand_in_call("load", L, tiles)(*scalars, slab, *caches)
             return load_call(L, tiles, caches[0].shape, caches[0].dtype, platform)(*scalars, slab, *caches)
 
         cs, ss, ints = self._specs(g)
@@ -291,3 +344,28 @@ class DirectPrograms:
         body = self._local(load_local, (cs, ss, *ints), cs)
         jitted = jax.jit(body, donate_argnums=(0,), out_shardings=tuple(c.sharding for c in caches))
         return jitted.lower(caches, self.slab_aval(gi, rows), *self._scalar_avals()).compile()
+
+    # ---- allocation -----------------------------------------------------------------------
+    def alloc_slabs(self) -> tuple:
+        """Per group, its zero-filled u8 slabs (one per slab size in ``slab_rows``), made where they live."""
+        return self._get(("alloc",), self._build_allocator)()
+
+    def _build_allocator(self):
+        """One zero row put to host memory and broadcast there: no HBM the size of a slab (as
+        ``Programs._build_slab_allocator``)."""
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        avals = tuple(tuple(self.slab_aval(gi, r) for r in self.slab_rows) for gi in range(len(self.layout.groups)))
+
+        def make():
+            out = []
+            for per_group in avals:
+                group = []
+                for a in per_group:
+                    one = NamedSharding(a.sharding.mesh, P(None, *a.sharding.spec[1:]),
+                                        memory_kind=a.sharding.memory_kind)
+                    row = jax.device_put(jnp.zeros((1, *a.shape[1:]), a.dtype), one)
+                    group.append(jnp.broadcast_to(row, a.shape))
+                out.append(tuple(group))
+            return tuple(out)
+
+        return jax.jit(make, out_shardings=jax.tree.map(lambda a: a.sharding, avals)).lower().compile()
