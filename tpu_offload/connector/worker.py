@@ -56,7 +56,8 @@ class _Flight:
 
 
 def transfer_path(cfg, devices, ranks: int = 1) -> str:
-    """``auto``: the program path everywhere. On TPU its gather/scatter are DMA kernels and its host copies
+    """``auto``: the program path, which registration turns into the direct kernel's on a TPU where that can
+    serve the cache (registration.pick_path). On TPU its gather/scatter are DMA kernels and its host copies
     write preallocated slabs in place, so every program a pass runs moves that pass's blocks, nothing
     more (tests/tpu_compiler). ``device_put`` is an opt-in whose two wrapper programs touch the whole
     staging buffer on every pass (8,000 MiB per device at Qwen3-32B TP 8 on TPU7x, whatever the pass

@@ -17,14 +17,14 @@ the kernel each cache is viewed the same way, ``ref.bitcast(uint8)``
 reshaped to ``(blocks, tiles, 32, 128)``. Which byte of a block lands where
 in its 4 KiB tiles is the compiler's business; a store then a load through
 the same view is the identity whatever that mapping, which is what the
-start-up round trip (``selfcheck_round_trip``) checks bit for bit on a chip.
+start-up round trip (``TransferEngine.check_direct``) checks bit for bit on a chip.
 Interpret mode cannot run the ref bitcast, so CPU never runs this kernel.
 
 Two rules from the compiler: one host output per ``pallas_call`` (two or
 more aliased host outputs abort it, ``host_offload_utils.cc:98``), so a
 store is one kernel per (layer group, slab); and the block ids arrive as
 scalar-prefetch operands, runs coalesced on the host where both the cache
-blocks and the slab rows are consecutive (``dma.coalesce``).
+blocks and the slab rows are consecutive (``coalesce``).
 
 A slab row holds one slot: ``blocks_per_chunk`` blocks, each every layer of
 the group, each layer ``tiles`` 4 KiB tiles of this device's shard (the
