@@ -35,11 +35,11 @@ export PYTHONPATH := $(CURDIR)
 # Goals that build .venv-tpu (Python 3.12) as well: `make setup` checks for both Pythons and the disk
 # before the first download (tools/check_setup.sh), not half-way through.
 NEED_TPU := $(if $(filter setup setup-tpu demo test test-fast test-tpu test-tpu-compiler test-tpu-engine bench \
-	bench-serving bench-tpu-aot bench-tpu-engine,$(MAKECMDGOALS)),1,0)
+	bench-serving bench-tpu-aot bench-tpu-engine bench-tpu,$(MAKECMDGOALS)),1,0)
 CHECK_SETUP = @sh tools/check_setup.sh "$(PY)" "$(PY312)" $(if $(wildcard $(STAMP)),0,1) \
 	$(if $(wildcard $(STAMP_TPU)),0,$(NEED_TPU))
 
-.PHONY: help setup setup-tpu demo test test-fast test-vllm test-tpu test-tpu-compiler test-tpu-engine docs bench bench-tpu-aot bench-manager bench-ttft bench-jax bench-fs bench-fs-rescan bench-tpu-engine bench-serving bench-device clean
+.PHONY: help setup setup-tpu demo test test-fast test-vllm test-tpu test-tpu-compiler test-tpu-engine docs bench bench-tpu-aot bench-tpu bench-manager bench-ttft bench-jax bench-fs bench-fs-rescan bench-tpu-engine bench-serving bench-device clean
 
 help: ## this list (the default goal; installs nothing)
 	@echo "make TARGET, where TARGET is one of:"
@@ -150,6 +150,9 @@ bench-serving: $(STAMP) $(STAMP_TPU) $(STAMP_BENCH) ## the llm-d guides' benchma
 
 bench-tpu-aot: $(STAMP_TPU) ## ours and tpu-inference's offload programs compiled for TPU (no TPU needed)
 	$(TPU_BIN)/python benchmarks/bench_tpu_aot.py
+
+bench-tpu: $(STAMP_TPU) ## on a TPU VM: the direct kernel's round trips, GB/s per call, tier allocation (exits 3 elsewhere)
+	$(TPU_BIN)/python benchmarks/bench_tpu_chip.py
 
 # No set-up here: it runs on an H100/H200 machine with torch and JAX-CUDA, with that machine's python3.
 bench-device: ## the GPU check: CUDA tests and transfer benchmarks (on an H100/H200)

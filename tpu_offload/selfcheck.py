@@ -318,12 +318,14 @@ def check_compile(rep: Report, programs, target: str, args, path: str = "program
     from tpu_offload.connector import aot
     from tpu_offload.jax_backend import memory
 
+    staging_path = "program" if path == "direct" else path  # direct: the staging path is its fallback (and copies)
     try:
-        figs = aot.measure(programs, path)
+        figs = aot.measure(programs, staging_path)
+        direct = direct_figures(programs) if path == "direct" else None
     except Exception as e:  # the TPU compiler's refusal (e.g. RESOURCE_EXHAUSTED) is the verdict
         rep.fail("compile", f"{type(e).__name__}: {e}", target=target)
         return
-    failures = aot.budget_failures(programs, figs)
+    failures = aot.budget_failures(programs, figs) + (direct["failures"] if direct else [])
     staging = programs.staging_blocks * programs.layout.device_block_bytes()
     in_flight = staging if path == "device_put" else 0  # chunks waiting on HBM for their device_put (engine.py)
     scratch = max(f.hbm_scratch for f in figs.values())
@@ -331,7 +333,7 @@ def check_compile(rep: Report, programs, target: str, args, path: str = "program
     passes = []
     for n in sorted(set(PASS_BLOCKS) | {programs.staging_blocks}):
         if n <= programs.staging_blocks:
-            fig = pass_figures(programs, figs, n, path)
+            fig = pass_figures(programs, figs, n, staging_path)
             fig["link"] = link_budget(fig["moved"], programs.layout.mesh.devices.size, kind, 20.0)
             passes.append(fig)
     fields = dict(target=target, path=path, kernel=programs.kernel, programs={k: f.to_dict() for k, f in figs.items()},
@@ -339,6 +341,8 @@ def check_compile(rep: Report, programs, target: str, args, path: str = "program
                   budget_failures=failures, staging_device_bytes=staging, in_flight_device_bytes=in_flight,
                   scratch_bytes=scratch,
                   compile_s=round(sum(f.compile_s for f in figs.values()), 3))
+    if direct is not None:
+        fields["direct"] = direct
     hbm = memory.device_hbm(programs.layout.mesh.devices.flat[0]) if not args.topology else None
     if hbm is not None:
         fields["hbm_limit_bytes"] = hbm[0]
@@ -352,6 +356,31 @@ def check_compile(rep: Report, programs, target: str, args, path: str = "program
         rep.fail("compile", "; ".join(failures), **fields)
     else:
         rep.check("compile", "pass", **fields)
+
+
+def direct_figures(programs) -> dict:
+    """The direct path's kernels (jax_backend/direct_dma.py) for this deployment, compiled: per program its HBM
+    scratch and host-memory figures, and what misses the budgets (any scratch; a store that does not update
+    its slab in place; a load that writes host memory)."""
+    from tpu_offload.jax_backend import direct_dma
+
+    d = direct_dma.DirectPrograms(programs.layout, blocks_per_chunk=programs.bpc, slab_rows=programs.slab_rows,
+                                  memory_kind=programs.memory_kind, capacity=programs.staging_blocks)
+    out, failures = {}, []
+    for name, p in d.all_programs().items():
+        m = p.memory_analysis()
+        f = {"hbm_scratch": int(m.temp_size_in_bytes), "host_argument": int(m.host_argument_size_in_bytes),
+             "host_alias": int(m.host_alias_size_in_bytes), "host_output": int(m.host_output_size_in_bytes)}
+        out[name] = f
+        if "alloc" in name:
+            continue
+        if f["hbm_scratch"]:
+            failures.append(f"{name}: {f['hbm_scratch'] / GIB:.3f} GiB of HBM scratch (the direct kernel takes none)")
+        if "store" in name and f["host_alias"] != f["host_argument"]:
+            failures.append(f"{name}: its host slab is not updated in place")
+        if "load" in name and f["host_output"]:
+            failures.append(f"{name}: writes host memory")
+    return {"programs": out, "failures": failures}
 
 
 def host_path(cfg, devices) -> str | None:
@@ -468,6 +497,14 @@ def check_deployment(rep: Report, cfg, model, args, host) -> tuple[int, int, int
                                   blocks_per_chunk=bpc, num_slots=num_slots, staging_blocks=staging,
                                   local_share=share, tier_bytes=tier)
     path = host_path(cfg, devices) or "program"  # the host path the engine picks on these devices
+    if hasattr(cfg, "transfer_path"):
+        from tpu_offload.connector.registration import pick_path
+
+        try:
+            path = pick_path(path, cfg, layout, devices[0].platform)
+        except ConfigError as e:
+            rep.fail("compile", str(e))
+            return tp, bpc, staging
     rep.data["deployment"]["path"] = path
     if "host" not in args.skip:
         check_host(rep, cfg, tier, num_slots, host)

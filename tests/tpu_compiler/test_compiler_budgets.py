@@ -307,7 +307,8 @@ def test_dp_attention_is_no_block_loop_within_the_budgets(shape, request):
 
 @pytest.mark.parametrize("blocks", [16, 1000])
 def test_default_path_pass_scales_with_what_it_moves(blocks):
-    """The path ``auto`` picks on TPU (program), Qwen3-32B at TP 8 on TPU7x, a pass of ``blocks`` blocks,
+    """The staging path (``program``: what ``auto`` runs on TPU where the direct kernel cannot, and its fallback;
+    the direct kernel is test_direct_kernel.py), Qwen3-32B at TP 8 on TPU7x, a pass of ``blocks`` blocks,
     adjacent and scattered: every program it runs (gather, store; load, scatter) costs what the pass moves.
     Per device: HBM scratch <= 1.1x the pass; bytes accessed <= 3x for gather/scatter/store; nothing
     compiled or run at the full staging size (the staging buffer is only passed through, aliased); no

@@ -49,8 +49,13 @@ def test_shipped_config_passes(shipped, capsys):
     assert c["host"]["budget"] >= 720 * GIB and c["host"]["cgroup_limit"] is None
     comp = c["compile"]
     assert comp["target"] == "TPU7x:2x2x1" and comp["budget_failures"] == []
-    # the path and kernel TPU runs: the program path (auto) with the DMA gather/scatter
-    assert comp["path"] == "program" and comp["kernel"] == "dma" and rep["deployment"]["path"] == "program"
+    # the path TPU runs: the direct kernel (auto), its kernels compiled with no scratch, the slabs in place;
+    # the staging path's programs (its fallback, and HBM copies) with the DMA gather/scatter beside it
+    assert comp["path"] == "direct" and comp["kernel"] == "dma" and rep["deployment"]["path"] == "direct"
+    direct = comp["direct"]["programs"]
+    assert {"direct_store_0_512", "direct_load_0_512", "direct_alloc_slabs"} <= set(direct)
+    assert all(f["hbm_scratch"] == 0 for n, f in direct.items() if "alloc" not in n)
+    assert direct["direct_store_0_512"]["host_alias"] == direct["direct_store_0_512"]["host_argument"] == 512 * (4 << 20)  # per device
     assert {"gather", "scatter", "store", "load"} <= set(comp["programs"])
     assert 0 <= comp["scratch_bytes"] < 64 << 20 and comp["staging_device_bytes"] == 1000 * (4 << 20)
     assert comp["in_flight_device_bytes"] == 0

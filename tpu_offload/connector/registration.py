@@ -18,7 +18,7 @@ import jax
 from tpu_offload.connector.settings import Settings
 from tpu_offload.connector.sizing import check_chunk_bytes
 from tpu_offload.core.config import ConfigError
-from tpu_offload.jax_backend import agree, engine as engine_mod, memory
+from tpu_offload.jax_backend import agree, direct_dma, engine as engine_mod, memory
 from tpu_offload.jax_backend.engine import TransferEngine, plan_transfers
 from tpu_offload.jax_backend.layout import KVLayout
 
@@ -27,14 +27,16 @@ log = logging.getLogger(__name__)
 
 def build_engine(s: Settings, runner, pidx: int, choose_path: Callable[..., str], *,
                  free_hbm_bytes: int | None = None, hbm_limit_bytes: int | None = None,
-                 free_host_bytes: int | None = None, max_slab_bytes: int | None = None) -> TransferEngine:
+                 free_host_bytes: int | None = None, max_slab_bytes: int | None = None,
+                 direct: bool = True) -> TransferEngine:
     """The engine for ``runner``'s caches, agreed by every JAX process (``pidx``: this one).
 
     ``choose_path(config, local_devices, attention-DP ranks)`` picks the host path (the worker's
-    ``transfer_path``); the byte figures override the allocator's (tests, CPU)."""
+    ``transfer_path``), which ``pick_path`` may turn into the direct path (not when ``direct`` is False: the
+    fallback after a failed start-up round trip); the byte figures override the allocator's (tests, CPU)."""
     cfg = s.config
     layout, path, plan = _agree(s, plan_locally, s, runner, pidx, choose_path, free_host_bytes, max_slab_bytes,
-                                name="sizes")
+                                direct, name="sizes")
     plan = _agree(s, check_plan, s, layout, path, plan, pidx, free_hbm_bytes, hbm_limit_bytes, name="checks")
     return TransferEngine(
         layout, num_slots=s.num_slots, blocks_per_chunk=s.blocks_per_chunk,
@@ -43,7 +45,45 @@ def build_engine(s: Settings, runner, pidx: int, choose_path: Callable[..., str]
     )
 
 
-def plan_locally(s: Settings, runner, pidx: int, choose_path, free_host_bytes, max_slab_bytes):
+def pick_path(path: str, cfg, layout: KVLayout, platform: str | None = None) -> str:
+    """The host path to run: ``path`` (what ``choose_path`` picked), or the direct kernel's.
+
+    ``transfer_path: direct`` asks for it (refused where it cannot run, with the reason). ``auto`` picks it
+    on a TPU wherever it can serve the cache (direct_dma.supported), in one JAX process, and where the
+    tier's bytes do not outlive the process: its slabs hold the cache's bytes in the kernel's 4 KiB-tile
+    order, not the staging path's, so snapshots and shared files keep the staging path's layout. Off TPU
+    nothing changes."""
+    platform = platform or layout.mesh.devices.flat[0].platform
+    why = direct_dma.supported(layout, platform)
+    if cfg.transfer_path == "direct":
+        if why is not None:
+            raise ConfigError(f"transfer_path='direct' (TPU_OFFLOAD_TRANSFER_PATH) cannot serve this KV cache: {why}. "
+                              "Allowed here: 'auto' or 'program'")
+        return "direct"
+    if cfg.transfer_path != "auto" or path != "program" or platform != "tpu" or why is not None:
+        return path
+    if cfg.snapshot_path or cfg.shared_storage_path or jax.process_count() > 1:
+        return path
+    return "direct"
+
+
+def start_up_round_trip(engine: TransferEngine, runner, rebuild: Callable[[], TransferEngine]) -> TransferEngine:
+    """The direct path's bytes checked on the runner's own buffers before it serves (``check_direct``): a
+    store then load through the kernel's u8 view, compared bit for bit. If any byte differs, the path is
+    dropped loudly and ``rebuild()`` makes the staging path's engine (its host tier freed first)."""
+    if engine.path != "direct":
+        return engine
+    runner.kv_caches, why = engine.check_direct(list(runner.kv_caches))
+    if why is None:
+        log.info("tpu_offload: direct host path: the start-up round trip through its kernel is bit-exact")
+        return engine
+    log.error("tpu_offload: %s. The direct host path is OFF in this process; falling back to the staging path "
+              "(transfer_path=program). Please report this with the TPU type and libtpu version.", why)
+    engine.release()
+    return rebuild()
+
+
+def plan_locally(s: Settings, runner, pidx: int, choose_path, free_host_bytes, max_slab_bytes, direct=True):
     """This host's layout, host path and transfer plan, after every check that needs no plan."""
     cfg = s.config
     classes = layer_classes(s, runner)
@@ -62,6 +102,10 @@ def plan_locally(s: Settings, runner, pidx: int, choose_path, free_host_bytes, m
     memory.check_host_fits(int(s.num_slots * layout.block_bytes * s.blocks_per_chunk * local_share),
                            s.num_slots, available=free_host_bytes, margin=cfg.host_memory_margin)
     path = choose_path(cfg, local, layout.ranks)
+    path = pick_path(path, cfg, layout) if direct else ("program" if path == "direct" else path)
+    if path == "direct" and cfg.snapshot_path:
+        raise ConfigError("snapshot_path saves the host slabs in the staging path's layout: it needs "
+                          "transfer_path 'program' or 'auto' (TPU_OFFLOAD_TRANSFER_PATH), not 'direct'")
     if path == "device_put" and cfg.snapshot_path:
         raise ConfigError("snapshot_path saves the preallocated host slabs: it needs transfer_path=program "
                           f"(TPU_OFFLOAD_TRANSFER_PATH), not {cfg.transfer_path!r} (device_put on {local[0].platform})")

@@ -29,7 +29,7 @@ from tpu_offload.connector.hbm import HbmInFlight
 from tpu_offload.connector.metadata import LoadOp, OffloadMetadata, OffloadReport
 from tpu_offload.core.fs.journal import PUBLISHED, REMOVED
 from tpu_offload.connector.metrics import ConnectorMetrics
-from tpu_offload.connector.registration import build_engine
+from tpu_offload.connector.registration import build_engine, start_up_round_trip
 from tpu_offload.connector.settings import Settings
 from tpu_offload.connector.stats import OffloadStats
 from tpu_offload.core.config import ConfigError
@@ -56,7 +56,8 @@ class _Flight:
 
 
 def transfer_path(cfg, devices, ranks: int = 1) -> str:
-    """``auto``: the program path everywhere. On TPU its gather/scatter are DMA kernels and its host copies
+    """``auto``: the program path, which registration turns into the direct kernel's on a TPU where that can
+    serve the cache (registration.pick_path). On TPU its gather/scatter are DMA kernels and its host copies
     write preallocated slabs in place, so every program a pass runs moves that pass's blocks, nothing
     more (tests/tpu_compiler). ``device_put`` is an opt-in whose two wrapper programs touch the whole
     staging buffer on every pass (8,000 MiB per device at Qwen3-32B TP 8 on TPU7x, whatever the pass
@@ -116,9 +117,10 @@ class OffloadWorker:
         self.runner = runner
         self._pidx = jax.process_index()
         self._report = OffloadReport(process_count=jax.process_count())
-        self.engine = build_engine(self.s, runner, self._pidx, transfer_path, free_hbm_bytes=self._free_hbm,
-                                   hbm_limit_bytes=self._hbm_limit, free_host_bytes=self._free_host,
-                                   max_slab_bytes=self._max_slab_bytes)
+        build = lambda direct=True: build_engine(  # noqa: E731
+            self.s, runner, self._pidx, transfer_path, free_hbm_bytes=self._free_hbm, hbm_limit_bytes=self._hbm_limit,
+            free_host_bytes=self._free_host, max_slab_bytes=self._max_slab_bytes, direct=direct)
+        self.engine = start_up_round_trip(build(), runner, lambda: build(False))
         self._windowed = self.engine.layout.kv_groups > 1
         path = self.engine.path
         staging_per_device = self.engine.staging_device_bytes

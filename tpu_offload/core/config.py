@@ -364,10 +364,13 @@ _SETTINGS: tuple[_Setting, ...] = (
              doc="Host memory the tier leaves free, checked before it is allocated: a fraction (0.05 or '5%') "
                  "of the host's or cgroup's memory, or a size ('16GiB'); a bare number from 1 to 100 is refused "
                  "as ambiguous."),
-    _Setting("transfer_path", _choice("auto", "program", "device_put"), "TPU_OFFLOAD_TRANSFER_PATH",
+    _Setting("transfer_path", _choice("auto", "program", "device_put", "direct"), "TPU_OFFLOAD_TRANSFER_PATH",
              ("transfer_path",), scope=TPU,
-             doc="program: preallocated host slabs written by compiled programs; device_put: per-slot host "
-                 "arrays and two programs over the whole staging buffer every pass (opt-in); auto: program."),
+             doc="program: preallocated host slabs written by compiled programs through HBM staging; direct "
+                 "(TPU only): one DMA kernel per call between the paged caches and preallocated host slabs, no "
+                 "staging copy; device_put: per-slot host arrays and two programs over the whole staging buffer "
+                 "every pass (opt-in); auto: direct on a TPU where it can serve the cache (one JAX process, no "
+                 "snapshot_path or shared_storage_path) and its start-up round trip is bit-exact, else program."),
     _Setting("transfer_kernel", _choice("auto", "dma", "loop", "xla"), "TPU_OFFLOAD_TRANSFER_KERNEL",
              ("transfer_kernel",), scope=TPU,
              doc="How gather/scatter move blocks: dma (a Pallas kernel of DMAs), loop (XLA ops, one block per "

@@ -91,7 +91,7 @@ def gather_call(num_layers: int, staging_shape, dtype, platform: str, split: tup
             return pltpu.make_async_copy(_sliced(caches[li], rows, part), out.at[pl.ds(dst_ref[i], len_ref[i]), li],
                                          sems.at[li])
 
-        _start_then_wait(n_ref, L, copy)
+        start_then_wait(n_ref, L, copy)
 
     out_shape = jax.ShapeDtypeStruct(staging_shape, dtype)
     run = _dma_call(kernel, out_shape, pl.BlockSpec(memory_space=pl.ANY), {N_SCALARS + L: 0}, L + 1, L,
@@ -119,7 +119,7 @@ def scatter_call(num_layers: int, cache_shape, dtype, platform: str, split: tupl
             return pltpu.make_async_copy(source.at[pl.ds(src_ref[i], len_ref[i]), li],
                                          _sliced(outs[li], rows, part), sems.at[li])
 
-        _start_then_wait(n_ref, L, copy)
+        start_then_wait(n_ref, L, copy)
 
     out_shape = tuple(jax.ShapeDtypeStruct(cache_shape, dtype) for _ in range(L))
 
@@ -149,7 +149,7 @@ def _dma_call(kernel, out_shape, out_specs, aliases: dict[int, int], num_inputs:
     )
 
 
-def _start_then_wait(n_ref, num_layers: int, copy):
+def start_then_wait(n_ref, num_layers: int, copy):
     """Start every (run, layer) DMA, then wait for each: all are in flight together."""
 
     @pl.loop(0, n_ref[0])

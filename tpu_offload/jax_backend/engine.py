@@ -16,6 +16,10 @@ Two host paths behind the same calls (``path``):
   the DMA gather/scatter every program a pass runs moves that pass's blocks
   and no more (TPU compiler: tests/tpu_compiler), and host memory is
   allocated once.
+* ``direct`` (the TPU default where ``direct_dma.supported``; see connector/registration.py): the
+  tier is u8 slabs of 4 KiB tiles, and ``store``/``load`` are one Pallas kernel per (group, slab) that
+  DMAs straight between the paged caches and the slab rows (direct_dma.py): no staging, no TensorCore
+  copy, 2x what the pass moves. Staging stays allocated for HBM-to-HBM copies (``copy``).
 * ``device_put`` (opt-in): each stored chunk is sliced out of staging and
   sent with ``jax.device_put`` to its own host-memory-kind array (one per
   slot). Its cost: ``take_chunks`` outputs every staging chunk and
@@ -39,7 +43,7 @@ from typing import Callable, Sequence
 import jax
 import numpy as np
 
-from tpu_offload.jax_backend import hostview, memory
+from tpu_offload.jax_backend import direct_dma, hostview, memory
 from tpu_offload.jax_backend.layout import KVLayout
 from tpu_offload.jax_backend.pacing import Paced, Pacer, _Piece  # noqa: F401 (re-exported)
 from tpu_offload.jax_backend.programs import Programs, ints
@@ -87,7 +91,7 @@ class CopyChunk:
         return LoadChunk(-1, list(self.dst))
 
 
-PATHS = ("program", "device_put")
+PATHS = ("program", "device_put", "direct")
 
 
 class Done(tuple):
@@ -193,12 +197,21 @@ class TransferEngine:
             raise ValueError(f"transfer path {path!r}: expected one of {', '.join(PATHS)}")
         if path == "device_put":
             self.programs._no_dp(path)
+        self.direct = None  # direct path: its kernels' programs (direct_dma.py)
+        if path == "direct":
+            why = direct_dma.supported(layout)
+            if why is not None:
+                raise ValueError(f"the direct host path cannot serve this KV cache: {why}")
+            self.direct = direct_dma.DirectPrograms(layout, blocks_per_chunk=blocks_per_chunk,
+                                                    slab_rows=self.programs.slab_rows, memory_kind=memory_kind,
+                                                    capacity=self.staging_blocks)
         self.path = path
         if not checked:
             preflight(layout, plan, path, num_slots, hbm_check)
         self.staging = self.programs.alloc_staging()
-        # program path: preallocated slabs; device_put path: one host array tuple per slot, made by its store
-        self.slabs = self.programs.alloc_slabs() if path == "program" else None
+        # program path: preallocated slabs; direct: preallocated u8 slabs; device_put: a host array tuple per slot
+        self.slabs = (self.programs.alloc_slabs() if path == "program"
+                      else self.direct.alloc_slabs() if path == "direct" else None)
         self.host: list[tuple | None] = [None] * num_slots if path == "device_put" else []
         self.valid = np.zeros(num_slots, dtype=bool)
         self._blanks: dict[int, jax.Array] = {}  # device_put path, several hosts: zeros for a lost chunk
@@ -322,7 +335,17 @@ class TransferEngine:
                    for g in self.layout.groups)
 
     def precompile(self) -> None:
+        if self.path == "direct":
+            self.programs.gather(), self.programs.scatter()  # HBM-to-HBM copies still go through staging
+            self.direct.all_programs()
+            return
         self.programs.precompile(self.path)
+
+    def release(self) -> None:
+        """Free the host tier and staging now (a fallback to another path allocates its own)."""
+        for a in jax.tree.leaves((self.slabs, self.staging)):
+            a.delete()
+        self.slabs, self.staging = None, None
 
     def check_loadable(self, slot: int) -> bool:
         """True if this process holds good bytes for ``slot`` (valid, checksum matches)."""
@@ -352,6 +375,8 @@ class TransferEngine:
                 raise ValueError("a paced load needs current and on_pass: its scatter runs in a later pump")
             paced = self.load_paced(chunks, current, on_pass)  # its claim may send a queued scatter:
             return current(), paced  # the caches are then that scatter's output
+        if self.path == "direct":
+            return self._direct_load(kv_caches, chunks, on_pass)
         return self._in_passes(kv_caches, chunks, self._load_pass, on_pass)
 
     def copy(self, kv_caches: list, chunks: Sequence[CopyChunk],
@@ -416,6 +441,8 @@ class TransferEngine:
             return done
         for c in chunks:
             self.valid[c.slot] = False
+        if self.path == "direct":
+            return self._direct_store(kv_caches, chunks)
         done = None
         for part, at in self._passes(chunks):
             done = self._store_pass(kv_caches, part, at)
@@ -440,6 +467,97 @@ class TransferEngine:
             return [v for g in groups for v in hostview.array_views(self.host[slot][g])]
         (k,), (row,) = self._rows([slot])
         return [v for g in groups for v in hostview.row_views(self.slabs[g][k], row)]
+
+    # ---- the direct path ---------------------------------------------------
+    def _direct_calls(self, chunks):
+        """Per call of the direct kernel: (group, slab, cache blocks, slab rows, chunk columns), the moves of
+        ``chunks`` grouped by slab and cut into calls of at most ``capacity`` blocks (-1 ids skipped)."""
+        slab, row = self._rows([c.slot for c in chunks])
+        cap = self.direct.capacity
+        for gi, g in enumerate(self.layout.groups):
+            ids = np.array([list(c.ids(g.kv_group)) for c in chunks], dtype=np.int64).reshape(len(chunks), self.bpc)
+            cols = np.broadcast_to(np.arange(self.bpc), ids.shape)
+            rows = np.broadcast_to(row[:, None], ids.shape)
+            slabs = np.broadcast_to(slab[:, None], ids.shape)
+            keep = ids >= 0
+            for k in np.unique(slabs[keep]):
+                m = keep & (slabs == k)
+                b, r, c = ids[m], rows[m], cols[m]
+                for i in range(0, len(b), cap):
+                    yield gi, int(k), b[i:i + cap], r[i:i + cap], c[i:i + cap]
+
+    def _count_direct(self, name: str, calls) -> None:
+        n = sum(self.direct.dma_count(gi, b, r, c) for gi, _, b, r, c in calls)
+        self.last_dmas[name] = n
+        self.dmas[name] = self.dmas.get(name, 0) + n
+
+    def _direct_store(self, kv_caches, chunks: Sequence[StoreChunk]) -> Done:
+        """One kernel call per (group, slab): the cache blocks straight into their slab rows."""
+        calls = list(self._direct_calls(chunks))
+        dones = []
+        for gi, k, b, r, c in calls:
+            g = self.layout.groups[gi]
+            new = self.direct.store(gi, self.programs.slab_rows[k])(
+                tuple(kv_caches[a] for a in g.layers), self.slabs[gi][k], *self.direct.operands(b, r, c))
+            self.slabs = tuple(per[:k] + (new,) + per[k + 1:] if i == gi else per for i, per in enumerate(self.slabs))
+            dones.append(new)
+        self._count_direct("store", calls)
+        return Done(dones)
+
+    def _direct_load(self, kv_caches, chunks: Sequence[LoadChunk], on_pass):
+        """One kernel call per (group, slab): the slab rows straight into the cache blocks (donated)."""
+        calls = list(self._direct_calls(chunks))
+        caches, done = list(kv_caches), None
+        for gi, k, b, r, c in calls:
+            g = self.layout.groups[gi]
+            new = self.direct.load(gi, self.programs.slab_rows[k])(
+                tuple(caches[a] for a in g.layers), self.slabs[gi][k], *self.direct.operands(b, r, c))
+            for a, arr in zip(g.layers, new):
+                caches[a] = arr
+            done = Done(new[:1])
+            if on_pass is not None:
+                on_pass(caches)
+        self._count_direct("load", calls)
+        return caches, done
+
+    def check_direct(self, kv_caches: list, seed: int = 0) -> tuple[list, str | None]:
+        """The direct path's start-up round trip, on the runner's own buffers before it serves: random bytes
+        written into a few scattered slab rows (in place, host memory), loaded into scattered cache blocks,
+        stored from there into other rows, compared bit for bit. That proves the u8 view moves every byte,
+        wherever a chunk lands (a block stored from one place is loaded into another). Returns the new caches
+        (the load donates them; the blocks used held nothing yet) and None, or what differed."""
+        half = self.num_slots // 2
+        usable = (self.layout.num_blocks - 1) // self.bpc  # block 0 left alone (the engine's null block)
+        n = min(3, half, usable)
+        if n < 1:
+            return kv_caches, None
+        slots_a = np.unique(np.linspace(0, half - 1, n).astype(np.int64))  # the first half; b: the second
+        bases = np.unique(np.linspace(usable - 1, 0, n).astype(np.int64))[::-1]  # scattered, last first
+        n = min(len(slots_a), len(bases))
+        slots_a, bases = slots_a[:n], bases[:n]
+        slots_b = slots_a + half
+        blocks = [list(range(1 + int(b) * self.bpc, 1 + (int(b) + 1) * self.bpc)) for b in bases]
+        rng = np.random.default_rng(seed)
+        want = []
+        for s in slots_a:
+            views = self.row_views(int(s))
+            for v in views:
+                v[:] = rng.integers(0, 256, size=v.size, dtype=np.uint8)
+            want.append([v.copy() for v in views])
+        caches, done = self.load(kv_caches, [LoadChunk(int(s), b) for s, b in zip(slots_a, blocks)])
+        if done is not None:
+            done.block_until_ready()
+        self.store(caches, [StoreChunk(int(s), b) for s, b in zip(slots_b, blocks)]).block_until_ready()
+        bad = [int(b) for a, b, w in zip(slots_a, slots_b, want)
+               if not all(np.array_equal(x, y) for x, y in zip(w, self.row_views(int(b))))]
+        for s in np.concatenate([slots_a, slots_b]):
+            for v in self.row_views(int(s)):
+                v[:] = 0
+        self.valid[slots_a] = self.valid[slots_b] = False
+        if bad:
+            return caches, (f"the direct kernel's round trip through {len(slots_a)} scattered blocks came back "
+                            f"different in slot(s) {bad}")
+        return caches, None
 
     # ---- passes ------------------------------------------------------------
     def _rows(self, slots: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
