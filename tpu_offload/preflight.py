@@ -205,6 +205,18 @@ def staged_blocks(cfg: OffloadConfig, bpc: int) -> int:
     return cfg.staging_blocks // bpc * bpc
 
 
+def tpu_path(cfg: OffloadConfig, model: shapes.ModelShape, sizes) -> str:
+    """The host path a TPU host runs for this deployment, as ``registration.pick_path`` picks it there
+    (without JAX): the direct kernel where every block is whole on its devices (no replicated KV heads,
+    no MLA copies), a device's block is whole 4 KiB tiles and the tier's bytes do not outlive the process;
+    else the staging path. Offline cannot see the process count: a multi-host deployment runs ``program``."""
+    if cfg.transfer_path in ("device_put", "program", "direct"):
+        return cfg.transfer_path
+    direct = (sizes.kv_replicas == 1 and not model.use_mla and sizes.device_block_bytes % 4096 == 0
+              and not cfg.snapshot_path and not cfg.shared_storage_path)
+    return "direct" if direct else "program"
+
+
 def size(cfg: OffloadConfig, model: shapes.ModelShape, tp: int, block_size: int, chip: Chip | None) -> dict:
     """Every figure the connector computes at start for this deployment, per device where it says so."""
     try:
@@ -215,7 +227,7 @@ def size(cfg: OffloadConfig, model: shapes.ModelShape, tp: int, block_size: int,
     chunk = sizes.block_bytes * bpc
     num_slots = cfg.resolve_num_chunks(chunk)
     staging = staged_blocks(cfg, bpc)
-    path = "device_put" if cfg.transfer_path == "device_put" else "program"  # "auto" is program on TPU
+    path = tpu_path(cfg, model, sizes)
     staging_bytes = staging * sizes.device_block_bytes
     # the per-step budget counts each device's share of a chunk's distinct bytes (settings.resolve)
     engine = types.SimpleNamespace(model_config=types.SimpleNamespace(use_mla=model.use_mla),
@@ -248,8 +260,10 @@ def check_budgets(rep, s: dict, pacing: bool) -> None:
     chip differ from ``devices_per_chip`` (the budget per device is then off by that ratio)."""
     line = (f"per step and direction {s['step_budget_bytes'] / 1e6:.0f} MB per device = {s['step_blocks']} "
             f"blocks ({s['step_block_bytes'] / MIB:.2f} MiB each)")
+    unpaced = ("the direct path: one kernel call per slab" if s.get("path") == "direct" else
+               "transfer_pacing 'off', or the device_put path")
     line += ("; host copies paced in pieces after the forward" if pacing else
-             "; host copies not paced (transfer_pacing 'off', or the device_put path): each step's at once")
+             f"; host copies not paced ({unpaced}): each step's at once, within the budget")
     fields = dict(step_budget_bytes=s["step_budget_bytes"], step_blocks=s["step_blocks"], paced=pacing,
                   devices_per_chip=s["devices_per_chip"])
     chip_n = s.get("chip_devices_per_chip")
