@@ -60,14 +60,14 @@ def _manager(tmp_path, cfg, mode, monkeypatch):
     return m
 
 
-def test_the_manager_sends_the_recompute_time_as_the_budget_in_auto_only(tmp_path, monkeypatch):
+def test_the_manager_sends_the_hedge_of_the_recompute_time_as_the_budget_in_auto_only(tmp_path, monkeypatch):
     cfg = offloading_config({"num_cpu_chunks": 4})
     m = _manager(tmp_path, cfg, "auto", monkeypatch)
     try:
         assert m.probe is not None
         spec = m.prepare_load([mkey(1), mkey(2)], CTX)
         assert list(spec.promote) == [True, True]
-        assert spec.budget_s == pytest.approx(2 * 128 * 1e-3)
+        assert spec.budget_s == pytest.approx(costs.HEDGE_FACTOR * 2 * 128 * 1e-3)  # 2 chunks of 128 tokens
     finally:
         m.shutdown()
     m = _manager(tmp_path / "b", cfg, "always", monkeypatch)

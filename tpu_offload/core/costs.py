@@ -47,6 +47,11 @@ CENSORED = 2.0  # an abandoned transfer took at least its age: counted this many
 # decision lands clearly on the recompute side instead of at the edge the hedge just proved too slow
 RECENCY = 0.8  # weight of a sample one transfer older than the next (a window of 16: the newest ~ 5x the oldest)
 HEDGE_FLOOR_S = 0.05  # the least a file read is given before it is abandoned (a tiny hit's recompute is ~0)
+# A load is given this many times its estimated recompute before it is abandoned. At 1 the real engine on a
+# 2-core CPU gave up loads from a fast tier (2 of 4 in the load-decision engine test): the prefill estimate
+# lags a busy machine, and a load's end is seen only at a step boundary. At 2 no request waits past about
+# three times its recompute, whatever the mount does.
+HEDGE_FACTOR = 2.0
 
 
 class TransferCost:
@@ -320,8 +325,9 @@ class CostModel:
         """Seconds a file-tier load of ``tokens`` hit tokens may take before it is abandoned (``auto`` only).
 
         The time recomputing them would take: past it the load can no longer win, so its reads are given
-        up and the tokens recomputed (a failed load). At least ``HEDGE_FLOOR_S``; 0 (no hedge) in other modes.
+        up and the tokens recomputed (a failed load). ``HEDGE_FACTOR`` times that estimate, at least
+        ``HEDGE_FLOOR_S``; 0 (no hedge) in other modes.
         """
         if self.mode != "auto" or tokens <= 0:
             return 0.0
-        return max(self.prefill.seconds(tokens), HEDGE_FLOOR_S)
+        return max(HEDGE_FACTOR * self.prefill.seconds(tokens), HEDGE_FLOOR_S)
