@@ -445,7 +445,7 @@ _SETTINGS: tuple[_Setting, ...] = (
              scope=BOTH, doc="auto: load each hit's longest prefix whose expected load time (per tier, learned "
                              "from completed transfers) x load_decision_bias is at most the expected time to "
                              "recompute it, and recompute the rest (file-tier speed probed at start; a file load not "
-                             "done by twice its recompute time is given up and recomputed); always: load every "
+                             "done by 4x its estimated recompute time is given up and recomputed, on vLLM); always: load every "
                              "hit; never: recompute."),
     _Setting("load_decision_bias", _float(0.0), "TPU_OFFLOAD_LOAD_DECISION_BIAS", ("load_decision_bias",),
              scope=BOTH, doc="With load_decision auto: above 1 favours recomputing, below 1 loading."),

@@ -47,11 +47,11 @@ CENSORED = 2.0  # an abandoned transfer took at least its age: counted this many
 # decision lands clearly on the recompute side instead of at the edge the hedge just proved too slow
 RECENCY = 0.8  # weight of a sample one transfer older than the next (a window of 16: the newest ~ 5x the oldest)
 HEDGE_FLOOR_S = 0.05  # the least a file read is given before it is abandoned (a tiny hit's recompute is ~0)
-# A load is given this many times its estimated recompute before it is abandoned. At 1 the real engine on a
-# 2-core CPU gave up loads from a fast tier (2 of 4 in the load-decision engine test): the prefill estimate
-# lags a busy machine, and a load's end is seen only at a step boundary. At 2 no request waits past about
-# three times its recompute, whatever the mount does.
-HEDGE_FACTOR = 2.0
+# A load is given this many times its estimated recompute before it is abandoned: the prefill estimate
+# moves at most CLIP (4x) per sample, so it can lag a machine that slowed down by that much, and a load's
+# end is seen only at a step boundary. At 1 and at 2, the real engine on a busy 2-core CPU gave up loads
+# from a fast tier (the load-decision engine test); a false hedge costs its request one recompute.
+HEDGE_FACTOR = 4.0
 
 
 class TransferCost:
