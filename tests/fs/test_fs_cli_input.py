@@ -14,20 +14,12 @@ import threading
 
 import pytest
 
-from fs_helpers import aligned, key, payload
+from test_fs_cli import _fill
 from tpu_offload.core.fs.cli import EXIT_NO_ROOT, EXIT_NO_TIER, EXIT_OK, EXIT_USAGE, main
 
 BAD = b"\xff\xfe"  # not UTF-8: Python hands it over as lone surrogates
 
 
-def _fill(make_tier, root, idx):
-    t = make_tier(root)
-    for i in idx:
-        b = aligned()
-        b[:] = payload(i)
-        assert t.submit_write(key(i), b).wait(30)
-    t.close()
-    return t
 
 
 @pytest.fixture

@@ -87,15 +87,7 @@ def coalesce(blocks, rows, cols) -> np.ndarray:
 def run_operands(runs: np.ndarray, capacity: int) -> tuple[np.ndarray, ...]:
     """The kernel's scalar operands for ``runs`` (``coalesce``), padded to ``capacity`` entries (one compiled
     shape for every call): (count (1,), blocks, rows, lengths, cols)."""
-    n = len(runs)
-    if n > capacity:
-        raise ValueError(f"{n} runs exceed the kernel's capacity of {capacity}")
-    out = [np.array([n], dtype=np.int32)]
-    for col in range(4):
-        v = np.zeros(capacity, dtype=np.int32)
-        v[:n] = runs[:, col] if n else v[:0]
-        out.append(v)
-    return tuple(out)
+    return dma.run_operands(runs, capacity, cols=4)
 
 
 def _slab_part(slab, row_ref, len_ref, col_ref, i, li, num_layers: int, tiles: int):

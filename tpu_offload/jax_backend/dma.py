@@ -47,14 +47,15 @@ def coalesce(src: np.ndarray, dst: np.ndarray) -> np.ndarray:
     return np.stack([src[starts], dst[starts], lengths], axis=1)
 
 
-def run_operands(runs: np.ndarray, capacity: int) -> tuple[np.ndarray, ...]:
+def run_operands(runs: np.ndarray, capacity: int, cols: int = 3) -> tuple[np.ndarray, ...]:
     """The kernel's scalar operands for ``runs``, padded to ``capacity`` entries (one compiled
-    shape for every pass): (count (1,), source starts, destination starts, lengths)."""
+    shape for every pass): (count (1,), then one vector per column of ``runs``: here source starts,
+    destination starts, lengths; the direct kernel's four columns too)."""
     n = len(runs)
     if n > capacity:
         raise ValueError(f"{n} runs exceed the kernel's capacity of {capacity}")
     out = [np.array([n], dtype=np.int32)]
-    for col in range(3):
+    for col in range(cols):
         v = np.zeros(capacity, dtype=np.int32)
         v[:n] = runs[:, col] if n else v[:0]
         out.append(v)
