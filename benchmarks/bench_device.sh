@@ -8,6 +8,8 @@
 #   3. bench_jax_transfer.py at the Qwen3-32B per-device shape (64 layers, 1 KV head x 128, bf16): 128 MiB
 #      steps at 128- and 256-token blocks, and passes of 16 and 1,000 scattered blocks, vs a raw device_put
 #      (and the per-block loop kernel at 16 blocks, for comparison).
+#   4. bench_tier_cuda.py: the tiering path (device -> pinned slab -> signed chunk files -> a second engine's slab
+#      -> its device) at 8 and 64 layers, bit-exact, beside plain file writes/reads and a pinned memcpy.
 # Every result is JSON (with the device name) under $BENCH_RESULTS_DIR (default benchmarks/results).
 # Runs every step even if one fails; exits non-zero if any did.
 set -uo pipefail
@@ -39,4 +41,5 @@ step timeout 150 $PY benchmarks/bench_jax_transfer.py "${QWEN[@]}" --step-mib 12
 # The per-block loop kernel (the CPU default) on the same device, for comparison.
 step timeout 120 $PY benchmarks/bench_jax_transfer.py "${QWEN[@]}" --block-tokens 128 --pass-blocks 16 --kernel loop \
     --out jax_transfer_cuda_loop
+step timeout 150 $PY benchmarks/bench_tier_cuda.py --device cuda --out tier_cuda
 exit $rc
