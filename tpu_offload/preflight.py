@@ -20,7 +20,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import dataclasses
-import importlib.util
 import os
 import tempfile
 import types
@@ -28,7 +27,8 @@ from typing import Any
 
 from tpu_offload.connector import budget, shapes
 from tpu_offload.core import hostmem, step_budget
-from tpu_offload.core.config import ConfigError, OffloadConfig
+from tpu_offload.core.config import TPU, ConfigError, OffloadConfig
+from tpu_offload.core.config_checks import installed, needed_packages
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -36,40 +36,6 @@ VLLM_DEFAULT_UTILIZATION = 0.9  # vLLM's --gpu-memory-utilization when none is g
 
 
 # ---- dependencies ----------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class Need:
-    """An optional package a setting needs: its module, what to install, and the setting."""
-
-    module: str
-    package: str
-    extra: str
-    setting: str
-
-    def describe(self) -> str:
-        return f"{self.setting} needs {self.package} (pip install 'tpu-offload[{self.extra}]')"
-
-
-def needed_packages(cfg: OffloadConfig) -> list[Need]:
-    """What ``cfg`` imports only once serving: orbax at the first snapshot (shutdown), cryptography with
-    the first encrypted or GMAC-signed chunk."""
-    out = []
-    if cfg.snapshot_path:
-        out.append(Need("orbax.checkpoint", "orbax-checkpoint", "tpu", "snapshot_path"))
-    if cfg.fs_encrypt:
-        out.append(Need("cryptography", "cryptography", "fs-encrypt", "fs_encrypt"))
-    if cfg.fs_mac == "gmac" and cfg.fs_secret:
-        out.append(Need("cryptography", "cryptography", "fs-encrypt", "fs_mac='gmac'"))
-    return out
-
-
-def installed(module: str) -> bool:
-    """Whether ``module`` can be imported here, found without importing it (orbax would import JAX)."""
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):  # a parent package missing, or a module stubbed out as None
-        return False
-
-
 SECRET_FILE_KEY, SECRET_FILE_ENV = "fs_secret_file", "TPU_OFFLOAD_FS_SECRET_FILE"
 
 
@@ -125,7 +91,7 @@ def check_dependencies(rep, cfg: OffloadConfig | None, refused: str | None = Non
     if refused is not None:
         rep.fail("dependencies", refused, line=refused)
         return
-    needs = needed_packages(cfg)
+    needs = needed_packages(cfg, TPU)
     missing = [n for n in needs if not installed(n.module)]
     fields = dict(needed=[dataclasses.asdict(n) for n in needs], missing=[n.package for n in missing])
     if missing:

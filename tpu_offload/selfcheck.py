@@ -49,7 +49,8 @@ from typing import Any
 from tpu_offload import preflight
 from tpu_offload.connector import shapes
 from tpu_offload.core import step_budget
-from tpu_offload.core.config import TPU, ConfigError, OffloadConfig, ignored_settings
+from tpu_offload.core.config import TPU, ConfigError, OffloadConfig
+from tpu_offload.core.config_checks import ignored_settings
 
 GIB = 1 << 30
 MIB = 1 << 20

@@ -52,7 +52,8 @@ import weakref
 from typing import Any
 
 from tpu_offload.core import hostmem
-from tpu_offload.core.config import VLLM, ConfigError, OffloadConfig, warn_ignored
+from tpu_offload.core.config import VLLM, ConfigError, OffloadConfig
+from tpu_offload.core.config_checks import warn_ignored
 from tpu_offload.core.pool import PAGE
 
 from gpu_offload._log import get_logger

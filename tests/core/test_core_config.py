@@ -20,6 +20,7 @@ import pytest
 from hypothesis import assume, example, given, settings
 
 from tpu_offload.core import config as C
+from tpu_offload.core import config_values as V
 from tpu_offload.core.config import ConfigError, OffloadConfig
 
 FAST = settings(max_examples=60, deadline=None)
@@ -27,13 +28,13 @@ GIB = 1 << 30
 KEYS = sorted(C._BY_KEY)
 ENVS = sorted(C._BY_ENV)
 KNOWN = set(KEYS) | set(C.ENGINE_KEYS)
-TRUE, FALSE = C._TRUE, C._FALSE
+TRUE, FALSE = V._TRUE, V._FALSE
 
 
 def kind(parse) -> tuple[str, dict]:
     """What a setting's parser accepts, read off the parser itself."""
     for name in ("_bytes", "_gib", "_bool", "_path", "_int_list"):
-        if parse is getattr(C, name):
+        if parse is getattr(V, name):
             return name[1:], {}
     outer = parse.__qualname__.split(".")[0].lstrip("_")
     return outer, dict(inspect.getclosurevars(parse).nonlocals)

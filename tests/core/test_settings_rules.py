@@ -11,7 +11,9 @@ import logging
 import pytest
 
 from tpu_offload.core import config as C
-from tpu_offload.core.config import BOTH, TPU, VLLM, ConfigError, OffloadConfig, ignored_settings, warn_ignored
+from tpu_offload.core import config_checks as CC
+from tpu_offload.core.config import BOTH, TPU, VLLM, ConfigError, OffloadConfig
+from tpu_offload.core.config_checks import ignored_settings, warn_ignored
 
 
 def test_every_setting_has_one_scope_and_a_meaning():
@@ -92,7 +94,7 @@ def test_contradictions_within_one_source_name_both():
     assert OffloadConfig.from_sources({}, env=both).host_memory_kind == "unpinned_host"
     # the in-flight bound is accepted and named as doing nothing (the per-step budget bounds a forward's wait)
     cfg = OffloadConfig.from_sources({"transfer_piece_bytes": "32MiB", "transfer_inflight_bytes": "16MiB"}, env={})
-    assert "transfer_inflight_bytes" in C.inert_settings(cfg, TPU)
+    assert "transfer_inflight_bytes" in CC.inert_settings(cfg, TPU)
 
 
 @pytest.mark.parametrize("engine", [TPU, VLLM])
@@ -140,13 +142,13 @@ def test_snapshot_path_needs_orbax_at_start(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name.startswith("orbax") else real(name, *a))
     with pytest.raises(ConfigError) as e:
-        C.check_extras(cfg, TPU)
+        CC.check_extras(cfg, TPU)
     msg = str(e.value)
     assert "snapshot_path='/mnt/snap'" in msg and "orbax-checkpoint" in msg and "[tpu]" in msg, msg
-    C.check_extras(cfg, VLLM)  # vLLM never saves one (snapshot_path is named as TPU-only instead)
-    C.check_extras(OffloadConfig.from_sources({}, env={}), TPU)
+    CC.check_extras(cfg, VLLM)  # vLLM never saves one (snapshot_path is named as TPU-only instead)
+    CC.check_extras(OffloadConfig.from_sources({}, env={}), TPU)
     monkeypatch.undo()
-    assert C.missing_extras(cfg, TPU) == []  # where it is installed
+    assert CC.missing_extras(cfg, TPU) == []  # where it is installed
 
 
 def test_vllm_names_each_of_its_own_keys_our_spec_ignores():

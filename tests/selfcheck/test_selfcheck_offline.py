@@ -9,6 +9,7 @@ metadata server for ~20 s off a TPU host) or JAX, and exit 0 pass, 1 fail,
 from __future__ import annotations
 
 import base64
+import importlib.util
 import json
 import os
 import subprocess
@@ -140,8 +141,8 @@ def test_host_memory_checks_the_tier_against_the_serving_host(tmp_path):
 
 
 def test_snapshot_path_without_orbax_fails_naming_the_package(tmp_path, monkeypatch, capsys):
-    real = preflight.importlib.util.find_spec
-    monkeypatch.setattr(preflight.importlib.util, "find_spec",
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name.startswith("orbax") else real(name, *a))
     rc, rep = offline(tmp_path, "--config", ktc(snapshot_path=str(tmp_path / "snap")), *TPU7X)
     assert rc == 1 and rep["checks"]["dependencies"]["missing"] == ["orbax-checkpoint"]

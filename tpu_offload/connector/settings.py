@@ -17,7 +17,8 @@ from typing import Mapping
 
 from tpu_offload.connector import budget, compat, models, sizing, windows as sliding
 from tpu_offload.core import step_budget
-from tpu_offload.core.config import TPU, ConfigError, OffloadConfig, check_extras, warn_ignored
+from tpu_offload.core.config import TPU, ConfigError, OffloadConfig
+from tpu_offload.core.config_checks import check_extras, warn_ignored
 
 log = logging.getLogger(__name__)
 
