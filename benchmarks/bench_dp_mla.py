@@ -2,7 +2,7 @@
 
     .venv-tpu/bin/python benchmarks/bench_dp_mla.py [--reps 3] [--batch 4] [--prompt-len 400]
 
-The real tpu-inference 0.32 engine on JAX's CPU backend (tests/tpu_engine),
+The real tpu-inference 0.32 engine on JAX's CPU backend (tpu_offload/testing),
 the tiny DeepSeek-V3 (MLA, fp8 latent cache, 32-token pages) at TP 2 with DP
 attention, so 2 attention-DP ranks under tpu-inference's DPScheduler, each
 kind in its own process: no connector (recompute), ours, tpu-inference's own
@@ -30,7 +30,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests" / "tpu_engine")]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 from _common import print_table, restore_ttfts_ms, store_prompts, write_json  # noqa: E402
 
@@ -40,12 +40,12 @@ KINDS = ("none", "ours", "theirs")
 
 
 def measure(kind: str, reps: int, batch: int, prompt_len: int) -> dict:
-    import engine_run
+    from tpu_offload.testing import engine_run
 
     engine_run.prepare_process()
-    import cpu_support
-    from tiny_families import FAMILIES
-    from workloads import prompt
+    from tpu_offload.testing import cpu_support
+    from tpu_offload.testing.tiny_families import FAMILIES
+    from tpu_offload.testing.workloads import prompt
 
     cpu_support.apply()
     fam = FAMILIES["deepseek-v3"]

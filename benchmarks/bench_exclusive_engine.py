@@ -36,9 +36,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests" / "tpu_engine")]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
-import engine_run  # noqa: E402
+from tpu_offload.testing import engine_run  # noqa: E402
 
 engine_run.prepare_process()
 
@@ -60,10 +60,10 @@ def kv_config(mode: str, host_chunks: int):
 
 def one(args) -> None:
     """Child mode: one engine, one run, printed as JSON."""
-    import cpu_support
-    from offload_helpers import CompileCounter
-    from tiny_models import KV4
-    from workloads import prompt
+    from tpu_offload.testing import cpu_support
+    from tpu_offload.testing.offload_helpers import CompileCounter
+    from tpu_offload.testing.tiny_models import KV4
+    from tpu_offload.testing.workloads import prompt
 
     cpu_support.apply()
     compiles = CompileCounter.install()
@@ -98,7 +98,7 @@ def one(args) -> None:
             rows.append({"prompt": i, "ttft_s": time.perf_counter() - t0, "computed": sum(scheduled), "token": tok})
         totals = {}
         if args.one in ("write_through", "exclusive"):
-            from offload_helpers import settle, totals as tot
+            from tpu_offload.testing.offload_helpers import settle, totals as tot
 
             settle(eng)
             totals = tot(eng)

@@ -3,7 +3,7 @@ load vs never load.
 
     .venv-tpu/bin/python benchmarks/bench_load_decision_tpu.py [--tokens 256] [--reps 3] [--delays 0 1 5] [--bias 1.0]
 
-tpu-inference 0.32 on JAX's CPU backend (tests/tpu_engine/cpu_support.py), the tiny KV4 Llama in bf16,
+tpu-inference 0.32 on JAX's CPU backend (tpu_offload/testing/cpu_support.py), the tiny KV4 Llama in bf16,
 one engine in this process with our ``TPUOffloadConnector`` (configs/tpu-inference/offload-fs.json,
 sizes for the tiny model) and its file tier written through to a temp directory, signed with a secret
 file. Every file-tier read syscall of this process is delayed by ``delay`` seconds (the file tier's
@@ -39,9 +39,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests" / "tpu_engine")]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
-import engine_run  # noqa: E402
+from tpu_offload.testing import engine_run  # noqa: E402
 
 engine_run.prepare_process()
 
@@ -60,17 +60,17 @@ def main() -> int:
     ap.add_argument("--name", help="results/<name>.json (default: load_decision_tpu[_bias<b>])")
     args = ap.parse_args()
 
-    import cpu_support
+    from tpu_offload.testing import cpu_support
 
     cpu_support.apply()
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from offload_helpers import OURS, sch, settle, wrk
-    from tiny_models import KV4
+    from tpu_offload.testing.offload_helpers import OURS, sch, settle, wrk
+    from tpu_offload.testing.tiny_models import KV4
     from tpu_offload.core.fs import fileio
     from tpu_offload.core.fs.auth import make_secret_file
-    from workloads import prompt
+    from tpu_offload.testing.workloads import prompt
 
     block = 16
     blocks = -(-args.tokens // block)

@@ -5,8 +5,8 @@
 
 The same harness, workload, checks and report as ``bench_serving_vllm.py`` (see there),
 against the real tpu-inference 0.32 engine on JAX's CPU backend: vLLM's OpenAI server in
-``.venv-tpu`` (Python 3.12), started through ``tests/tpu_engine/serve.py``, which
-applies the CPU support (``tests/tpu_engine/cpu_support.py``) in the server process.
+``.venv-tpu`` (Python 3.12), started through ``python -m tpu_offload.testing.serve``, which
+applies the CPU support (``tpu_offload/testing/cpu_support.py``) in the server process.
 Configurations: no connector; tpu-inference's own ``TPUOffloadConnector`` (sized with its
 ``TPU_OFFLOAD_*`` environment); ours (``configs/tpu-inference/offload.json``, sizes
 overridden for the tiny model). The host tier gets the same bytes in both connectors.
@@ -32,7 +32,7 @@ from benchmarks.serving.server import Server, free_port  # noqa: E402
 
 BLOCK = 128
 TPU_PY = ROOT / ".venv-tpu" / "bin" / "python"
-SERVE = ROOT / "tests" / "tpu_engine" / "serve.py"
+SERVE = "tpu_offload.testing.serve"  # run with -m from the code under test (PYTHONPATH)
 CONFIGS = ("none", "theirs", "ours", "ours-fs")  # ours-fs: opt in (--configs), with --host-fraction < 1
 
 
@@ -44,19 +44,20 @@ def tpu_model():
 
 
 def start(name: str, model: str, blocks: int, host_bytes: int, w, work: Path, args):
-    for path, what in ((TPU_PY, "the .venv-tpu environment (make .venv-tpu)"), (SERVE, "the serve wrapper")):
+    code = str(Path(args.code).resolve()) if args.code else str(ROOT)
+    serve = Path(code, *SERVE.split(".")).with_suffix(".py")  # in the code under test
+    for path, what in ((TPU_PY, "the .venv-tpu environment (make .venv-tpu)"), (serve, "the serve wrapper")):
         if not path.exists():
             raise FileNotFoundError(f"{path} is missing: {what} is needed to run tpu-inference's OpenAI server on CPU")
     port = free_port()
     endpoint = f"ipc://{work / 'kv-events.sock'}"
     ev = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint}
-    code = str(Path(args.code).resolve()) if args.code else str(ROOT)
     env = {
         "PATH": "/usr/bin:/bin", "HOME": str(Path.home()), "PYTHONPATH": code,
         "JAX_PLATFORMS": "cpu", "SKIP_JAX_PRECOMPILE": "1",
         "VLLM_PLUGINS": "", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
     }
-    if os.environ.get("TPU_ENGINE_VLLM_KERNELS"):  # a forced kernel build (tests/tpu_engine/vllm_kernels.py)
+    if os.environ.get("TPU_ENGINE_VLLM_KERNELS"):  # a forced kernel build (tpu_offload/testing/vllm_kernels.py)
         env["TPU_ENGINE_VLLM_KERNELS"] = os.environ["TPU_ENGINE_VLLM_KERNELS"]
     # The engine core is its own process: our connector's Prometheus series reach the API
     # server's /metrics only through prometheus_client's multiprocess mode.
@@ -86,7 +87,7 @@ def start(name: str, model: str, blocks: int, host_bytes: int, w, work: Path, ar
                                                     fs_capacity_bytes=4 * host_bytes, fs_secret_file=str(secret))
         chunk_tokens = int(ktc["kv_connector_extra_config"].get("blocks_per_chunk", 1)) * BLOCK
     cmd = [
-        str(TPU_PY), str(SERVE), "--model", model, "--dtype", args.dtype, "--seed", "0",
+        str(TPU_PY), "-m", SERVE, "--model", model, "--dtype", args.dtype, "--seed", "0",
         "--block-size", str(BLOCK), "--num-gpu-blocks-override", str(blocks),
         "--max-model-len", str(w.max_model_len),
         "--max-num-seqs", str(max(w.concurrency, 4)), "--max-num-batched-tokens", str(args.max_batched_tokens),

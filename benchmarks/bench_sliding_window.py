@@ -10,8 +10,8 @@ Two parts.
   ``Gemma4TextConfig``), at the TPU page tpu-inference uses (128 tokens), with
   sliding layers stored whole ("all") or by their window ("window").
 * Measured in the real tpu-inference 0.32 engine on JAX's CPU backend
-  (tests/tpu_engine/cpu_support.py), a tiny random model of the family
-  (tests/tpu_engine/tiny_families.py), each engine in its own process, with
+  (tpu_offload/testing/cpu_support.py), a tiny random model of the family
+  (tpu_offload/testing/tiny_families.py), each engine in its own process, with
   vLLM's prefix caching off (what "window" needs where the engine has one
   block table for all layers, as on tpu-inference's JAX path; see windows.py):
   ours with ``sliding_window: window`` (gpt-oss on tpu-inference's vLLM-model
@@ -38,7 +38,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests" / "tpu_engine")]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 from _common import print_table, restore_ttfts_ms, store_prompts, write_json  # noqa: E402
 
@@ -93,12 +93,12 @@ def real_rows(lengths: list[int]) -> list[dict]:
 
 # ---- part 2: the real engine -------------------------------------------------------
 def measure(kind: str, family: str, reps: int, batch: int, prompt_len: int) -> dict:
-    import engine_run
+    from tpu_offload.testing import engine_run
 
     engine_run.prepare_process()
-    import cpu_support
-    from tiny_families import FAMILIES
-    from workloads import prompt
+    from tpu_offload.testing import cpu_support
+    from tpu_offload.testing.tiny_families import FAMILIES
+    from tpu_offload.testing.workloads import prompt
 
     cpu_support.apply()
     fam = FAMILIES[family]

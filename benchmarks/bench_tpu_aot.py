@@ -54,9 +54,9 @@ os.environ.setdefault("TPU_ACCELERATOR_TYPE", "tpu7x-8")
 os.environ.setdefault("NEW_MODEL_DESIGN", "1")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compile-only: no chip to share
 os.environ["VLLM_PLUGINS"] = ""
-sys.path[:0] = [HERE, ROOT, os.path.join(ROOT, "tests", "tpu_engine")]
+sys.path[:0] = [HERE, ROOT]
 
-import cpu_support  # noqa: E402
+from tpu_offload.testing import cpu_support  # noqa: E402
 
 cpu_support.prepare_vllm()  # vLLM's kernels for this CPU, torchax, tpu-inference's platform
 

@@ -2,7 +2,7 @@
 
     .venv-tpu/bin/python benchmarks/bench_tpu_engine.py [--tp 1] [--rounds 4] [--cycles 2]
 
-tpu-inference 0.32 on JAX's CPU backend (tests/tpu_engine/cpu_support.py),
+tpu-inference 0.32 on JAX's CPU backend (tpu_offload/testing/cpu_support.py),
 each engine in its own process (both connectors export the same
 ``tpu_inference:prefix_cache_*`` metric names), three ways: no connector, our
 ``TPUOffloadConnector`` (configs/tpu-inference/offload.json, sizes for the
@@ -29,9 +29,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests" / "tpu_engine")]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
-import engine_run  # noqa: E402
+from tpu_offload.testing import engine_run  # noqa: E402
 
 engine_run.prepare_process()
 
@@ -50,7 +50,7 @@ def kv_config(which: str):
 
 
 def measure(which: str, model_dir: str, shape, rounds: int, batch: int, prompt_len: int, seed: int) -> dict:
-    from workloads import prompt
+    from tpu_offload.testing.workloads import prompt
 
     if which == "theirs":
         os.environ.update(THEIR_ENV)
@@ -87,8 +87,8 @@ def measure(which: str, model_dir: str, shape, rounds: int, batch: int, prompt_l
 
 def one(args) -> None:
     """Child mode: one engine, one measurement, printed as JSON."""
-    import cpu_support
-    from tiny_models import KV4
+    from tpu_offload.testing import cpu_support
+    from tpu_offload.testing.tiny_models import KV4
 
     cpu_support.apply()
     shape = engine_run.Shape("kv4", "bfloat16", tp=args.tp, block_size=16, num_blocks=256, max_model_len=1024)

@@ -4,7 +4,7 @@
 
 tpu-inference 0.32 (vLLM's scheduler, ``TpuPlatform``, ``TPUWorker``,
 ``TPUModelRunner``, flax model, sampler) on JAX's CPU backend, through the
-test suite's CPU support (``tests/tpu_engine/cpu_support.py``: it replaces
+test suite's CPU support (``tpu_offload/testing/cpu_support.py``: it replaces
 only the TPU-only calls). A random Llama is written to a temp dir (no
 download). Several prompts share a long prefix; pass 1 computes them and the
 connector stores their KV, ``reset_prefix_cache()`` empties the engine's own
@@ -43,10 +43,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "tpu_engine")]
+sys.path[:0] = [str(ROOT)]
 
-import engine_run  # noqa: E402  (imports neither JAX nor vLLM)
-from tiny_models import TinyLlama  # noqa: E402
+from tpu_offload.testing import engine_run  # noqa: E402  (imports neither JAX nor vLLM)
+from tpu_offload.testing.tiny_models import TinyLlama  # noqa: E402
 
 # head_dim 128: the RPA v3 cache layout a TPU deployment uses. Big enough that
 # prefill dominates a step, small enough for the whole demo in a few minutes
@@ -61,7 +61,7 @@ NUDGE = [5, 6, 7, 8, 9]  # a tiny unrelated request: steps the engine so finishe
 
 
 def prompts_for(seed: int, n: int, prefix: int, suffix: int) -> list[list[int]]:
-    from workloads import shared_prefix
+    from tpu_offload.testing.workloads import shared_prefix
 
     return shared_prefix(seed, prefix, n, suffix)
 
@@ -193,7 +193,7 @@ def their_env(args) -> dict[str, str]:
 
 def child(args) -> None:
     engine_run.prepare_process()  # before JAX is imported; clears TPU_OFFLOAD_* (ours reads them too)
-    import cpu_support
+    from tpu_offload.testing import cpu_support
 
     cpu_support.apply()
     result: dict = {}

@@ -4,7 +4,7 @@
   such as ``core.fs`` are covered) in a fresh interpreter imports neither
   jax nor torch, nor any third-party package beyond the declared base
   dependencies.
-* No module under it imports upward (connector, jax_backend, gpu_offload)
+* No module under it imports upward (connector, jax_backend, testing, gpu_offload)
   or an engine, checked on the source (AST), lazy imports included.
 """
 
@@ -22,7 +22,8 @@ import tpu_offload.core
 
 CORE = pathlib.Path(tpu_offload.core.__file__).parent
 ROOT = CORE.parents[1]
-FORBIDDEN = ("jax", "jaxlib", "torch", "vllm", "tpu_inference", "gpu_offload", "tpu_offload.connector", "tpu_offload.jax_backend")
+FORBIDDEN = ("jax", "jaxlib", "torch", "vllm", "tpu_inference", "gpu_offload", "tpu_offload.connector",
+             "tpu_offload.jax_backend", "tpu_offload.testing")
 
 
 def _base_dependencies() -> set[str]:

@@ -159,18 +159,13 @@ def test_reporting_workers_follow_tpu_inference_executors(monkeypatch):
 
 def _tpu_inference_sharding():
     """tpu-inference's real ShardingConfigManager (its package needs the CPU support's torchax shim)."""
-    import sys
-
-    sys.path.insert(0, str(REPO / "tests" / "tpu_engine"))
     try:
-        import cpu_support
+        from tpu_offload.testing import cpu_support
 
         cpu_support._import_torchax()
         from tpu_inference.layers.common.sharding import ShardingConfigManager
     except Exception as e:  # the .venv environment has no working tpu-inference
         pytest.skip(f"tpu-inference cannot be imported here: {e!r}")
-    finally:
-        sys.path.pop(0)
     return ShardingConfigManager
 
 

@@ -7,9 +7,7 @@ worker gets global block ids and each rank's own partition of the host tier.
 """
 
 import pickle
-import sys
 import types
-from pathlib import Path
 
 import pytest
 
@@ -23,16 +21,13 @@ def _merge(metas):
     """tpu-inference's merge, run on what each rank's process would send (pickled, as over its pipe)."""
     from vllm.v1.core.sched.output import SchedulerOutput
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tpu_engine"))
     try:
-        import cpu_support
+        from tpu_offload.testing import cpu_support
 
         cpu_support._import_torchax()  # tpu-inference's package needs the CPU support's torchax shim
         from tpu_inference.core.sched.dp_scheduler import DPScheduler
     except Exception as e:  # the .venv environment has no working tpu-inference
         pytest.skip(f"tpu-inference cannot be imported here: {e!r}")
-    finally:
-        sys.path.pop(0)
 
     sched = object.__new__(DPScheduler)
     sched.per_rank_kv_cache_configs = [types.SimpleNamespace(num_blocks=BLOCKS_PER_RANK)] * len(metas)

@@ -7,7 +7,6 @@ TPU suites use vLLM's CPU platform or their own device count).
 """
 
 import os
-import sys
 
 os.environ["JAX_PLATFORMS"] = "cpu"  # the runtime backend; compilation targets the TPU topology
 os.environ["TPU_SKIP_MDS_QUERY"] = "1"  # no GCE metadata server here
@@ -19,7 +18,6 @@ os.environ["VLLM_PLUGINS"] = ""
 for _k in [k for k in os.environ if k.startswith("TPU_OFFLOAD_")]:
     del os.environ[_k]
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tpu_engine"))
-import cpu_support  # noqa: E402
+from tpu_offload.testing import cpu_support  # noqa: E402
 
 cpu_support.prepare_vllm()  # vLLM's kernels for this CPU, torchax, tpu-inference's platform

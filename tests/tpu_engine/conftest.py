@@ -7,6 +7,8 @@ resolves its platform. Both happen here, at import. Engines are expensive
 keeps one engine alive (vLLM's worker connector is process-global) and test
 files are laid out so consecutive tests ask for the same one. Baseline tokens
 (no connector) are computed once per engine shape for every workload.
+The engine harness is ``tpu_offload.testing`` (the demo and the benchmarks
+start the engine with it too); the modules beside this file are the tests' own.
 """
 
 from __future__ import annotations
@@ -16,19 +18,19 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import engine_run  # noqa: E402
+from tpu_offload.testing import engine_run  # noqa: E402
 
 engine_run.prepare_process()
 
-import cpu_support  # noqa: E402
+from tpu_offload.testing import cpu_support  # noqa: E402
 
 cpu_support.apply()
 
 import pytest  # noqa: E402
 
-from tiny_families import FAMILIES  # noqa: E402
-from tiny_models import KV1, KV4, QWEN3, QWEN3_SERVED  # noqa: E402
-from workloads import Workload  # noqa: E402
+from tpu_offload.testing.tiny_families import FAMILIES  # noqa: E402
+from tpu_offload.testing.tiny_models import KV1, KV4, QWEN3, QWEN3_SERVED  # noqa: E402
+from tpu_offload.testing.workloads import Workload  # noqa: E402
 
 from tiny_hybrids import REGISTRY_EXTRA  # noqa: E402
 

@@ -22,9 +22,7 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import engine_run  # noqa: E402
+from tpu_offload.testing import engine_run
 
 engine_run.prepare_process()
 
@@ -34,7 +32,7 @@ NUDGE = [[5, 6, 7, 8, 9]]  # a tiny unrelated request: steps the engine so finis
 def round_trip(eng, w, passes: int = 2) -> dict:
     """``w`` on a cold cache, then ``passes - 1`` times more, each after vLLM's
     prefix cache was reset: every later pass must come from the connector."""
-    from offload_helpers import ExternalHits, settle
+    from tpu_offload.testing.offload_helpers import ExternalHits, settle
 
     first = w.run(eng)
     later, hits = [], []
@@ -58,7 +56,7 @@ def warm_up(eng) -> None:
     can hit). tpu-inference's precompile covers its jitted step functions, but
     it unpacks each step's inputs with an eager ``jnp.split``
     (``DeviceBuffer.unpack_arrays``), compiled on first use of each bucket."""
-    from workloads import prompt
+    from tpu_offload.testing.workloads import prompt
 
     for i, padded in enumerate(eng.runner.num_tokens_paddings):
         left, lens = padded // 2 + 1, []  # more than the bucket below holds
@@ -123,8 +121,8 @@ def counted_run(job: dict) -> dict:
     the warm-up is reported by name. With ``control``, our connector's
     compiled programs are then dropped and the workload loaded once more:
     the counter must see those programs compile again."""
-    from offload_helpers import CompileCounter, ExternalHits, totals, wrk
-    from workloads import Workload
+    from tpu_offload.testing.offload_helpers import CompileCounter, ExternalHits, totals, wrk
+    from tpu_offload.testing.workloads import Workload
 
     w = Workload.registry[job["workload"]]
     if job.get("max_slab_bytes"):
@@ -171,10 +169,10 @@ def counted_run(job: dict) -> dict:
 
 
 def main(path: str) -> None:
-    from offload_helpers import totals
-    from workloads import Workload
+    from tpu_offload.testing.offload_helpers import totals
+    from tpu_offload.testing.workloads import Workload
 
-    from offload_helpers import wrk
+    from tpu_offload.testing.offload_helpers import wrk
     from tpu_offload.core.fs import fileio
 
     for job in json.load(open(path)):
@@ -208,14 +206,16 @@ def main(path: str) -> None:
 
 
 def run_jobs(jobs: list[dict], work_dir, timeout_s: int = 1200, env: dict | None = None) -> list[dict]:
-    """Run ``jobs`` in one child process (``env`` added to its environment); its results in order."""
+    """Run ``jobs`` in one child process (``env`` added to its environment); its results in order.
+    The child imports ``tpu_offload`` from this checkout (on its PYTHONPATH), as this process does."""
     import subprocess
 
     path = os.path.join(str(work_dir), "jobs.json")
     with open(path, "w") as f:
         json.dump(jobs, f)
+    pythonpath = os.pathsep.join(p for p in (str(engine_run.REPO), os.environ.get("PYTHONPATH")) if p)
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), path], capture_output=True, text=True,
-                          timeout=timeout_s, env={**os.environ, **(env or {})})
+                          timeout=timeout_s, env={**os.environ, "PYTHONPATH": pythonpath, **(env or {})})
     results = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or len(results) != len(jobs):
         raise AssertionError(f"engine child failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")

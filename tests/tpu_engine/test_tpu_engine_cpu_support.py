@@ -11,8 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import cpu_attention
-import cpu_support
+from tpu_offload.testing import cpu_attention, cpu_support
 
 # (q_len, kv_len) per sequence; decode-only first, as the runner orders them.
 SEQS = [(1, 37), (1, 5), (23, 23), (9, 40)]

@@ -29,10 +29,10 @@ import os
 
 import pytest
 
-from engine_run import Shape, kv_transfer_config
-from offload_helpers import OURS, CompileCounter, delta, valid_slots, wrk, zero_slots
-from tiny_families import ENGINE_ENV_KEYS, FAMILIES, use_engine_env
-from workloads import Workload, prompt
+from tpu_offload.testing.engine_run import Shape, kv_transfer_config
+from tpu_offload.testing.offload_helpers import OURS, CompileCounter, delta, valid_slots, wrk, zero_slots
+from tpu_offload.testing.tiny_families import ENGINE_ENV_KEYS, FAMILIES, use_engine_env
+from tpu_offload.testing.workloads import Workload, prompt
 
 pytestmark = pytest.mark.engine
 

@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import pytest
 
-from engine_run import EngineRun, Shape, kv_transfer_config, refused_start
-from offload_helpers import OURS, store_then_hit_every_block
+from tpu_offload.testing.engine_run import EngineRun, Shape, kv_transfer_config, refused_start
+from tpu_offload.testing.offload_helpers import OURS, store_then_hit_every_block
 from tiny_drafts import EAGLE3_TARGET, write_eagle3
-from tiny_families import QWEN3_MOE
-from workloads import ROUNDTRIP, Workload, prompt
+from tpu_offload.testing.tiny_families import QWEN3_MOE
+from tpu_offload.testing.workloads import ROUNDTRIP, Workload, prompt
 
 pytestmark = pytest.mark.engine
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine_run import Shape, kv_transfer_config
-from offload_helpers import delta, settle, sch, totals, wrk
-from workloads import Workload, prompt
+from tpu_offload.testing.engine_run import Shape, kv_transfer_config
+from tpu_offload.testing.offload_helpers import delta, settle, sch, totals, wrk
+from tpu_offload.testing.workloads import Workload, prompt
 
 pytestmark = pytest.mark.engine
 
@@ -256,7 +256,7 @@ def test_exclusive_with_sliding_window_groups_gives_identical_tokens(engines):
     reuse copies the chunk then. Tokens equal the no-connector engine's; nothing lost or failed."""
     import os
 
-    from tiny_families import FAMILIES
+    from tpu_offload.testing.tiny_families import FAMILIES
 
     saved = dict(os.environ)
     os.environ.update(dict(FAMILIES["gpt-oss"].engine_env))

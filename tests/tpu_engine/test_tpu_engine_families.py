@@ -44,10 +44,10 @@ import sys
 
 import pytest
 
-from engine_run import REPO, Shape, kv_transfer_config, their_kv_transfer_config
-from offload_helpers import OURS, hit_tokens, store_then_hit_every_block, valid_slots, zero_slots
-from tiny_families import ENGINE_ENV_KEYS, FAMILIES, use_engine_env
-from workloads import DETERMINISM, ROUNDTRIP
+from tpu_offload.testing.engine_run import REPO, Shape, kv_transfer_config, their_kv_transfer_config
+from tpu_offload.testing.offload_helpers import OURS, hit_tokens, store_then_hit_every_block, valid_slots, zero_slots
+from tpu_offload.testing.tiny_families import ENGINE_ENV_KEYS, FAMILIES, use_engine_env
+from tpu_offload.testing.workloads import DETERMINISM, ROUNDTRIP
 
 pytestmark = pytest.mark.engine
 
@@ -132,7 +132,7 @@ def test_attention_sinks_match_tpu_inference_reference(dtype, window):
     import numpy as np
     from tpu_inference.kernels.ragged_paged_attention.v3 import kernel_hd64
 
-    import cpu_attention
+    from tpu_offload.testing import cpu_attention
     from test_tpu_engine_cpu_support import make_inputs
 
     args, n = make_inputs(np.random.default_rng(0), q_heads=8, kv_heads=2, head_dim=64, dtype=dtype, page_size=16,
@@ -160,7 +160,7 @@ def test_mla_matches_tpu_inference_reference(dtype, page_size):
     import numpy as np
     from tpu_inference.kernels.mla.v1 import kernel as v1
 
-    import cpu_mla
+    from tpu_offload.testing import cpu_mla
 
     rng = np.random.default_rng(0)
     heads, lkv, r, tokens, max_seqs, pages_per_seq, num_pages = 4, 64, 32, 64, 6, 4, 24
@@ -263,9 +263,7 @@ def test_tp2_tokens_agree_with_hf_and_tp1(name, engines, model_dir):
 
 # ---- gpt-oss's own JAX model ----------------------------------------------------------------------
 _JAX_GPT_OSS = """
-import sys
-sys.path.insert(0, {here!r})
-import engine_run
+from tpu_offload.testing import engine_run
 engine_run.prepare_process()
 engine_run.EngineRun({path!r}, engine_run.Shape("gpt-oss", "bfloat16", tp=1, block_size=16))
 """
@@ -278,8 +276,7 @@ def test_gpt_oss_jax_model_cannot_load_with_the_flax_tpu_inference_pins(model_di
     ``param.sharding``, which is now the (abstract) array's sharding, None. When this test
     fails, that path loads: run gpt-oss through it too. (A child process: the failed
     start leaves vLLM's process-wide parallel state behind.)"""
-    here = os.path.dirname(os.path.abspath(__file__))
-    code = _JAX_GPT_OSS.format(here=here, path=model_dir("gpt-oss", "bfloat16"))
+    code = _JAX_GPT_OSS.format(path=model_dir("gpt-oss", "bfloat16"))
     env = {**os.environ, "MODEL_IMPL_TYPE": "flax_nnx",
            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
@@ -292,8 +289,9 @@ def test_gpt_oss_jax_model_cannot_load_with_the_flax_tpu_inference_pins(model_di
 _CHILD = """
 import sys
 sys.path.insert(0, {here!r})
-import engine_child, engine_run
-from tiny_families import FAMILIES, use_engine_env
+import engine_child
+from tpu_offload.testing import engine_run
+from tpu_offload.testing.tiny_families import FAMILIES, use_engine_env
 
 class FamilyEngine(engine_run.EngineRun):  # each family's environment and engine arguments
     def __init__(self, model_dir, shape, kv=None, **kw):

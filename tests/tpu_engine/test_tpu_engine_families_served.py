@@ -20,10 +20,10 @@ import dataclasses
 import pytest
 
 from engine_child import run_jobs
-from engine_run import DEVICES_ENV, PRECOMPILE_ENV, Shape, kv_transfer_config
-from offload_helpers import OURS, hit_tokens
-from tiny_families import FAMILIES
-from workloads import ROUNDTRIP
+from tpu_offload.testing.engine_run import DEVICES_ENV, PRECOMPILE_ENV, Shape, kv_transfer_config
+from tpu_offload.testing.offload_helpers import OURS, hit_tokens
+from tpu_offload.testing.tiny_families import FAMILIES
+from tpu_offload.testing.workloads import ROUNDTRIP
 
 pytestmark = pytest.mark.engine
 

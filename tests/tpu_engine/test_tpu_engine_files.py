@@ -16,9 +16,9 @@ import re
 import pytest
 
 from engine_child import NUDGE, run_jobs
-from engine_run import kv_transfer_config
-from offload_helpers import OURS, SETUPS, hit_tokens, settle, totals, wrk
-from workloads import ROUNDTRIP
+from tpu_offload.testing.engine_run import kv_transfer_config
+from tpu_offload.testing.offload_helpers import OURS, SETUPS, hit_tokens, settle, totals, wrk
+from tpu_offload.testing.workloads import ROUNDTRIP
 
 pytestmark = pytest.mark.engine
 

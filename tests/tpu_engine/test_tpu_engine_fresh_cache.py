@@ -17,8 +17,8 @@ import pytest
 
 import hf_reference
 from engine_child import run_jobs
-from engine_run import Shape
-from workloads import DETERMINISM
+from tpu_offload.testing.engine_run import Shape
+from tpu_offload.testing.workloads import DETERMINISM
 
 pytestmark = pytest.mark.engine
 

@@ -15,7 +15,7 @@ import re
 
 import pytest
 
-from engine_run import kv_transfer_config
+from tpu_offload.testing.engine_run import kv_transfer_config
 from tiny_hybrids import ARCHITECTURE, write_qwen3_5_moe
 
 pytestmark = pytest.mark.engine

@@ -16,10 +16,10 @@ from __future__ import annotations
 import pytest
 
 from engine_child import NUDGE, run_jobs
-from engine_run import kv_transfer_config
-from offload_helpers import OURS, SETUPS, settle, totals, wrk
+from tpu_offload.testing.engine_run import kv_transfer_config
+from tpu_offload.testing.offload_helpers import OURS, SETUPS, settle, totals, wrk
 from tpu_offload.core.fs.auth import make_secret_file
-from workloads import DECISION_PUBLISH as PUBLISH, DECISION_REPLICAS as REPLICAS
+from tpu_offload.testing.workloads import DECISION_PUBLISH as PUBLISH, DECISION_REPLICAS as REPLICAS
 
 pytestmark = pytest.mark.engine
 

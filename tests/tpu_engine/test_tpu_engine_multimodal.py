@@ -23,11 +23,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine_run import Shape, kv_transfer_config
-from offload_helpers import OURS, ExternalHits, delta, hit_tokens, settle, totals
+from tpu_offload.testing.engine_run import Shape, kv_transfer_config
+from tpu_offload.testing.offload_helpers import OURS, ExternalHits, delta, hit_tokens, settle, totals
 from test_tpu_engine_families import engine, family_env  # noqa: F401  (family_env: autouse, this module too)
-from tiny_families import QWEN_VL_TOKENS
-from workloads import prompt
+from tpu_offload.testing.tiny_families import QWEN_VL_TOKENS
+from tpu_offload.testing.workloads import prompt
 
 pytestmark = pytest.mark.engine
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine_run import kv_transfer_config
-from offload_helpers import (OURS, SETUPS, ExternalHits, LookupSpy, delta, hit_tokens, sch, settle, totals,
-                             valid_slots, wrk, zero_slots)
-from workloads import FAULTS, NEGATIVE, PRESSURE, ROUNDTRIP
+from tpu_offload.testing.engine_run import kv_transfer_config
+from tpu_offload.testing.offload_helpers import (OURS, SETUPS, ExternalHits, LookupSpy, delta, hit_tokens, sch,
+                                                 settle, totals, valid_slots, wrk, zero_slots)
+from tpu_offload.testing.workloads import FAULTS, NEGATIVE, PRESSURE, ROUNDTRIP
 
 pytestmark = pytest.mark.engine
 

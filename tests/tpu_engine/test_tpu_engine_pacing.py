@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine_run import kv_transfer_config
-from offload_helpers import OURS, SETUPS, delta, hit_tokens, settle, totals, wrk
-from workloads import ROUNDTRIP
+from tpu_offload.testing.engine_run import kv_transfer_config
+from tpu_offload.testing.offload_helpers import OURS, SETUPS, delta, hit_tokens, settle, totals, wrk
+from tpu_offload.testing.workloads import ROUNDTRIP
 
 pytestmark = pytest.mark.engine
 KIB = 1 << 10

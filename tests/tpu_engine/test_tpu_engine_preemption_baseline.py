@@ -4,7 +4,7 @@ With no connector: a request vLLM preempts must decode the tokens it decodes unp
 synchronous scheduler it does. On the default asynchronous scheduler, in this CPU test bed, it does
 not (measured: the preempted request diverges 25 tokens into its 64). vLLM's own CPU platform turns
 asynchronous scheduling off, so vLLM alone cannot be checked here; tpu-inference's runner under
-asynchronous scheduling and tests/tpu_engine/cpu_support.py remain the suspects. The strict xfail
+asynchronous scheduling and tpu_offload/testing/cpu_support.py remain the suspects. The strict xfail
 turns into a failure the day that changes, so the tests can return to the default scheduler.
 """
 
@@ -14,8 +14,8 @@ import dataclasses
 
 import pytest
 
-from engine_run import Shape
-from workloads import Workload, prompt
+from tpu_offload.testing.engine_run import Shape
+from tpu_offload.testing.workloads import Workload, prompt
 
 pytestmark = pytest.mark.engine
 

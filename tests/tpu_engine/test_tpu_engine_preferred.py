@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from tiny_families import FAMILIES
+from tpu_offload.testing.tiny_families import FAMILIES
 
 pytestmark = pytest.mark.engine
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine_run import Shape, kv_transfer_config
-from offload_helpers import OURS, hit_tokens, settle, totals, wrk
-from tiny_models import KV1
-from workloads import ROUNDTRIP
+from tpu_offload.testing.engine_run import Shape, kv_transfer_config
+from tpu_offload.testing.offload_helpers import OURS, hit_tokens, settle, totals, wrk
+from tpu_offload.testing.tiny_models import KV1
+from tpu_offload.testing.workloads import ROUNDTRIP
 
 pytestmark = pytest.mark.engine
 

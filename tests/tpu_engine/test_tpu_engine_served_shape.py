@@ -30,10 +30,10 @@ import time
 import pytest
 
 from engine_child import run_jobs
-from engine_run import DEVICES_ENV, PRECOMPILE_ENV, Shape, kv_transfer_config
-from offload_helpers import hit_tokens
-from tiny_models import QWEN3_SERVED
-from workloads import ROUNDTRIP
+from tpu_offload.testing.engine_run import DEVICES_ENV, PRECOMPILE_ENV, Shape, kv_transfer_config
+from tpu_offload.testing.offload_helpers import hit_tokens
+from tpu_offload.testing.tiny_models import QWEN3_SERVED
+from tpu_offload.testing.workloads import ROUNDTRIP
 
 pytestmark = pytest.mark.engine
 

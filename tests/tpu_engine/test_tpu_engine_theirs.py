@@ -14,9 +14,9 @@ from __future__ import annotations
 import pytest
 
 from engine_child import round_trip, run_jobs
-from engine_run import kv_transfer_config, their_kv_transfer_config
-from offload_helpers import OURS, SETUPS
-from workloads import ROUNDTRIP
+from tpu_offload.testing.engine_run import kv_transfer_config, their_kv_transfer_config
+from tpu_offload.testing.offload_helpers import OURS, SETUPS
+from tpu_offload.testing.workloads import ROUNDTRIP
 
 pytestmark = pytest.mark.engine
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 
 import hf_reference
-from offload_helpers import SETUPS
-from workloads import DETERMINISM
+from tpu_offload.testing.offload_helpers import SETUPS
+from tpu_offload.testing.workloads import DETERMINISM
 
 pytestmark = pytest.mark.engine
 

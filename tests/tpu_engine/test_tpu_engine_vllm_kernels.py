@@ -15,9 +15,9 @@ import sys
 
 import pytest
 
-import vllm_kernels
+from tpu_offload.testing import vllm_kernels
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HASWELL = {"fpu", "sse4_2", "avx", "avx2", "fma", "bmi2"}  # also Zen 1-3: no AVX-512
 SKYLAKE_X = HASWELL | {"avx512f", "avx512dq", "avx512cd", "avx512bw", "avx512vl"}
 SAPPHIRE_RAPIDS = SKYLAKE_X | {"avx512_bf16", "avx512_vnni", "amx_bf16"}
@@ -63,8 +63,8 @@ def test_bad_override_named(monkeypatch):
 
 FORCED = """
 import os, sys
-sys.path.insert(0, {here!r})
-import cpu_support
+sys.path.insert(0, {repo!r})
+from tpu_offload.testing import cpu_support
 cpu_support.prepare_vllm()
 import torch
 import tpu_inference.platforms.tpu_platform  # runs `import vllm._C`
@@ -86,6 +86,6 @@ def test_forced_avx2_build_serves_tpu_inference():
     """A fresh process with the AVX2 build forced: tpu-inference's platform imports
     and a kernel runs from that build, and the AVX-512 builds are never mapped."""
     env = {**os.environ, vllm_kernels.ENV: "_C_AVX2", "JAX_PLATFORMS": "cpu", "VLLM_PLUGINS": ""}
-    proc = subprocess.run([sys.executable, "-c", FORCED.format(here=HERE)], env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", FORCED.format(repo=REPO)], env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stderr[-3000:]

@@ -18,10 +18,10 @@ import pytest
 
 import os
 
-from engine_run import Shape, kv_transfer_config
-from offload_helpers import OURS, delta, hit_tokens, settle, totals, valid_slots, wrk
-from tiny_families import FAMILIES
-from workloads import ROUNDTRIP
+from tpu_offload.testing.engine_run import Shape, kv_transfer_config
+from tpu_offload.testing.offload_helpers import OURS, delta, hit_tokens, settle, totals, valid_slots, wrk
+from tpu_offload.testing.tiny_families import FAMILIES
+from tpu_offload.testing.workloads import ROUNDTRIP
 
 pytestmark = pytest.mark.engine
 
@@ -112,7 +112,7 @@ def test_bad_window_bytes_recompute_the_request_with_identical_tokens(windowed):
 def test_control_the_restored_window_is_what_sliding_layers_read(windowed):
     """Negative control: zero only the sliding-window layers' bytes of the tail chunks, checksums
     refreshed (a corruption no check can see): the restored tokens change."""
-    from workloads import NEGATIVE
+    from tpu_offload.testing.workloads import NEGATIVE
 
     shape, _, eng, caching = windowed
     w, sch = wrk(eng).engine, eng.scheduler_connector.scheduler

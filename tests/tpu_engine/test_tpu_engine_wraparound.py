@@ -23,10 +23,10 @@ import os
 
 import pytest
 
-from engine_run import Shape, kv_transfer_config
-from offload_helpers import delta, settle, totals, valid_slots, wrk, sch
-from tiny_families import FAMILIES, use_engine_env
-from workloads import prompt
+from tpu_offload.testing.engine_run import Shape, kv_transfer_config
+from tpu_offload.testing.offload_helpers import delta, settle, totals, valid_slots, wrk, sch
+from tpu_offload.testing.tiny_families import FAMILIES, use_engine_env
+from tpu_offload.testing.workloads import prompt
 
 pytestmark = pytest.mark.engine
 

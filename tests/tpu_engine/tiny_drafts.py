@@ -18,7 +18,7 @@ import dataclasses
 import json
 import os
 
-from tiny_models import KV4, VOCAB
+from tpu_offload.testing.tiny_models import KV4, VOCAB
 
 
 def write_eagle3(path: str, target=KV4, init: float = 0.05) -> str:

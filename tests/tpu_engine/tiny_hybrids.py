@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 
-from tiny_models import VOCAB, write_tokenizer
+from tpu_offload.testing.tiny_models import VOCAB, write_tokenizer
 
 ARCHITECTURE = "Qwen3_5MoeForConditionalGeneration"
 SPEC = {"hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -51,7 +51,7 @@ def write_qwen3_5_moe(path: str) -> str:
 # ---- more of tpu-inference 0.32's registry, for the full-tier test --------------------------------
 import dataclasses  # noqa: E402
 
-from tiny_families import TinyFamily  # noqa: E402
+from tpu_offload.testing.tiny_families import TinyFamily  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)

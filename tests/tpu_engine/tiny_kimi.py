@@ -56,7 +56,7 @@ def write_kimi_k25(path: str, deepseek_dir: str) -> str:
             json.dump(cfg_dict, f, indent=2)
         with open(marker, "w") as f:
             f.write(spec)
-    from tiny_models import write_tokenizer
+    from tpu_offload.testing.tiny_models import write_tokenizer
 
     write_tokenizer(path, text["vocab_size"])
     return path
@@ -68,7 +68,7 @@ class TinyKimiK25:
     name = "kimi-k25"
 
     def write(self, path: str, dtype: str) -> str:
-        from tiny_families import DEEPSEEK_V3
+        from tpu_offload.testing.tiny_families import DEEPSEEK_V3
 
         assert dtype == "bfloat16", "bf16 only, as DeepSeek-V3"
         return write_kimi_k25(path, DEEPSEEK_V3.write(os.path.join(path, "deepseek-v3"), dtype))

@@ -10,7 +10,7 @@ here: by the test suite (``tests/tpu_compiler``), ``make bench-tpu-aot`` and
 The KV cache is described exactly as tpu-inference builds it: its own shape
 function and sharding (``create_kv_caches``), asked for abstract values
 instead of allocating. Import after vLLM's platform is resolved (on a TPU
-host it is; on CPU, see ``tests/tpu_engine/cpu_support.prepare_vllm``).
+host it is; on CPU, see ``tpu_offload.testing.cpu_support.prepare_vllm``).
 """
 
 from __future__ import annotations

@@ -5,16 +5,14 @@ vLLM runs ``python -m vllm.model_executor.models.registry`` to import a model
 class away from the engine process; on its own, that process would see both
 the ``tpu`` and ``cpu`` platform plugins and refuse. This one prepares vLLM
 exactly as the engine process did, then hands over to vLLM's own ``_run``.
+It runs as ``python -m tpu_offload.testing.registry_child``, beside
+``cpu_support``, which every engine process here imports (tests, demos and
+benchmarks alike).
 """
 
 from __future__ import annotations
 
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import cpu_support  # noqa: E402
+from tpu_offload.testing import cpu_support
 
 if __name__ == "__main__":
     cpu_support.prepare_vllm()

@@ -12,7 +12,8 @@ tpu-inference's platform; ``cpu_support`` does, in every process it sets up.
 
 ``TPU_ENGINE_VLLM_KERNELS`` (one of ``VARIANTS``) overrides the choice, and
 is inherited by child processes: e.g. run the suite on the AVX2 build on a
-machine that could run any.
+machine that could run any. In ``tpu_offload.testing`` because ``cpu_support``
+loads it in every process it prepares (tests, demos and benchmarks).
 """
 
 from __future__ import annotations

@@ -23,6 +23,9 @@ Scores and the softmax accumulate in float32 (the kernel accumulates bf16
 inputs in bf16); the output has the queries' dtype, as the kernel's does.
 Query head ``h`` reads KV head ``h // (q_heads // kv_heads)``, as the kernel's
 ``prepare_inputs`` and HF's ``repeat_kv`` both do.
+
+In ``tpu_offload.testing`` because ``cpu_support`` installs it in every engine on CPU
+(tests, demos and benchmarks).
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ hundred tokens reach well past them. Weights use ``tiny_models``' wide init
 scales, sinks' neighbours) gets noise around that constant, so a weight
 the engine loads into the wrong place changes the tokens. A checkpoint is
 reused when its marker file (the family's spec and dtype) matches.
+In ``tpu_offload.testing`` because the MLA and sliding-window benchmarks serve these families.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import json
 import os
 import sys
 
-from tiny_models import VOCAB, write_tokenizer
+from tpu_offload.testing.tiny_models import VOCAB, write_tokenizer
 
 CONSTANT_NOISE = 0.2  # std of the noise added to parameters HF initializes to a constant
 

@@ -3,6 +3,7 @@
 A workload is a sequence of rounds; each round is one ``generate`` call (the
 prompts of a round are batched together). Prompts are token ids drawn from a
 seeded generator: the same workload is the same bytes in every process.
+In ``tpu_offload.testing`` so that the demo and the benchmarks draw the tests' prompts.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from tiny_models import VOCAB
+from tpu_offload.testing.tiny_models import VOCAB
 
 
 def prompt(seed: int, n: int) -> list[int]:

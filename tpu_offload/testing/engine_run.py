@@ -1,8 +1,11 @@
-"""One real tpu-inference engine in this process, and the handles the tests use.
+"""One real tpu-inference engine in this process, and the handles tests, demos and benchmarks use.
 
 vLLM keeps the worker's KV connector in a process-wide global, so only one
 engine with a connector can live in a process at a time: ``EngineRun.close``
-tears the engine down completely before the next one starts.
+tears the engine down completely before the next one starts. Imports neither
+JAX nor vLLM until an engine starts, so a caller can set the environment first
+(``prepare_process``). In ``tpu_offload.testing`` so that the demo and the
+benchmarks start their engines as the tests do.
 """
 
 from __future__ import annotations
@@ -14,12 +17,12 @@ import os
 import re
 from pathlib import Path
 
-import cpu_support  # imports neither JAX nor vLLM until apply()
+from tpu_offload.testing import cpu_support  # imports neither JAX nor vLLM until apply()
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "configs" / "tpu-inference"
 DEVICES = 4  # emulated CPU devices: TP 1, 2 and 4 in one process
-# A child engine process (engine_child.run_jobs) may ask for another device
+# A child engine process (tests/tpu_engine/engine_child.py: run_jobs) may ask for another device
 # count (TP 8 needs 8) and for the engine's own precompile, through these:
 DEVICES_ENV = "TPU_ENGINE_DEVICES"
 PRECOMPILE_ENV = "TPU_ENGINE_PRECOMPILE"  # "1": tpu-inference precompiles, as a served engine does

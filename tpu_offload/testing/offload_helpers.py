@@ -1,4 +1,8 @@
-"""Reaching our connector's halves inside a running engine, and waiting for it."""
+"""Reaching our connector's halves inside a running engine, and waiting for it.
+
+The shapes and sizes the tests use, and the counters they read; in ``tpu_offload.testing``
+because the real-engine benchmarks read the same counters the same way.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,7 @@ import time
 
 import numpy as np
 
-from engine_run import Shape
+from tpu_offload.testing.engine_run import Shape
 
 # One shape per TP: TP 1 in bf16 with 16-token blocks; TP 2 in float32 with
 # 128-token blocks (the tpu-v7 overlay's block size).

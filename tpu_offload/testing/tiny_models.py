@@ -16,7 +16,8 @@ layout a real TPU deployment of these models uses). The weights use a wide
 init (0.2) so the next token depends visibly on the KV it attends to: a
 corrupted restore then changes the output, and greedy decisions are rarely
 near ties. A word-level tokenizer is written next to the weights so the
-OpenAI server can serve the model too; tests pass token ids.
+OpenAI server can serve the model too; tests pass token ids. In
+``tpu_offload.testing`` because the demo and the benchmarks serve these models too.
 """
 
 from __future__ import annotations

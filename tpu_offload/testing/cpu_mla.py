@@ -20,6 +20,7 @@ so the output is ``[N, T, A]`` (the model applies the value up-projection).
 
 Scores and the softmax accumulate in float32; the output has the queries'
 dtype. The transposed cache (``MLA_TRANSPOSE_KV_CACHE=1``) is not supported.
+In ``tpu_offload.testing`` because ``cpu_support`` installs it in every engine on CPU.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from cpu_attention import _NEG, BLOCK_TOKENS, token_positions  # the same token bookkeeping and masking
+from tpu_offload.testing.cpu_attention import _NEG, BLOCK_TOKENS, token_positions  # same bookkeeping and masking
 _STATIC = ("sm_scale", "sliding_window", "soft_cap", "q_scale", "k_scale", "v_scale")
 
 
