@@ -35,8 +35,8 @@ and nothing else (every byte still moves through the wheel's C++
 
 Nothing here changes what the connector decides (what to save, load, evict)
 or how its failures surface: those are part of what is compared. This module
-imports only the standard library at import time beyond the connector itself
-and lives on its own, so it can move with one ``git mv``.
+imports only the standard library until the engine asks for the connector
+class, and depends on nothing else here, so it can move with one ``git mv``.
 """
 
 from __future__ import annotations
@@ -117,41 +117,49 @@ class BlockView:
         return getattr(self.block.raiden_id, name)
 
 
-def _shipped():
+def _build_connector_class():
     install_import_name()
-    from tpu_inference.offload import raiden_offload_connector
+    from tpu_inference.offload.raiden_offload_connector import RaidenOffloadConnector as Shipped
 
-    return raiden_offload_connector.RaidenOffloadConnector
+    class RaidenOffloadConnector(Shipped):
+        """tpu-inference's connector (import name and store calls adapted); with ``wait_for_forward``
+        in ``kv_connector_extra_config``, a step's saves wait until its forward has written the KV
+        cache. It keeps the shipped name: tpu-inference's platform accepts only its own connector
+        names (``kv_connector_module_path`` picks this module)."""
+
+        def __init__(self, vllm_config, role, kv_cache_config=None):
+            super().__init__(vllm_config, role, kv_cache_config)
+            extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+            self.wait_for_forward = bool(extra.get("wait_for_forward", False))
+            self._runner = None
+
+        def register_runner(self, runner) -> None:
+            self._runner = runner
+            super().register_runner(runner)
+
+        def wait_for_save(self) -> None:
+            if self.wait_for_forward and self._saves_this_step():
+                import jax
+
+                jax.block_until_ready(self._runner.kv_caches)
+            super().wait_for_save()
+
+        def _saves_this_step(self) -> bool:
+            meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+            return meta is not None and any(r.save_spec and not r.save_spec.skip_save and r.save_spec.src_blocks
+                                            for r in meta.requests_meta)
+
+    RaidenOffloadConnector.__module__ = __name__
+    return RaidenOffloadConnector
 
 
-class RaidenOffloadConnector(_shipped()):
-    """tpu-inference's connector (import name and store calls adapted); with ``wait_for_forward``
-    in ``kv_connector_extra_config``, a step's saves wait until its forward has written the KV cache.
-
-    The class keeps the shipped name: tpu-inference's platform accepts only its own connector names
-    (``kv_connector_module_path`` picks this module)."""
-
-    def __init__(self, vllm_config, role, kv_cache_config=None):
-        super().__init__(vllm_config, role, kv_cache_config)
-        extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
-        self.wait_for_forward = bool(extra.get("wait_for_forward", False))
-        self._runner = None
-
-    def register_runner(self, runner) -> None:
-        self._runner = runner
-        super().register_runner(runner)
-
-    def wait_for_save(self) -> None:
-        if self.wait_for_forward and self._saves_this_step():
-            import jax
-
-            jax.block_until_ready(self._runner.kv_caches)
-        super().wait_for_save()
-
-    def _saves_this_step(self) -> bool:
-        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
-        return meta is not None and any(r.save_spec and not r.save_spec.skip_save and r.save_spec.src_blocks
-                                        for r in meta.requests_meta)
+def __getattr__(name: str):
+    """``RaidenOffloadConnector`` is built on first use (vLLM's ``getattr`` on this module), so
+    importing this module for ``kv_transfer_config`` loads neither tpu-inference nor the wheel."""
+    if name == "RaidenOffloadConnector":
+        cls = globals()[name] = _build_connector_class()
+        return cls
+    raise AttributeError(name)
 
 
 def kv_transfer_config(ordered: bool) -> dict:
