@@ -131,6 +131,7 @@ def _build_connector_class():
             super().__init__(vllm_config, role, kv_cache_config)
             extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
             self.wait_for_forward = bool(extra.get("wait_for_forward", False))
+            self.forward_wait_s = 0.0  # of wait_for_save's time, spent waiting for the forward
             self._runner = None
 
         def register_runner(self, runner) -> None:
@@ -139,9 +140,13 @@ def _build_connector_class():
 
         def wait_for_save(self) -> None:
             if self.wait_for_forward and self._saves_this_step():
+                import time
+
                 import jax
 
+                t0 = time.perf_counter()
                 jax.block_until_ready(self._runner.kv_caches)
+                self.forward_wait_s += time.perf_counter() - t0
             super().wait_for_save()
 
         def _saves_this_step(self) -> bool:
