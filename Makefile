@@ -35,11 +35,11 @@ export PYTHONPATH := $(CURDIR)
 # Goals that build .venv-tpu (Python 3.12) as well: `make setup` checks for both Pythons and the disk
 # before the first download (tools/check_setup.sh), not half-way through.
 NEED_TPU := $(if $(filter setup setup-tpu demo test test-fast test-tpu test-tpu-compiler test-tpu-engine bench \
-	bench-serving bench-tpu-aot bench-tpu-engine bench-tpu,$(MAKECMDGOALS)),1,0)
+	bench-serving bench-tpu-aot bench-tpu-engine bench-step-thread bench-tpu,$(MAKECMDGOALS)),1,0)
 CHECK_SETUP = @sh tools/check_setup.sh "$(PY)" "$(PY312)" $(if $(wildcard $(STAMP)),0,1) \
 	$(if $(wildcard $(STAMP_TPU)),0,$(NEED_TPU))
 
-.PHONY: help setup setup-tpu demo test test-lane2 test-fast test-vllm test-tpu test-tpu-compiler test-tpu-engine docs bench bench-tpu-aot bench-tpu bench-manager bench-ttft bench-jax bench-fs bench-fs-rescan bench-tpu-engine bench-serving bench-device clean
+.PHONY: help setup setup-tpu demo test test-lane2 test-fast test-vllm test-tpu test-tpu-compiler test-tpu-engine docs bench bench-tpu-aot bench-tpu bench-manager bench-ttft bench-jax bench-fs bench-fs-rescan bench-tpu-engine bench-step-thread bench-serving bench-device clean
 
 help: ## this list (the default goal; installs nothing)
 	@echo "make TARGET, where TARGET is one of:"
@@ -151,6 +151,9 @@ bench-fs-rescan: $(STAMP) ## engine-thread latency of the file tier while it res
 
 bench-tpu-engine: $(STAMP_TPU) ## step-time overhead with no hits: none, ours, tpu-inference's (real engine, JAX CPU)
 	$(TPU_BIN)/python benchmarks/bench_tpu_engine.py
+
+bench-step-thread: $(STAMP_TPU) ## step-thread time per save/restore pass: ours, tpu-inference's two connectors (real engine, JAX CPU)
+	$(TPU_BIN)/python benchmarks/bench_step_thread_tpu.py
 
 # e.g. make bench-serving VLLM_BENCH_ARGS="--repeats 3" TPU_BENCH_ARGS="--configs none ours"
 VLLM_BENCH_ARGS ?=

@@ -12,11 +12,15 @@ cache, pass 2 gets the prefix back from the connector's host tier. Shown
 for our ``TPUOffloadConnector`` (``configs/tpu-inference/offload.json``,
 sizes overridden for the tiny model) and, on the same prompts, for
 tpu-inference's own ``TPUOffloadConnector`` (configured by ``TPU_OFFLOAD_*``
-environment), with the same host bytes and staging blocks. Both are checked
-against a no-connector engine's tokens.
+environment), with the same host bytes and staging blocks, and for
+tpu-inference's ``RaidenOffloadConnector`` (no staging: each block copied
+between the cache and host memory by the tpu-sync wheel, through
+``tpu_offload/testing/raiden_adapter.py``), as shipped and with the ordering fix
+(a step's saves wait for its forward). All are checked against a
+no-connector engine's tokens; the Raiden rows are shown, not gated on.
 
-Processes: one for the no-connector baseline and ours, one for theirs: both
-connectors export the same ``tpu_inference:prefix_cache_*`` metric names, so
+Processes: one for the no-connector baseline and ours, one for each of
+tpu-inference's connectors: they and ours export the same ``tpu_inference:prefix_cache_*`` metric names, so
 they cannot share a Prometheus registry. Each connector engine first does
 one untimed round trip on other prompts with the same shapes (JAX compiles
 every new shape; a compile must not land in a timed TTFT).
@@ -27,7 +31,8 @@ from the connector (``update_state_after_alloc``); load errors are the block
 ids the worker reported to vLLM (``get_block_ids_with_load_errors``). Bytes
 and load time are each connector's own figures: ours from its counters,
 theirs from its ``TPUKVCacheMetrics`` records (per-request load time,
-scatter included). On CPU every memory kind is the same RAM: the figures
+scatter included), Raiden's from the blocks its copy calls name (it does not
+wait for its loads, so it has no load time). On CPU every memory kind is the same RAM: the figures
 show the engines' step structure, not a TPU's DMA speed.
 """
 
@@ -118,6 +123,21 @@ class Probe:
 
         sched.update_state_after_alloc = update_state_after_alloc
         worker.get_block_ids_with_load_errors = get_block_ids_with_load_errors
+        if which in RAIDEN:  # bytes named by its copy calls (one block, all layers, per id)
+            manager, block = worker.connector_worker.raiden_manager, BLOCK * MODEL.kv_bytes_per_token(
+                4 if DTYPE == "float32" else 2)
+            d2h, h2d = manager.d2h_auto_allocate, manager.h2d
+
+            def d2h_auto_allocate(src, *a, **kw):
+                self.theirs["d2h_bytes"] += len(src) * block
+                return d2h(src, *a, **kw)
+
+            def h2d_counted(src, *a, **kw):
+                self.theirs["h2d_bytes"] += len(src) * block
+                return h2d(src, *a, **kw)
+
+            manager.d2h_auto_allocate, manager.h2d = d2h_auto_allocate, h2d_counted
+            self.theirs["h2d_seconds"] = float("nan")
         if which == "theirs":  # its metrics logger thread clears the lists: count at the source
             from tpu_inference.offload.metrics import TPUKVCacheMetrics
 
@@ -147,6 +167,8 @@ class Probe:
     def stores_pending(self) -> bool:
         if self.which == "ours":
             return self.eng.scheduler_connector.scheduler.has_pending_work()
+        if self.which in RAIDEN:
+            return bool(self.eng.scheduler_connector.connector_scheduler._pending_save_hashes)
         return bool(self.eng.scheduler_connector.connector_scheduler._reqs_being_saved)
 
     def settle(self, timeout_s: float = 120.0) -> None:
@@ -179,9 +201,18 @@ def round_trip(eng, probe: Probe, prompts, max_tokens: int) -> dict:
             "errors": c2["errors"] - c0["errors"]}
 
 
+RAIDEN = ("raiden-shipped", "raiden-ordered")
+WHO = {"ours": "our connector", "theirs": "tpu-inference's connector",
+       "raiden-shipped": "Raiden as shipped", "raiden-ordered": "Raiden with the ordering fix"}
+
+
 def kv_config(which: str, args) -> dict:
     if which == "ours":
         return engine_run.kv_transfer_config("offload.json", cpu_bytes=host_bytes(args), staging_blocks=STAGING_BLOCKS)
+    if which in RAIDEN:
+        from tpu_offload.testing import raiden_adapter
+
+        return raiden_adapter.kv_transfer_config(ordered=which == "raiden-ordered")
     return engine_run.their_kv_transfer_config()
 
 
@@ -208,7 +239,7 @@ def child(args) -> None:
             eng.close()
     else:
         os.environ.update(their_env(args))
-    who = "our connector" if args.child == "ours" else "tpu-inference's connector"
+    who = WHO[args.child]
     say(f"{who}: starting the engine")
     t0 = time.perf_counter()
     eng = engine_run.EngineRun(args.model_dir, shape(args), kv_config(args.child, args))
@@ -254,7 +285,8 @@ def table(title: str, r: dict, baseline: list[list[int]]) -> bool:
     same = r["first"] == baseline and r["second"] == baseline
     print(f"tokens served from the host tier : {r['hits']}")
     print(f"bytes stored  (device -> host)   : {r['stored'] / 2**20:.1f} MiB")
-    print(f"bytes loaded  (host -> device)   : {r['loaded'] / 2**20:.1f} MiB in {r['load_s'] * 1e3:.1f} ms")
+    took = "(its loads are not waited for)" if r["load_s"] != r["load_s"] else f"in {r['load_s'] * 1e3:.1f} ms"
+    print(f"bytes loaded  (host -> device)   : {r['loaded'] / 2**20:.1f} MiB {took}")
     print(f"load errors                      : {r['errors']}")
     print(f"outputs identical                : {'yes' if same else 'NO'} (both passes vs no connector)")
     print()
@@ -270,7 +302,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batched-tokens", type=int, default=1024, help="the engine's max_num_batched_tokens")
     ap.add_argument("--tp", type=int, default=1, choices=(1, 2, 4),
                     help="tensor parallel size over emulated CPU devices (the model has 2 KV heads: 4 replicates them)")
-    ap.add_argument("--child", choices=("ours", "theirs"), help=argparse.SUPPRESS)
+    ap.add_argument("--child", choices=tuple(WHO), help=argparse.SUPPRESS)
+    ap.add_argument("--no-raiden", action="store_true", help="skip tpu-inference's RaidenOffloadConnector")
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -286,6 +319,7 @@ def main(argv=None) -> int:
         model_dir = m.write(os.path.join(tmp, "model"), DTYPE)
         ours = run_child("ours", model_dir, Path(tmp), args)
         theirs = run_child("theirs", model_dir, Path(tmp), args)
+        raiden = {} if args.no_raiden else {w: run_child(w, model_dir, Path(tmp), args) for w in RAIDEN}
     base = ours["baseline"]
 
     n_tok = args.prefix + args.suffix
@@ -300,6 +334,11 @@ def main(argv=None) -> int:
     reload = [r["loaded"] / r["stored"] if r["stored"] else float("nan") for r in (ours, theirs)]
     print(f"ours vs tpu-inference's, restored pass: last first token {a * 1e3:.1f} vs {b * 1e3:.1f} ms "
           f"({b / a:.2f}x); host->device bytes per byte stored {reload[0]:.1f} vs {reload[1]:.1f}")
+    if raiden:
+        table("Raiden as shipped: tpu_inference.offload.raiden_offload_connector.RaidenOffloadConnector "
+              "(tpu-sync wheel through tpu_offload/testing/raiden_adapter.py)", raiden["raiden-shipped"], base)
+        table("Raiden with the ordering fix (not in tpu-inference): a step's saves wait for its forward",
+              raiden["raiden-ordered"], base)
     print(f"total tpu-inference demo time    : {time.perf_counter() - t_start:.0f} s")
     return 0 if ok_ours and ok_theirs else 1
 

@@ -3,7 +3,7 @@
 ``python engine_child.py JOB.json`` where the job is a list of runs
 ``{"shape": {...}, "model_dir": ..., "kv": {...}, "workload": name,
 "env": {...}, "engine_kw": {...}, "round_trip": bool, "passes": int,
-"count_compiles": bool, "control": bool}`` (``engine_kw``: more ``vllm.LLM``
+"count_compiles": bool, "control": bool, "zero_device": bool}`` (``engine_kw``: more ``vllm.LLM``
 arguments); prints one JSON line per run. A plain
 run reports the tokens and our connector's counters (none without one); a
 round trip (any connector) runs the workload, lets finished saves be reported, resets vLLM's
@@ -29,10 +29,11 @@ engine_run.prepare_process()
 NUDGE = [[5, 6, 7, 8, 9]]  # a tiny unrelated request: steps the engine so finished saves are reported
 
 
-def round_trip(eng, w, passes: int = 2) -> dict:
+def round_trip(eng, w, passes: int = 2, zero_device: bool = False) -> dict:
     """``w`` on a cold cache, then ``passes - 1`` times more, each after vLLM's
-    prefix cache was reset: every later pass must come from the connector."""
-    from tpu_offload.testing.offload_helpers import ExternalHits, settle
+    prefix cache was reset (and, with ``zero_device``, the device KV cache zeroed
+    in place): every later pass must come from the connector."""
+    from tpu_offload.testing.offload_helpers import ExternalHits, settle, zero_device_kv
 
     first = w.run(eng)
     later, hits = [], []
@@ -43,6 +44,8 @@ def round_trip(eng, w, passes: int = 2) -> dict:
         if type(eng.scheduler_connector).__module__.startswith("tpu_offload."):  # ours: every store completed
             settle(eng)
         eng.reset_prefix_cache()
+        if zero_device:
+            zero_device_kv(eng)
         with ExternalHits(eng) as took:
             later.append(w.run(eng))
         hits.append(took.tokens)
@@ -189,7 +192,7 @@ def main(path: str) -> None:
                 w = Workload.registry[job["workload"]]
                 try:
                     if job.get("round_trip"):
-                        result = round_trip(eng, w, job.get("passes", 2))
+                        result = round_trip(eng, w, job.get("passes", 2), job.get("zero_device", False))
                     else:
                         t0 = time.perf_counter()
                         result = {"tokens": w.run(eng), "totals": totals(eng) if job["kv"] else {}}

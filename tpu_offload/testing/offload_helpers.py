@@ -160,3 +160,22 @@ def store_then_hit_every_block(eng, w, base, block_size: int) -> None:
     assert delta(t2, t1, "hit_tokens") == want
     assert took.tokens == want, "what vLLM took from our tier is what we counted"
     assert delta(t2, t1, "load_errors") == 0
+
+
+def zero_device_kv(eng) -> None:
+    """Overwrite the engine's whole KV cache with zeros, in place: after vLLM's prefix cache is
+    reset, a later pass's tokens then come from what a connector loaded, not from KV the device
+    still held. In place (donated, same buffers), because a connector may hold the cache's raw
+    buffers (tpu-inference's RaidenOffloadConnector registers them once)."""
+    import jax
+
+    caches = eng.runner.kv_caches
+
+    def pointers(cs):
+        return [s.data.unsafe_buffer_pointer() for c in cs for s in c.addressable_shards]
+
+    before = pointers(caches)
+    zero = jax.jit(lambda cs: [c.at[:].set(0) for c in cs], donate_argnums=0,
+                   out_shardings=[c.sharding for c in caches])
+    eng.runner.kv_caches = jax.block_until_ready(zero(caches))
+    assert pointers(eng.runner.kv_caches) == before, "zeroing moved the KV cache's buffers"
