@@ -1,0 +1,1 @@
+"""Harnesses for tests, demos and benchmarks (importing this package imports nothing)."""
