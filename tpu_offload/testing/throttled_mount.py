@@ -316,8 +316,10 @@ class ThrottledMount:
         cmd = [sys.executable, "-m", "tpu_offload.testing.throttled_mount", self.src, self.mnt,
                "--latency-ms", str(self.latency_ms), "--mbps", str(self.mbps), "--control", self.control,
                "--stats", self.stats_path]
-        with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+        with open(self.log, "wb") as log:  # its own session: a ^C to the caller does not kill the mount under it
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         deadline = time.monotonic() + self.timeout_s
         while not self._mounted(dev):
             if self.proc.poll() is not None or time.monotonic() > deadline:
