@@ -24,7 +24,7 @@ The mode is switched on the live manager (one offloading engine per process). TT
 throttled_mount.py``: a FUSE passthrough with ``direct_io``, ``--latency-ms`` per read request and a
 bandwidth cap shared by all reads), the file tier's directory on it, no fault hook. Speeds are the
 whole hit's read time as a multiple of its recompute time (0: unthrottled), the recompute time being
-the median TTFT of two cold prompts after a first one; each cap is set from it and the hit's bytes.
+the median TTFT of three cold prompts after a first one; each cap is set from it and the hit's bytes.
 Each speed starts as an engine started on that mount would: what the decision learned of the file
 tier at other speeds is forgotten and the probe prices the mount (its idle interval shortened until
 it has) before the first request. Nothing is learned untimed: every file hit is in the table, the
@@ -170,7 +170,7 @@ def as_started(manager, timeout_s: float = PROBE_WAIT_S) -> bool:
 
 def fuse_rows(args, bench: Bench, mount):
     """The tier's directory on a throttled FUSE mount; speeds as multiples of the recompute time."""
-    colds = [bench.fresh()[1] for _ in range(3)]  # the engine's warm-up; the first pays one-off costs
+    colds = [bench.fresh()[1] for _ in range(4)]  # the engine's warm-up; the first pays one-off costs
     recompute_s = statistics.median(colds[1:])
     chunk_file = max(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(bench.fs.tier.ns_dir)
                      for f in fs if not f.startswith("."))

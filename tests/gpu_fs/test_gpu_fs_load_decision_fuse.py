@@ -9,7 +9,9 @@ throttle changed at runtime to three speeds: unthrottled, the hit read in about 
 and in seven. Each speed starts as on an engine just started there (the decision's knowledge of the
 file tier forgotten, the probe's reads price the mount); then per repetition a fresh prompt is sent
 once per mode, its hit only in files, in rotated order, ``auto`` first in the first. A row's recompute
-time is its ``never`` median, measured in the same run. The mode under proof is ``auto`` (the issue's
+time is its ``never`` median, measured in the same run; a request that recomputed at once (no chunk
+promoted from files) took its own recompute time, so the twice-recompute bar is checked on every
+request that bet on the files. The mode under proof is ``auto`` (the issue's
 default to be); ``always`` stays the shipped default until the lead changes it.
 """
 
@@ -60,5 +62,9 @@ def test_auto_is_near_the_better_mode_and_never_waits_past_twice_a_recompute_on_
     for name, (med, t, loaded) in table.items():
         best = min(med["always"], med["never"])
         assert med["auto"] <= MEDIAN_BAR * best, (name, med, t, loaded)
-        worst = max(t["auto"])  # the first file hit after the start at this speed is auto's first
-        assert worst <= WORST_BAR * med["never"], (name, worst, med, t, loaded)
+        # Every request that bet on the files (its chunks promoted from them: loaded, or given up by the
+        # hedge) within twice the recompute time, the first file hit after the start at this speed (auto's
+        # first) included; one that recomputed at once took its own recompute time (a stall of the loaded
+        # machine there is no wait for the mount: ``never``'s own samples spread as far).
+        bets = [s for s, n in zip(t["auto"], loaded["auto"]) if n]
+        assert all(s <= WORST_BAR * med["never"] for s in bets), (name, bets, med, t, loaded)
