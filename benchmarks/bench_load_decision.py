@@ -1,6 +1,7 @@
 """TTFT of a file-tier hit in real vLLM as the tier slows: the load decision vs always load vs never load.
 
     python benchmarks/bench_load_decision.py [--tokens 1024] [--reps 3] [--delays 0 0.05 0.3]
+    python benchmarks/bench_load_decision.py --mount fuse [--speeds 7 1 0] [--latency-ms 2] [--out PATH]
 
 One engine (vLLM's CPU backend; ``HostOffloadSpec`` with the file tier written through to a temp
 directory). Every file-tier read syscall of this process is delayed by ``delay`` seconds (the file
@@ -18,11 +19,24 @@ namespace, so the host index is replaced directly: its slots are simply reused):
 The mode is switched on the live manager (one offloading engine per process). TTFT is vLLM's
 ``first_token_latency``, ``max_tokens=1``, one request at a time. Results: table and
 ``results/load_decision.json``.
+
+``--mount fuse``: the slow mount is made at the OS level instead (``tpu_offload/testing/
+throttled_mount.py``: a FUSE passthrough with ``direct_io``, ``--latency-ms`` per read request and a
+bandwidth cap shared by all reads), the file tier's directory on it, no fault hook. Speeds are the
+whole hit's read time as a multiple of its recompute time (0: unthrottled), the recompute time being
+the median TTFT of three cold prompts after a first one; each cap is set from it and the hit's bytes.
+Each speed starts as an engine started on that mount would: what the decision learned of the file
+tier at other speeds is forgotten and the probe prices the mount (its idle interval shortened until
+it has) before the first request. Nothing is learned untimed: every file hit is in the table, the
+first one after that start included (the rotation starts with ``auto``). ``recompute`` of a row is the median of its ``never``
+samples; ``auto worst x recompute`` is the slowest ``auto`` request over it. Results: table and
+``results/load_decision_fuse.json`` (or ``--out``), every sample with the chunks it loaded.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -43,6 +57,8 @@ from _common import machine, print_table, write_json  # noqa: E402
 from gpu_offload.demo import DEMO_MODEL, kv_transfer_config  # noqa: E402
 
 MODES = ("always", "never", "auto")
+ROTATION = ("auto", "always", "never")  # rep r starts at ROTATION[r % 3]: the first file hit is auto's
+PROBE_WAIT_S = 300.0  # the most a speed change waits for the probe to price the mount (3 whole-file reads)
 
 
 def ttft(llm, prompt) -> float:
@@ -52,87 +68,190 @@ def ttft(llm, prompt) -> float:
     return out.metrics.first_token_latency
 
 
+class Bench:
+    """One engine with the file tier written through to ``kv_dir``; a prompt's hit sent per mode."""
+
+    def __init__(self, args, kv_dir: str, model_dir: str):
+        from vllm import LLM
+
+        from gpu_offload import testing
+
+        ktc = kv_transfer_config(2 << 30)
+        ktc["kv_connector_extra_config"].update(
+            shared_storage_path=kv_dir, fs_write_mode="write_through",
+            fs_allow_unauthenticated=True, load_decision="auto", fs_io_timeout_s=600)
+        self.llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype=args.dtype,
+                       max_model_len=args.tokens + 16, enforce_eager=True, max_num_seqs=1,
+                       disable_log_stats=False, kv_transfer_config=ktc)
+        self.worker, self.manager = testing.live_workers()[-1], testing.live_managers()[-1]
+        self.fs = self.worker.fs
+        self.tokens = args.tokens
+        self.rng = np.random.default_rng(0)
+
+    def quiet(self) -> None:
+        ttft(self.llm, {"prompt_token_ids": [1] * 8})  # runs the deferred store of the request before
+        assert self.fs.flush(600), "file writes did not finish"
+
+    def fresh(self) -> tuple[dict, float]:
+        """A new prompt, computed (its TTFT: a recompute) and stored."""
+        p = {"prompt_token_ids": self.rng.integers(1, DEMO_MODEL.vocab_size, self.tokens).tolist()}
+        t = ttft(self.llm, p)
+        self.quiet()
+        return p, t
+
+    def file_hit(self, p, mode) -> tuple[float, int]:
+        """TTFT of ``p`` in ``mode`` with its hit only in files; the chunks loaded from them."""
+        self.manager.costs.mode = mode
+        self.llm.reset_prefix_cache()
+        self.manager._lru = self.manager._new_index()  # the host tier forgets; the files stay
+        hits = self.manager.fs_hit_chunks
+        t = ttft(self.llm, p)
+        self.quiet()  # a recompute stores its chunks again: its writes end before the next mode's reads
+        return t, self.manager.fs_hit_chunks - hits
+
+    def rotated(self, reps: int, order=MODES):
+        """Per repetition a fresh prompt, sent once per mode in an order rotated per repetition."""
+        samples = {m: [] for m in MODES}
+        loaded = {m: [] for m in MODES}
+        for r in range(reps):
+            p, _ = self.fresh()
+            for m in order[r % 3:] + order[: r % 3]:  # each mode in each position: no order bias
+                t, n = self.file_hit(p, m)
+                samples[m].append(t)
+                loaded[m].append(n)
+        return samples, loaded
+
+    def fit(self) -> dict:
+        return {"file tier est. MB/s": self.manager.costs.tiers["fs"].bytes_per_s / 1e6,
+                "prefill us/token": self.manager.costs.prefill.s_per_token * 1e6}
+
+
+def hook_rows(args, bench: Bench):
+    """Slow mount simulated by delaying each read syscall of the tier (``fileio.fault``)."""
+    from tpu_offload.core.fs import fileio
+
+    rows, raw = [], {}
+    bench.fresh()  # warm-up
+    try:
+        for delay in args.delays:
+            fileio.fault = (lambda op, d=delay: time.sleep(d) if op == "read" else None) if delay else None
+            for _ in range(2):  # the decision learns this tier
+                bench.file_hit(bench.fresh()[0], "auto")
+            samples, loaded = bench.rotated(args.reps)
+            med = {m: statistics.median(v) * 1e3 for m, v in samples.items()}
+            best = min(med["always"], med["never"])
+            rows.append({"read delay ms": delay * 1e3, "always load ms": med["always"],
+                         "never load ms": med["never"], "auto ms": med["auto"],
+                         "auto vs best": med["auto"] / best,
+                         "auto chunks loaded": statistics.median(loaded["auto"]), **bench.fit()})
+            raw[str(delay)] = {"ttft_s": samples, "chunks_loaded": loaded}
+    finally:
+        fileio.fault = None
+    return rows, raw, {}
+
+
+def as_started(manager, timeout_s: float = PROBE_WAIT_S) -> bool:
+    """The file tier's cost as an engine just started on this mount knows it: what was learned at other
+    speeds forgotten, then the probe's timed reads (its idle interval shortened until it has run)."""
+    from tpu_offload.core import costs
+
+    probe, fresh = manager.probe, costs.CostModel().tiers[costs.FILE]
+    manager.costs.tiers[costs.FILE] = probe.cost = fresh
+    n, interval = probe.probes, probe.interval_s
+    probe.interval_s = 0.5
+    try:
+        deadline = time.monotonic() + timeout_s
+        while probe.probes < n + 2 and time.monotonic() < deadline:  # two sizes: header, whole file
+            time.sleep(0.1)
+        return probe.probes >= n + 2
+    finally:
+        probe.interval_s = interval
+
+
+def fuse_rows(args, bench: Bench, mount):
+    """The tier's directory on a throttled FUSE mount; speeds as multiples of the recompute time."""
+    colds = [bench.fresh()[1] for _ in range(4)]  # the engine's warm-up; the first pays one-off costs
+    recompute_s = statistics.median(colds[1:])
+    chunk_file = max(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(bench.fs.tier.ns_dir)
+                     for f in fs if not f.startswith("."))
+    hit_chunks = args.tokens // bench.manager.tokens_per_chunk
+    hit_bytes = hit_chunks * chunk_file
+    rows, raw, speeds = [], {}, {}
+    for speed in args.speeds:
+        mbps = hit_bytes / (speed * recompute_s) / 1e6 if speed else 0.0
+        mount.set(args.latency_ms if speed else 0.0, mbps)
+        probed = as_started(bench.manager)
+        samples, loaded = bench.rotated(args.reps, ROTATION)
+        med = {m: statistics.median(v) for m, v in samples.items()}
+        best = min(med["always"], med["never"])
+        name = "fast" if not speed else f"{speed:g}x recompute"
+        rows.append({"mount": name, "latency ms": args.latency_ms if speed else 0.0, "cap MB/s": mbps,
+                     "always s": med["always"], "never s": med["never"], "auto s": med["auto"],
+                     "auto vs best": med["auto"] / best,
+                     "auto worst x recompute": max(samples["auto"]) / med["never"],
+                     "auto loads": f"{sum(1 for n in loaded['auto'] if n)} of {args.reps}", **bench.fit()})
+        raw[name] = {"ttft_s": samples, "chunks_loaded": loaded}
+        speeds[name] = {"speed": speed, "latency_ms": args.latency_ms if speed else 0.0, "mbps": mbps,
+                        "probed": probed}
+    return rows, raw, {"calibration": {"cold_ttft_s": colds, "recompute_s": recompute_s, "hit_chunks": hit_chunks,
+                                       "chunk_file_bytes": chunk_file, "hit_bytes": hit_bytes},
+                       "speeds": speeds}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--delays", type=float, nargs="+", default=[0.0, 0.05, 0.3])
+    ap.add_argument("--delays", type=float, nargs="+", default=[0.0, 0.05, 0.3], help="hook: seconds per read")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--mount", choices=("hook", "fuse"), default="hook",
+                    help="hook: delay the tier's read syscalls in-process; fuse: a throttled FUSE mount")
+    ap.add_argument("--speeds", type=float, nargs="+", default=[7.0, 1.0, 0.0],
+                    help="fuse: the hit's read time in recompute times, in this order (0: unthrottled)")
+    ap.add_argument("--latency-ms", type=float, default=2.0, help="fuse: per read request on a throttled mount")
+    ap.add_argument("--out", help="write the results here instead of benchmarks/results/")
     args = ap.parse_args()
 
-    from vllm import LLM
-
-    from gpu_offload import testing
-    from tpu_offload.core.fs import fileio
-
     model = DEMO_MODEL
-    rng = np.random.default_rng(0)
-    rows, raw = [], {}
-    with tempfile.TemporaryDirectory(prefix="bench_load_decision_") as tmp:
+    with tempfile.TemporaryDirectory(prefix="bench_load_decision_", dir="/var/tmp") as tmp:
         path = model.write(os.path.join(tmp, "model"), dtype=args.dtype)
-        ktc = kv_transfer_config(2 << 30)
-        ktc["kv_connector_extra_config"].update(
-            shared_storage_path=os.path.join(tmp, "kv-files"), fs_write_mode="write_through",
-            fs_allow_unauthenticated=True, load_decision="auto", fs_io_timeout_s=60)
-        llm = LLM(model=path, skip_tokenizer_init=True, dtype=args.dtype, max_model_len=args.tokens + 16,
-                  enforce_eager=True, max_num_seqs=1, disable_log_stats=False, kv_transfer_config=ktc)
-        worker, manager = testing.live_workers()[-1], testing.live_managers()[-1]
-        fs = worker.fs
+        kv = os.path.join(tmp, "kv-files")
+        if args.mount == "fuse":
+            from tpu_offload.testing.throttled_mount import ThrottledMount, skip_reason
 
-        def quiet():
-            ttft(llm, {"prompt_token_ids": [1] * 8})  # runs the deferred store of the request before
-            assert fs.flush(120), "file writes did not finish"
-
-        def fresh():
-            p = {"prompt_token_ids": rng.integers(1, model.vocab_size, args.tokens).tolist()}
-            ttft(llm, p)  # computed and stored
-            quiet()
-            return p
-
-        def file_hit(p, mode):
-            manager.costs.mode = mode
-            llm.reset_prefix_cache()
-            manager._lru = manager._new_index()  # the host tier forgets; the files stay
-            hits = manager.fs_hit_chunks
-            t = ttft(llm, p)
-            quiet()  # a recompute stores its chunks again: its writes end before the next mode's reads
-            return t, manager.fs_hit_chunks - hits
-
-        fresh()  # warm-up
-        try:
-            for delay in args.delays:
-                fileio.fault = (lambda op, d=delay: time.sleep(d) if op == "read" else None) if delay else None
-                for _ in range(2):  # the decision learns this tier
-                    file_hit(fresh(), "auto")
-                samples = {m: [] for m in MODES}
-                loaded = {m: [] for m in MODES}
-                for r in range(args.reps):
-                    p = fresh()
-                    for m in MODES[r % 3:] + MODES[: r % 3]:  # each mode in each position: no order bias
-                        t, n = file_hit(p, m)
-                        samples[m].append(t)
-                        loaded[m].append(n)
-                med = {m: statistics.median(v) * 1e3 for m, v in samples.items()}
-                best = min(med["always"], med["never"])
-                rows.append({"read delay ms": delay * 1e3, "always load ms": med["always"],
-                             "never load ms": med["never"], "auto ms": med["auto"],
-                             "auto vs best": med["auto"] / best,
-                             "auto chunks loaded": statistics.median(loaded["auto"]),
-                             "file tier est. MB/s": manager.costs.tiers["fs"].bytes_per_s / 1e6,
-                             "prefill us/token": manager.costs.prefill.s_per_token * 1e6})
-                raw[str(delay)] = {"ttft_s": samples, "chunks_loaded": loaded}
-        finally:
-            fileio.fault = None
-        chunks = args.tokens // manager.tokens_per_chunk
+            why = skip_reason()
+            if why:
+                print(f"no throttled mount: {why}")
+                return 3
+            src = os.path.join(tmp, "kv-src")
+            os.mkdir(src)
+            with ThrottledMount(src, kv) as mount:
+                bench = Bench(args, kv, path)
+                try:
+                    rows, raw, extra = fuse_rows(args, bench, mount)
+                finally:  # the file tier's files closed before the mount goes (both shut down once)
+                    mount.set(0, 0)
+                    bench.manager.shutdown()
+                    bench.worker.shutdown()
+        else:
+            bench = Bench(args, kv, path)
+            rows, raw, extra = hook_rows(args, bench)
+        chunks = args.tokens // bench.manager.tokens_per_chunk
 
     shape = (f"Llama hidden {model.hidden_size}, {model.num_layers} layers, {model.num_heads} heads / "
              f"{model.num_kv_heads} KV heads x {model.head_dim}, {args.dtype}")
-    print_table(rows, title=f"TTFT of a {args.tokens}-token file-tier hit ({chunks} chunks), median of {args.reps} "
-                            f"({shape}, {worker.device})")
-    path = write_json("load_decision", {"model": shape, "device": str(worker.device), "tokens": args.tokens,
-                                        "chunks": chunks, "reps": args.reps, "rows": rows, "samples": raw,
-                                        "machine": machine()})
-    print(f"wrote {path}")
+    what = "a throttled FUSE mount" if args.mount == "fuse" else "read syscalls delayed in-process"
+    print_table(rows, title=f"TTFT of a {args.tokens}-token file-tier hit, {what}, median of {args.reps} "
+                            f"({shape}, cpu)")
+    payload = {"model": shape, "device": "cpu", "mount": args.mount, "tokens": args.tokens,
+               "chunks": chunks, "reps": args.reps, "rows": rows, "samples": raw, **extra}
+    name = "load_decision_fuse" if args.mount == "fuse" else "load_decision"
+    if args.out:
+        Path(args.out).write_text(json.dumps({"machine": machine(), **payload}, indent=2) + "\n")
+        out = args.out
+    else:
+        out = write_json(name, payload)
+    print(f"wrote {out}")
     return 0
 
 
