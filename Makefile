@@ -167,7 +167,7 @@ bench-serving: setup $(STAMP_BENCH) ## the llm-d guides' benchmark (inference-pe
 	$(BIN)/python benchmarks/bench_serving_vllm.py $(VLLM_BENCH_ARGS)
 	$(BIN)/python benchmarks/bench_serving_tpu.py $(TPU_BENCH_ARGS)
 
-bench-tpu-aot: $(STAMP_TPU) ## ours and tpu-inference's offload programs compiled for TPU (no TPU needed)
+bench-tpu-aot: $(STAMP_TPU) ## ours vs tpu-inference's offload per pass, compiled for TPU: dispatches, steps, waits, HBM (no TPU needed)
 	$(TPU_BIN)/python benchmarks/bench_tpu_aot.py
 
 bench-tpu: $(STAMP_TPU) ## on a TPU VM: the direct kernel's round trips, GB/s per call, tier allocation (exits 3 elsewhere)

@@ -1,41 +1,38 @@
-"""Ours vs tpu-inference 0.32's offload programs, as the TPU compiler builds them (no TPU needed).
+"""Ours vs tpu-inference 0.32's offload, per pass, as the TPU compiler builds it and as each engine dispatches it.
 
-libtpu compiles both for a compile-only topology at the same model, KV cache
-(tpu-inference's own ``create_kv_caches`` shape and sharding) and block
-counts, and reports per device:
+libtpu compiles every program for a compile-only topology (no TPU needed) at the same model and KV cache
+(tpu-inference's own ``create_kv_caches`` shape and sharding). Per pass of B blocks (1, 16, 64, 1,000),
+adjacent or scattered, per direction, per device, for every path:
 
-* HBM scratch (``temp_size_in_bytes``): what the program needs on top of its arguments;
-* bytes accessed (``cost_analysis``), and that ÷ the bytes the call moves;
-* compile seconds.
+* ``dispatches``: programs launched plus runtime transfers outside any program (``device_put``, ``jnp.array``),
+  counted by ``tpu_offload/testing/pass_counts.py`` from the code that dispatches them (its docstring cites
+  tpu-inference's functions);
+* ``steps``: engine steps the pass spans under its per-step budget (``core/step_budget.py``; the scheduler
+  admits at most that per step and direction);
+* ``waits``: blocking waits on the step thread (``block_until_ready``);
+* HBM scratch (``temp_size_in_bytes``, the largest program of the pass);
+* bytes accessed per pass ÷ bytes moved (a DMA kernel counted as reading and writing what it moves, the cost
+  model's bytes for everything around it; a loop body once per trip; host bytes left out);
+* compile seconds of the programs the pass needs (ours: compiled once for any B).
 
-* TensorCore ops per call, from the optimized HLO with every ``while`` body counted once per
-  trip (``aot.tensorcore_ops``; a fusion or a kernel is one op);
-* DMAs the call's kernels issue (B blocks in one run of adjacent blocks / B scattered blocks).
+Paths:
 
-Per pass of B blocks (1, 16, 64, 1,000 by default), per direction, every program the pass runs:
+* ours, direct (the TPU default here, ``registration.pick_path``): one Pallas kernel call per (layer group,
+  slab) each step's part touches (``direct_dma.py``); adjacent blocks into adjacent slots: one call per
+  step's part;
+* ours, staging (``program``, paced): per step's part, the DMA gather (store) or scatter (load) and, per
+  pacer piece (``transfer_piece_bytes``), one host-copy program per slab the piece touches;
+* tpu-inference: ``stack_kv_cache_cross_layers`` / ``update_kv_caches`` per bucket (1..64; 1,000 = 15 x 64
+  + 32 + 8), plus its per-block ``device_put``-s, its index arrays, and (load) its two ``block_until_ready``
+  on the step thread;
+* raw contiguous (host): one program copying B contiguous blocks of every layer to host memory
+  (``dynamic_slice`` into a ``pinned_host`` output) or back (``dynamic_update_slice`` from a ``pinned_host``
+  argument): the floor.
 
-* store (HBM cache -> host):
-  ours (program path, the default everywhere): the DMA gather, then one host-copy trip per chunk
-  (``store``); ours (device_put path, opt-in): the DMA gather, then ``take_chunks`` (the whole staging
-  buffer, every pass) and a runtime ``device_put`` per chunk; tpu-inference: its save path as its
-  connector runs it, ``stack_kv_cache_cross_layers`` (``pure_jax_...`` under DP attention) compiled
-  for its block buckets (``TPU_OFFLOAD_BLOCK_SIZE_BUCKETS``: 1..64) with B decomposed into them
-  (1,000 = 15 x 64 + 32 + 8), chunk = one block, then a runtime ``device_put`` per block;
-  raw: one contiguous ``dynamic_slice`` of B blocks from every layer (the floor).
-* load (host -> HBM cache): ours: one host-copy trip per chunk (``load``), then the DMA scatter;
-  device_put: ``put_chunks`` (the whole staging buffer) then the scatter; tpu-inference:
-  ``update_kv_caches_one`` (``pure_jax_update_kv_caches_one`` under DP attention) per bucket; raw: one
-  contiguous ``dynamic_update_slice``.
+Adjacent: cache blocks 0..B-1 into slots 0..B-1; scattered: every other cache block into slots spread over
+the whole tier (as many slabs as the pass can touch).
 
-A DMA kernel is counted as reading and writing what it moves (the cost model sees ~0 inside it); a
-loop body is counted once per trip (the cost model counts it once); host bytes are left out of ours.
-``launches``: programs per pass (runtime transfers not counted).
-
-``cost_analysis`` counts a loop body once and does not see inside a kernel,
-so bytes accessed are reported as the compiler gives them.
-
-    python benchmarks/bench_tpu_aot.py [--topology TPU7x:2x2x1] [--tp 8] [--model Qwen3-32B] [--blocks 16 64 1000]
-    python benchmarks/bench_tpu_aot.py --model DeepSeek-V3 --attn-dp 8 --num-blocks 16000   # as tpu-inference serves it
+    python benchmarks/bench_tpu_aot.py [--topology TPU7x:2x2x1] [--tp 8] [--model Qwen3-32B] [--blocks 1 16 64 1000]
 """
 
 from __future__ import annotations
@@ -62,7 +59,6 @@ cpu_support.prepare_vllm()  # vLLM's kernels for this CPU, torchax, tpu-inferenc
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
@@ -71,19 +67,6 @@ from tpu_offload.connector import aot  # noqa: E402
 from tpu_offload.core.config import OffloadConfig  # noqa: E402
 
 MIB = 1 << 20
-
-
-BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # tpu-inference 0.32's TPU_OFFLOAD_BLOCK_SIZE_BUCKETS default
-
-
-def buckets(n: int) -> list[int]:
-    """tpu-inference's ``_decompose_into_buckets``: greedy, largest bucket first."""
-    out = []
-    for b in sorted(BUCKETS, reverse=True):
-        while n >= b:
-            out.append(b)
-            n -= b
-    return out
 
 
 def theirs(caches, mesh, n: int, dp: bool):
@@ -114,21 +97,22 @@ def theirs(caches, mesh, n: int, dp: bool):
 
 
 def raw(caches, mesh, n: int):
-    """The floor: B contiguous blocks of every layer, sliced out or written in, no block table."""
+    """The floor: B contiguous blocks of every layer copied to host memory in one program, or from host memory
+    into the caches, no block table."""
     spec = P(None, *tuple(caches[0].sharding.spec)[1:])
-    buf = jax.ShapeDtypeStruct((len(caches), n, *caches[0].shape[1:]), caches[0].dtype,
-                               sharding=NamedSharding(mesh, P(None, *spec)))
+    host = NamedSharding(mesh, P(None, *spec), memory_kind="pinned_host")
+    buf = jax.ShapeDtypeStruct((len(caches), n, *caches[0].shape[1:]), caches[0].dtype, sharding=host)
     start = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()))
-    out_sh = buf.sharding
     cache_sh = tuple(c.sharding for c in caches)
 
     def read(cs, s):
         return jnp.stack([lax.dynamic_slice_in_dim(c, s, n, axis=0) for c in cs])
 
     def write(cs, b, s):
+        b = jax.device_put(b, jax.memory.Space.Device)
         return tuple(lax.dynamic_update_slice_in_dim(c, b[i], s, axis=0) for i, c in enumerate(cs))
 
-    gather = lambda: jax.jit(read, out_shardings=out_sh).lower(tuple(caches), start).compile()
+    gather = lambda: jax.jit(read, out_shardings=host).lower(tuple(caches), start).compile()
     scatter = lambda: jax.jit(write, donate_argnums=(0,), out_shardings=cache_sh).lower(tuple(caches), buf, start).compile()
     return gather, scatter
 
@@ -148,138 +132,132 @@ def main() -> None:
 
     import json
 
+    from tpu_offload.connector.registration import pick_path
+    from tpu_offload.jax_backend import direct_dma
+    from tpu_offload.jax_backend.engine import plan_transfers
+    from tpu_offload.jax_backend.layout import KVLayout
+    from tpu_offload.selfcheck import pass_figures
+    from tpu_offload.testing import pass_counts
+
     extra = json.load(open(args.config))["kv_connector_extra_config"]
     cfg = OffloadConfig.from_sources(extra, env={})
     model = aot.MODELS[args.model]
     mesh = aot.compile_only_mesh(args.topology, args.tp, attn_dp=args.attn_dp)
     caches = aot.kv_cache_avals(mesh, model, args.num_blocks, args.block_size)
     _, replicas = aot.padded_kv_heads(model, args.tp)
-    from tpu_offload.jax_backend.layout import KVLayout
-
     layout = KVLayout.from_caches(caches, mesh, head_replicas=replicas)
-    num_slots = cfg.resolve_num_chunks(layout.block_bytes * cfg.blocks_per_chunk) // args.attn_dp * args.attn_dp
-    programs = aot.deployment_programs(caches, mesh, num_slots=num_slots, blocks_per_chunk=cfg.blocks_per_chunk,
-                                       staging_blocks=cfg.staging_blocks, head_replicas=replicas)
-    from tpu_offload.selfcheck import pass_figures
-
-    ours = aot.measure(programs)
-    dput = aot.measure(programs, "device_put") if programs.ranks == 1 else None
+    bpc = cfg.blocks_per_chunk
+    num_slots = cfg.resolve_num_chunks(layout.block_bytes * bpc) // args.attn_dp * args.attn_dp
+    plan = plan_transfers(layout, num_slots=num_slots, blocks_per_chunk=bpc, staging_blocks=cfg.staging_blocks)
+    programs = plan.programs
+    path = pick_path("program", cfg, layout, platform="tpu")  # what the TPU runs by default here
+    direct = (direct_dma.DirectPrograms(layout, blocks_per_chunk=bpc, slab_rows=programs.slab_rows,
+                                        memory_kind=cfg.host_memory_kind, capacity=plan.staging_blocks)
+              if path == "direct" else None)
+    ours_count = pass_counts.Ours(plan, num_slots=num_slots, blocks_per_chunk=bpc,
+                                  step_budget_bytes=cfg.step_budget_bytes, piece_bytes=cfg.transfer_piece_bytes,
+                                  direct=direct)
+    paced = programs.ranks == 1  # the pacer is off under attention DP (engine.pace)
+    staging = aot.measure(programs)
     block = layout.device_block_bytes()
-    layers = len(caches)
-    rows = []
-    their = {}  # bucket -> (gather figures, scatter figures, gather ops, scatter ops)
     dp = args.attn_dp > 1
+    their: dict[int, list] = {}  # bucket -> [(store figures, ...), (load figures, ...)]: compiled once per bucket
+
+    direct_figs = {}
+    if direct is not None:
+        for direction in ("store", "load"):
+            build = functools.cache(lambda d=direction: getattr(direct, d)(0, programs.slab_rows[0]))
+            direct_figs[direction] = aot.figures(f"direct_{direction}", build, block)
 
     def their_bucket(b):
         if b not in their:
             got = []
             for build in theirs(caches, mesh, b, dp):
-                build = functools.cache(build)
                 try:
-                    f = aot.figures("theirs", build, b * block)
-                    got.append((f, aot.tensorcore_ops(build().as_text(), b)))
+                    got.append(aot.figures("theirs", functools.cache(build), b * block))
                 except Exception as e:  # the compiler's own refusal is the result
-                    got.append((str(e).splitlines()[0][:200], 0))
+                    got.append(str(e).splitlines()[0][:200])
             their[b] = got
         return their[b]
 
+    rows = []
     for n in args.blocks:
         moved = n * block
-        trips = -(-n // programs.bpc)
-        adjacent = [_blocks(programs, n, 1)] * len(layout.groups)
-        scattered = [_blocks(programs, n, 2)] * len(layout.groups)
         r_gather, r_scatter = raw(caches, mesh, n)
-        for d, (direction, wrapper, host) in enumerate((("store", "take_chunks", "store"),
-                                                         ("load", "put_chunks", "load"))):
-            kernel = "gather" if direction == "store" else "scatter"
-            dmas = (programs.dma_count(adjacent, kernel), programs.dma_count(scattered, kernel))
-            if n <= programs.staging_blocks:
-                pf = pass_figures(programs, ours, n)["programs"]
-                ops = (aot.tensorcore_ops(getattr(programs, kernel)().as_text(), n)
-                       + aot.tensorcore_ops(getattr(programs, host)().as_text(), trips))
-                rows.append(_row(direction, n, "ours (program, default)", max(pf[kernel]["scratch"], pf[host]["scratch"]),
-                                 pf[kernel]["hbm_accessed"] + pf[host]["hbm_accessed"], moved,
-                                 ours[kernel].compile_s + ours[host].compile_s, "once, any B", ops, dmas, 2))
-                if dput is not None:
-                    pd = pass_figures(programs, dput, n, "device_put")["programs"]
-                    ops = (aot.tensorcore_ops(getattr(programs, kernel)().as_text(), n)
-                           + aot.tensorcore_ops(getattr(programs, wrapper)().as_text(), n))
-                    rows.append(_row(direction, n, "ours (device_put, opt-in)",
-                                     max(pd[kernel]["scratch"], pd[wrapper]["scratch"]),
-                                     pd[kernel]["hbm_accessed"] + pd[wrapper]["hbm_accessed"], moved,
-                                     dput[kernel].compile_s + dput[wrapper].compile_s, "once, any B", ops, dmas, 2))
-            parts = [their_bucket(b)[d] for b in buckets(n)]
-            errors = [f for f, _ in parts if isinstance(f, str)]
-            if errors:
-                rows.append({"direction": direction, "blocks": n, "path": "tpu-inference", "error": errors[0]})
-            else:
-                their_dmas = (layers * len(parts), n * layers) if direction == "load" else (0, 0)
-                rows.append(_row(direction, n, "tpu-inference", max(f.hbm_scratch for f, _ in parts),
-                                 sum(f.bytes_accessed for f, _ in parts), moved,
-                                 sum(their_bucket(b)[d][0].compile_s for b in set(buckets(n))),
-                                 f"per bucket {sorted(set(buckets(n)), reverse=True)}", sum(o for _, o in parts),
-                                 their_dmas, len(parts)))
-            build = functools.cache(r_gather if direction == "store" else r_scatter)
+        raw_figs = {}
+        for direction, build in (("store", r_gather), ("load", r_scatter)):
             try:
-                f = aot.figures(direction, build, moved)
-                rows.append(_row(direction, n, "raw contiguous", f.hbm_scratch, f.bytes_accessed, moved, f.compile_s,
-                                 "per B", aot.tensorcore_ops(build().as_text(), n), (0, 0), 1))
+                raw_figs[direction] = aot.figures(direction, functools.cache(build), moved)
             except Exception as e:
-                rows.append({"direction": direction, "blocks": n, "path": "raw contiguous",
-                             "error": str(e).splitlines()[0][:200]})
-    cols = ["direction", "blocks", "path", "launches", "tensorcore_ops", "dmas_adjacent", "dmas_scattered",
-            "hbm_scratch_mib", "accessed_mib", "moved_mib", "accessed_per_moved", "compile_s", "compiles"]
-    dp = f" = attention DP {args.attn_dp}" if args.attn_dp > 1 else ""
-    title = (f"{args.model} on {args.topology} (TP {args.tp}{dp}), {args.num_blocks} blocks of {args.block_size} tokens, "
-             f"per device, per pass; ours: {len(programs.slab_rows)} host slabs, staging {programs.staging_blocks} blocks")
+                raw_figs[direction] = str(e).splitlines()[0][:200]
+        for d, direction in enumerate(("store", "load")):
+            kernel, host = ("gather", "store") if direction == "store" else ("scatter", "load")
+            pf = pass_figures(programs, staging, n)["programs"]
+            parts = [their_bucket(b)[d] for b in pass_counts.their_buckets(n)]
+            for kind in ("adjacent", "scattered"):
+                def row(who, count, scratch, accessed, compile_s, error=None):
+                    r = {"direction": direction, "blocks": n, "pass": kind, "path": who, **count.to_dict()}
+                    if error is not None:
+                        return {**r, "error": error}
+                    return {**r, "hbm_scratch_mib": scratch / MIB, "accessed_mib": accessed / MIB,
+                            "moved_mib": moved / MIB, "accessed_per_moved": accessed / moved, "compile_s": compile_s}
+
+                if direct is not None:
+                    c = ours_count.direct(direction, n, kind)
+                    f = direct_figs[direction]
+                    # each call: its DMAs read and write what they move; around the kernel, its index operands
+                    rows.append(row("ours (direct, default)", c, f.hbm_scratch, 2 * moved + c.programs * f.bytes_accessed,
+                                    f.compile_s))
+                c = ours_count.staging(direction, n, kind, paced=paced)
+                rows.append(row("ours (staging)" if direct is not None else "ours (staging, default)", c,
+                                max(pf[kernel]["scratch"], pf[host]["scratch"]),
+                                pf[kernel]["hbm_accessed"] + pf[host]["hbm_accessed"],
+                                staging[kernel].compile_s + staging[host].compile_s))
+                c = pass_counts.theirs(n, direction, layer_groups=len(layout.groups), attn_dp=dp)
+                errors = [f for f in parts if isinstance(f, str)]
+                rows.append(row("tpu-inference", c, 0, 0, 0, errors[0]) if errors else
+                            row("tpu-inference", c, max(f.hbm_scratch for f in parts),
+                                sum(f.bytes_accessed for f in parts),
+                                sum(their_bucket(b)[d].compile_s for b in set(pass_counts.their_buckets(n)))))
+                f = raw_figs[direction]
+                rows.append(row("raw contiguous (host)", pass_counts.floor(), 0, 0, 0, f) if isinstance(f, str) else
+                            row("raw contiguous (host)", pass_counts.floor(), f.hbm_scratch, f.bytes_accessed, f.compile_s))
+    cols = ["direction", "blocks", "pass", "path", "dispatches", "programs", "transfers", "steps", "waits",
+            "hbm_scratch_mib", "accessed_per_moved", "compile_s"]
+    dpx = f" = attention DP {args.attn_dp}" if dp else ""
+    title = (f"{args.model} on {args.topology} (TP {args.tp}{dpx}), {args.num_blocks} blocks of {args.block_size} tokens, "
+             f"per device, per pass; ours: {len(programs.slab_rows)} host slabs of {programs.slab_rows[0]} rows, "
+             f"step budget {cfg.step_budget_bytes / 1e6:.0f} MB per device = {ours_count.step_blocks} blocks")
     print_table(rows, cols, title=title)
-    extra_rows = [{"program": k, "hbm_scratch_mib": v.hbm_scratch / MIB, "host_argument_mib": v.host_argument / MIB,
-                   "host_alias_mib": v.host_alias / MIB, "host_temp_mib": v.host_temp / MIB, "compile_s": v.compile_s}
-                  for k, v in ours.items() if k in ("store", "load", "load_cross", "alloc_slabs")]
-    print_table(extra_rows, title="ours, host side (one call per slab a pass touches)")
-    total = sum(f.compile_s for f in ours.values())
-    print(f"ours: every program compiled in {total:.1f} s; budget failures: {aot.budget_failures(programs, ours) or 'none'}")
-    write_json("tpu_aot" if args.attn_dp == 1 else f"tpu_aot_dp{args.attn_dp}",
-               {"topology": args.topology, "tp": args.tp, "attn_dp": args.attn_dp, "model": args.model, "num_blocks": args.num_blocks,
-                           "block_size": args.block_size, "rows": rows, "ours_host": extra_rows,
-                           "ours_compile_s_total": total, "ours_programs": {k: v.to_dict() for k, v in ours.items()}})
-    _plot(rows, title, "tpu_aot" if args.attn_dp == 1 else f"tpu_aot_dp{args.attn_dp}")
-
-
-def _row(direction, n, who, scratch, accessed, moved, compile_s, compiles, ops, dmas, launches):
-    return {"direction": direction, "blocks": n, "path": who, "launches": launches, "tensorcore_ops": ops,
-            "dmas_adjacent": dmas[0],
-            "dmas_scattered": dmas[1], "hbm_scratch_mib": scratch / MIB,
-            "accessed_mib": accessed / MIB, "moved_mib": moved / MIB, "accessed_per_moved": accessed / moved,
-            "compile_s": compile_s, "compiles": compiles}
-
-
-def _blocks(programs, n: int, stride: int):
-    """(block ids, staging positions) of ``n`` blocks, ``stride`` apart in the cache (1: one run). Under DP
-    attention, n / ranks blocks of each rank, into its own share of staging."""
-    d = programs.ranks
-    per, share, k = programs.layout.num_blocks // d, programs.staging_blocks // d, n // d
-    ids = np.concatenate([r * per + np.arange(k) * stride for r in range(d)])
-    return ids, np.concatenate([r * share + np.arange(k) for r in range(d)])
+    total = sum(f.compile_s for f in staging.values()) + sum(f.compile_s for f in direct_figs.values())
+    print(f"ours: every program compiled in {total:.1f} s; budget failures: {aot.budget_failures(programs, staging) or 'none'}")
+    name = "tpu_aot" if not dp else f"tpu_aot_dp{args.attn_dp}"
+    write_json(name, {"topology": args.topology, "tp": args.tp, "attn_dp": args.attn_dp, "model": args.model,
+                      "num_blocks": args.num_blocks, "block_size": args.block_size, "path": path,
+                      "step_budget_bytes": cfg.step_budget_bytes, "step_blocks": ours_count.step_blocks,
+                      "piece_bytes": cfg.transfer_piece_bytes, "slab_rows": list(programs.slab_rows),
+                      "rows": rows, "ours_compile_s_total": total,
+                      "ours_programs": {k: v.to_dict() for k, v in {**staging, **direct_figs}.items()}})
+    _plot(rows, title, name)
 
 
 def _plot(rows, title, name):
     plt = pyplot()
     if plt is None:
         return
-    ok = [r for r in rows if "error" not in r]
-    paths = ["ours (program, default)", "ours (device_put, opt-in)", "tpu-inference", "raw contiguous"]
+    ok = [r for r in rows if "error" not in r and r["pass"] == "scattered"]
+    paths = list(dict.fromkeys(r["path"] for r in ok))
     groups = sorted({(r["direction"], r["blocks"]) for r in ok})
     fig, ax = plt.subplots(figsize=(9, 4))
-    width = 0.8 / len(paths)
+    width = 0.8 / max(1, len(paths))
     for i, p in enumerate(paths):
-        vals = [next((max(1, r["tensorcore_ops"]) for r in ok if (r["direction"], r["blocks"]) == g and r["path"] == p),
-                     0) for g in groups]
+        vals = [next((r["dispatches"] for r in ok if (r["direction"], r["blocks"]) == g and r["path"] == p), 0)
+                for g in groups]
         ax.bar([x + i * width for x in range(len(groups))], vals, width, label=p)
     ax.set_xticks([x + width for x in range(len(groups))], [f"{d}\n{b} blocks" for d, b in groups])
     ax.set_yscale("log")
-    ax.set_ylabel("TensorCore ops per call (loops per trip)")
-    ax.set_title(title, fontsize=8)
+    ax.set_ylabel("dispatches per pass (scattered)")
+    ax.set_title(title, fontsize=7)
     ax.legend()
     save_figure(fig, name)
 

@@ -4,8 +4,9 @@ The test suite (``tests/tpu_engine``), the demo (``demos/tpu_inference_demo.py``
 real-engine benchmarks all start the same engine the same way: ``cpu_support`` replaces what
 cannot run without a TPU, ``engine_run`` starts and tears down one engine, ``tiny_models`` and
 ``tiny_families`` write random-weight checkpoints, ``workloads`` names the prompts,
-``offload_helpers`` reaches our connector inside the engine, and ``serve`` runs the OpenAI
-server (``python -m tpu_offload.testing.serve``). They live in the package, not under
+``offload_helpers`` reaches our connector inside the engine, ``serve`` runs the OpenAI
+server (``python -m tpu_offload.testing.serve``), and ``pass_counts`` counts what one pass dispatches
+per host path (``benchmarks/bench_tpu_aot.py`` and ``tests/tpu_compiler``). They live in the package, not under
 ``tests/``, so demos and benchmarks import them as modules instead of putting a test
 directory on ``sys.path``.
 
