@@ -26,7 +26,10 @@ pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="needs GNU 
 
 
 def make(cwd: Path, *args: str) -> str:
-    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES")}
+    # Not what the make running this suite was given: its flags, and PYTEST_ARGS (a command-line variable
+    # there, so exported to this process: a suite run as `make test-vllm PYTEST_ARGS=...`).
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES", "PYTEST_ARGS")}
     proc = subprocess.run(["make", "--no-print-directory", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
