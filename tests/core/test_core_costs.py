@@ -264,3 +264,39 @@ def test_the_hedge_is_a_multiple_of_the_recompute_time_of_the_loaded_tokens_in_a
     assert m.hedge_s(0) == 0.0
     assert _model("always").hedge_s(2048) == 0.0
     assert _model("never").hedge_s(2048) == 0.0
+
+
+def test_old_samples_lose_weight_by_age_so_a_recovered_mount_is_followed_after_two_probe_rounds():
+    """A window of slow loads (a third of them hedged: censored), then the mount is 10x faster and only
+    the probe teaches it: two rounds (30 s idle, then the quick recheck) bring the estimate within 2x."""
+    clock = Clock()
+    c = TransferCost(1e9, 5e-3, clock=clock)
+    slow, fast, lat, size = 0.35e6, 3.5e6, 0.002, 22 * MB
+    for i in range(16):
+        clock.t = i * 0.5
+        n = 4 * MB if i % 3 else size
+        c.observe(n, (lat + n / slow) * (costs.CENSORED if i % 4 == 0 else 1.0))
+    new = lat + size / fast
+    assert c.seconds(size) > 5 * new
+    for t in (clock.t + 30.0, clock.t + 37.5):  # a probe round: its header and its whole file
+        clock.t = t
+        c.observe(4096, lat + 4096 / fast)
+        c.observe(size, new)
+    assert new <= c.seconds(size) <= 2 * new
+
+
+def test_a_lone_fast_sample_among_busy_slow_ones_does_not_flip_and_a_slow_one_after_idle_rules():
+    clock = Clock()
+    c = TransferCost(1e9, 1e-3, clock=clock)
+    for i in range(16):  # a busy slow tier: a load a second
+        clock.t = float(i)
+        c.observe(4 * MB, 0.4)
+    clock.t += 1.0
+    c.observe(4 * MB, 0.04)  # one fast outlier among them: still priced near the slow loads
+    assert c.seconds(4 * MB) > 0.4 / 10 ** 0.5
+    d = TransferCost(1e9, 1e-3, clock=clock)
+    for _ in range(16):
+        d.observe(4 * MB, 0.04)
+    clock.t += 60.0
+    d.observe(4 * MB, 0.4)  # the mount slowed while idle: the fresh slow sample rules at once
+    assert d.seconds(4 * MB) > 0.3

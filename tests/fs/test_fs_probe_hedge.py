@@ -2,7 +2,8 @@
 
 A hedged read past its bound is reported failed (the request recomputes), counted apart from hung
 reads, and never lands late; the probe prices the mount from two reads of one of its chunk files,
-latency apart from bandwidth, and counts a read that hangs as at least its age.
+latency apart from bandwidth, counts a read that hangs as at least its age, stops a round on a slow
+mount at its time budget, and checks a changed mount again soon.
 """
 
 from __future__ import annotations
@@ -90,4 +91,51 @@ def test_a_probe_is_due_only_when_nothing_taught_the_tier_for_an_interval(root, 
     cost.observe(CHUNK, 0.01)  # a real load taught it meanwhile
     assert not p.due()
     now[0] = 62.0
+    assert p.due()
+
+
+def test_a_probe_round_on_a_slow_mount_stops_at_its_budget_and_learns_what_it_read(root, make_tier, monkeypatch):
+    import os
+
+    from tpu_offload.core.fs import probe
+
+    t = make_tier(root, secret=SECRET)
+    write_all(t, 1)
+    t.flush(10)
+    preadv = os.preadv
+
+    def at_100_kb_s(fd, bufs, offset):  # a mount throttled to 0.1 MB/s: a chunk file takes ~0.7 s
+        n = preadv(fd, bufs, offset)
+        time.sleep(n / 100e3)
+        return n
+
+    monkeypatch.setattr(os, "preadv", at_100_kb_s)
+    monkeypatch.setattr(probe, "PIECE", 4096, raising=False)
+    monkeypatch.setattr(probe, "BUDGET_S", 0.4, raising=False)
+    cost = TransferCost(1e9, 5e-3)
+    p = ReadProbe(lambda: t.ns_dir, cost)
+    t0 = time.monotonic()
+    assert p.probe_once()
+    took = time.monotonic() - t0
+    assert took < 1.0, took  # the header reads and part of one whole-file read, not three whole files (~2.2 s)
+    assert p.probes == 2 and cost.samples == 2  # the header and the part read: latency apart from bandwidth
+    assert cost.seconds(CHUNK) >= 0.5  # priced at the mount's speed, as slow as the reads were
+
+
+def test_a_round_that_moved_a_measured_estimate_is_checked_again_after_a_quarter_interval(root, make_tier):
+    now = [0.0]
+    clock = lambda: now[0]  # noqa: E731
+    t = make_tier(root, secret=SECRET)
+    write_all(t, 1)
+    t.flush(10)
+    cost = TransferCost(1e9, 5e-3, clock=clock)
+    cost.observe(CHUNK, 30.0)  # the decision stopped loading from a mount this slow
+    p = ReadProbe(lambda: t.ns_dir, cost, interval_s=30.0, clock=clock)
+    now[0] = 100.0
+    assert p.probe_once()  # the mount is fast again: the estimate moved by orders of magnitude
+    now[0] = 107.6
+    assert p.due()  # confirmed a quarter interval later, not a whole one
+    cost.observe(CHUNK, 0.01)  # a real load taught the tier meanwhile: back to the whole interval
+    assert not p.due()
+    now[0] = 138.0
     assert p.due()

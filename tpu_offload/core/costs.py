@@ -3,7 +3,12 @@
 A hit is worth loading only while its load finishes before recomputing it
 would. Each tier's time for ``n`` bytes is modelled as ``latency + n /
 bandwidth``, fitted to the tier's last completed transfers (a fixed window
-that weighs recent ones most: it follows a mount that slows down). Transfers
+that weighs recent ones most: it follows a mount that slows down). A sample
+also loses weight by its age against the newest (``HALF_LIFE_S``): a tier the
+decision stopped using is taught only by the probe's few reads, spaced by its
+interval, and by position alone a window of old slow (or censored) loads
+would outweigh them for many rounds, so a mount that recovered would never be
+used again; by age, two probe rounds outweigh any window. Transfers
 of different sizes separate latency and bandwidth (a weighted least-squares
 line); transfers all of one size scale the prior's shape to what they took.
 The prior (a modest guess) serves only until the first measurement: a
@@ -46,6 +51,11 @@ STALE_S = 600.0  # an outstanding transfer older than this was lost, not slow (e
 CENSORED = 2.0  # an abandoned transfer took at least its age: counted this many times it, so the next
 # decision lands clearly on the recompute side instead of at the edge the hedge just proved too slow
 RECENCY = 0.8  # weight of a sample one transfer older than the next (a window of 16: the newest ~ 5x the oldest)
+# A sample this many seconds older than the newest weighs half as much again: a tier the decision stopped
+# using is taught only by the probe's few reads, and these must outweigh the window's old samples within
+# a minute or two of probing, however many the window holds (a mount that recovered is used again).
+# Samples seconds apart (a busy tier) barely decay, so there the newest-first order rules.
+HALF_LIFE_S = 10.0
 HEDGE_FLOOR_S = 0.05  # the least a file read is given before it is abandoned (a tiny hit's recompute is ~0)
 # A load is given this many times its estimated recompute before it is abandoned: the prefill estimate
 # moves at most CLIP (4x) per sample, so it can lag a machine that slowed down by that much, and a load's
@@ -66,6 +76,7 @@ class TransferCost:
         self._fit = self.prior
         self._x: collections.deque = collections.deque(maxlen=window)
         self._y: collections.deque = collections.deque(maxlen=window)
+        self._t: collections.deque = collections.deque(maxlen=window)  # when each sample was learned
         self._open: dict[object, float] = {}  # outstanding transfers: id -> start time
         self._clock = clock
         self._lock = threading.RLock()
@@ -122,12 +133,14 @@ class TransferCost:
             self._y.append(max(float(seconds), 1e-9))
             self.samples += 1
             self.last_sample_at = self._clock()
+            self._t.append(self.last_sample_at)
             self._fit = self._refit()
 
     def _refit(self) -> tuple[float, float]:
-        """Weighted (newest first) fit of the window; the prior sets only the one-size split of the two."""
-        x, y = np.asarray(self._x), np.asarray(self._y)
-        w = RECENCY ** np.arange(len(x))[::-1]
+        """Weighted (newest first, and by age) fit of the window; the prior sets only the one-size split of the two."""
+        x, y, t = np.asarray(self._x), np.asarray(self._y), np.asarray(self._t)
+        age = np.maximum(t[-1] - t, 0.0)
+        w = RECENCY ** np.arange(len(x))[::-1] * 0.5 ** np.minimum(age / HALF_LIFE_S, 1000.0)
         w = w / w.sum()
         lat0, inv0 = self.prior
         mx, my = float((w * x).sum()), float((w * y).sum())
