@@ -41,7 +41,7 @@ def round_trip(eng, w, passes: int = 2, zero_device: bool = False) -> dict:
         time.sleep(0.5)
         for _ in range(2):
             eng.generate(NUDGE, 2)
-        if type(eng.scheduler_connector).__module__.startswith("tpu_offload."):  # ours: every store completed
+        if type(eng.scheduler_connector).__module__.startswith("tpu_offload.connector"):  # ours: every store completed
             settle(eng)
         eng.reset_prefix_cache()
         if zero_device:

@@ -293,7 +293,7 @@ def shutdown_worker_half(scheduler_connector) -> None:
     agent = getattr(kv_transfer_state, "_KV_CONNECTOR_AGENT", None)
     if agent is None or agent is scheduler_connector or getattr(agent, "worker", None) is None:
         return
-    if not type(agent).__module__.startswith("tpu_offload."):
+    if not type(agent).__module__.startswith("tpu_offload.connector"):
         return
     kv_transfer_state.ensure_kv_transfer_shutdown()
 
@@ -319,7 +319,7 @@ def shut_down_worker_connector(worker=None) -> bool:
 
     agent = getattr(kv_transfer_state, "_KV_CONNECTOR_AGENT", None)
     half = getattr(agent, "worker", None)
-    if half is None or not type(agent).__module__.startswith("tpu_offload.") or half.engine is None:
+    if half is None or not type(agent).__module__.startswith("tpu_offload.connector") or half.engine is None:
         return False
     half.shutdown()
     return True
