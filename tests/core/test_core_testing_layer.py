@@ -15,28 +15,11 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from test_core_architecture import _imports as imported_modules  # one reader of imports for both checks
+
 REPO = Path(__file__).resolve().parents[2]
 PKG = REPO / "tpu_offload"
 TESTING = PKG / "testing"
-
-
-def imported_modules(path: Path, root: Path = REPO) -> list[tuple[int, str]]:
-    """Absolute module names a file imports (lazy ones too), relative imports resolved."""
-    tree = ast.parse(path.read_text(), filename=str(path))
-    pkg = ".".join(path.relative_to(root).with_suffix("").parts[:-1])
-    out = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            out += [(node.lineno, a.name) for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
-                mod = ".".join(base + ([node.module] if node.module else []))
-            else:
-                mod = node.module or ""
-            out.append((node.lineno, mod))
-            out += [(node.lineno, f"{mod}.{a.name}") for a in node.names]
-    return out
 
 
 def _is_sys_path(node: ast.AST) -> bool:
