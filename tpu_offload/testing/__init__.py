@@ -11,6 +11,6 @@ per host path (``benchmarks/bench_tpu_aot.py`` and ``tests/tpu_compiler``). They
 directory on ``sys.path``.
 
 An engine-harness layer: it imports JAX, vLLM and tpu-inference. Nothing else in
-``tpu_offload`` imports it (``tests/tpu/test_tpu_testing_layer.py`` checks), and importing this
+``tpu_offload`` imports it (``tests/core/test_core_testing_layer.py`` checks), and importing this
 package imports nothing: each module says what its import costs.
 """
