@@ -6,11 +6,13 @@ Kept tiny and stable on purpose: every benchmark script imports it with
 
 from __future__ import annotations
 
+import collections
 import datetime
 import json
 import os
 import platform
 import sys
+import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -121,3 +123,40 @@ def restore_ttfts_ms(eng, prompts: Sequence[list[int]]) -> list[float]:
         (o,) = eng.llm.generate([TokensPrompt(prompt_token_ids=list(p))], sp, use_tqdm=False)
         out.append(o.metrics.first_token_latency * 1e3)
     return out
+
+
+class MethodClock:
+    """Time spent inside wrapped methods, by label (nested calls counted once, at the outermost):
+    what a connector's methods cost the engine thread that calls them."""
+
+    def __init__(self):
+        self.seconds: collections.Counter = collections.Counter()
+        self.calls: collections.Counter = collections.Counter()
+        self._depth = 0
+
+    def wrap(self, obj, name: str, label: str | None = None) -> None:
+        fn = getattr(obj, name, None)
+        if fn is None or not callable(fn):
+            return
+        label = label or name
+
+        def timed(*a, **kw):
+            if self._depth:
+                return fn(*a, **kw)
+            self._depth += 1
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.seconds[label] += time.perf_counter() - t0
+                self.calls[label] += 1
+                self._depth -= 1
+
+        setattr(obj, name, timed)
+
+    def take(self) -> tuple[float, dict]:
+        """(ms, calls by label) since the last ``take``."""
+        out = (sum(self.seconds.values()) * 1e3, dict(self.calls))
+        self.seconds.clear()
+        self.calls.clear()
+        return out

@@ -16,7 +16,6 @@ on the engine's critical path either way, and nearly independent of other load o
 from __future__ import annotations
 
 import argparse
-import collections
 import os
 import statistics
 import sys
@@ -33,7 +32,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 import numpy as np  # noqa: E402
 
-from _common import print_table, write_json  # noqa: E402
+from _common import MethodClock, print_table, write_json  # noqa: E402
 
 # The KVConnectorBase_V1 methods vLLM calls on a connector (both roles).
 METHODS = (
@@ -44,34 +43,6 @@ METHODS = (
     "handle_preemptions", "get_external_cache_hit_sources", "on_new_request", "has_pending_block_frees",
     "has_pending_push_work", "get_loaded_kv_cache_group_ids",
 )
-
-
-class Clock:
-    """Time spent inside wrapped methods, by name (nested calls counted once, at the outermost)."""
-
-    def __init__(self):
-        self.seconds = collections.Counter()
-        self.calls = collections.Counter()
-        self._depth = 0
-
-    def wrap(self, obj, name: str, label: str) -> None:
-        fn = getattr(obj, name, None)
-        if fn is None or not callable(fn):
-            return
-
-        def timed(*a, **kw):
-            if self._depth:
-                return fn(*a, **kw)
-            self._depth += 1
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **kw)
-            finally:
-                self.seconds[label] += time.perf_counter() - t0
-                self.calls[label] += 1
-                self._depth -= 1
-
-        setattr(obj, name, timed)
 
 
 def main() -> int:
@@ -99,7 +70,7 @@ def main() -> int:
         llm = LLM(model=path, skip_tokenizer_init=True, dtype=args.dtype, max_model_len=max_len, enforce_eager=True,
                   max_num_seqs=args.sessions, kv_transfer_config=kv_transfer_config(1 << 30))
         core = llm.llm_engine.engine_core.engine_core
-        clock = Clock()
+        clock = MethodClock()
         sched_conn, worker_conn = core.scheduler.connector, get_kv_transfer_group()
         for name in METHODS:
             clock.wrap(sched_conn, name, f"scheduler.{name}")

@@ -33,7 +33,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,7 +43,7 @@ from tpu_offload.testing import engine_run  # noqa: E402  (imports neither JAX n
 engine_run.prepare_process()
 
 from tpu_offload.testing import raiden_adapter  # noqa: E402  (imports neither JAX nor vLLM until the engine asks)
-from _common import print_table, write_json  # noqa: E402
+from _common import MethodClock, print_table, write_json  # noqa: E402
 
 # What the engine calls on the worker-side connector, on its step thread (vLLM's mixin).
 STEP_METHODS = ("bind_connector_metadata", "start_load_kv", "wait_for_layer_load", "save_kv_layer",
@@ -68,35 +67,12 @@ def kv_config(which: str) -> dict:
     return raiden_adapter.kv_transfer_config(ordered=which == "raiden-ordered")
 
 
-class StepClock:
-    """Seconds and calls inside the worker connector's step-thread methods, since the last ``take``."""
-
-    def __init__(self, conn):
-        self.seconds, self.calls = 0.0, collections.Counter()
-        self._depth = 0
-        for name in STEP_METHODS:
-            fn = getattr(conn, name, None)
-            if callable(fn):
-                setattr(conn, name, self._timed(fn, name))
-
-    def _timed(self, fn, name):
-        def timed(*a, **kw):
-            if self._depth:
-                return fn(*a, **kw)
-            self._depth += 1
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **kw)
-            finally:
-                self.seconds += time.perf_counter() - t0
-                self.calls[name] += 1
-                self._depth -= 1
-        return timed
-
-    def take(self) -> tuple[float, dict]:
-        out = (self.seconds * 1e3, dict(self.calls))
-        self.seconds, self.calls = 0.0, collections.Counter()
-        return out
+def step_clock(conn) -> MethodClock:
+    """Seconds and calls inside the worker connector's step-thread methods (``take``: since the last one)."""
+    clock = MethodClock()
+    for name in STEP_METHODS:
+        clock.wrap(conn, name)
+    return clock
 
 
 def copy_calls(eng, which: str) -> collections.Counter:
@@ -136,7 +112,7 @@ def measure(which: str, model_dir: str, shape, repeats: int, prompts: int, promp
     os.environ.update(ENVS.get(which, {}))
     eng = engine_run.EngineRun(model_dir, shape, kv_config(which))
     try:
-        clock = StepClock(eng.worker_connector)
+        clock = step_clock(eng.worker_connector)
         copies = copy_calls(eng, which)
         rows = []
         for r in range(repeats + 1):

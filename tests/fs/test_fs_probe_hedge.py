@@ -19,6 +19,14 @@ from tpu_offload.core.costs import FILE, CostModel, TransferCost
 from tpu_offload.core.fs.probe import ReadProbe, find_chunk_file
 
 
+def one_chunk_tier(root, make_tier):
+    """A signed tier holding one published chunk file: what the probe reads."""
+    t = make_tier(root, secret=SECRET)
+    write_all(t, 1)
+    t.flush(10)
+    return t
+
+
 def test_a_hedged_read_fails_at_its_own_bound_and_is_counted_apart(root, make_tier, faults):  # noqa: F811
     t = make_tier(root, secret=SECRET, io_timeout_s=5.0)
     write_all(t, 1)
@@ -77,9 +85,7 @@ def test_a_probe_that_hangs_prices_the_tier_at_its_age_and_none_runs_without_fil
 def test_a_probe_is_due_only_when_nothing_taught_the_tier_for_an_interval(root, make_tier):
     now = [0.0]
     clock = lambda: now[0]  # noqa: E731
-    t = make_tier(root, secret=SECRET)
-    write_all(t, 1)
-    t.flush(10)
+    t = one_chunk_tier(root, make_tier)
     cost = TransferCost(1e9, 5e-3, clock=clock)
     p = ReadProbe(lambda: t.ns_dir, cost, interval_s=30.0, clock=clock)
     assert p.due()  # never measured
@@ -99,9 +105,7 @@ def test_a_probe_round_on_a_slow_mount_stops_at_its_budget_and_learns_what_it_re
 
     from tpu_offload.core.fs import probe
 
-    t = make_tier(root, secret=SECRET)
-    write_all(t, 1)
-    t.flush(10)
+    t = one_chunk_tier(root, make_tier)
     preadv = os.preadv
 
     def at_100_kb_s(fd, bufs, offset):  # a mount throttled to 0.1 MB/s: a chunk file takes ~0.7 s
@@ -125,9 +129,7 @@ def test_a_probe_round_on_a_slow_mount_stops_at_its_budget_and_learns_what_it_re
 def test_a_round_that_moved_a_measured_estimate_is_checked_again_after_a_quarter_interval(root, make_tier):
     now = [0.0]
     clock = lambda: now[0]  # noqa: E731
-    t = make_tier(root, secret=SECRET)
-    write_all(t, 1)
-    t.flush(10)
+    t = one_chunk_tier(root, make_tier)
     cost = TransferCost(1e9, 5e-3, clock=clock)
     cost.observe(CHUNK, 30.0)  # the decision stopped loading from a mount this slow
     p = ReadProbe(lambda: t.ns_dir, cost, interval_s=30.0, clock=clock)
