@@ -2,7 +2,7 @@
 
     make docs          # or: .venv/bin/python tools/gen_reference.py [--check]
 
-docs/reference/settings.md  from tpu_offload/core/config.py (_SETTINGS: key, variable, type, default, scope)
+docs/reference/settings.md  from tpu_offload/core/config.py (SETTINGS: key, variable, type, default, scope)
 docs/reference/cli.md       from the argparse parsers of tpu-offload-fs and the selfcheck
 docs/reference/metrics.md   from the metric classes of both engines (instantiated on a private registry)
 docs/reference/glossary.md  from GLOSSARY below
@@ -86,7 +86,7 @@ def render_settings() -> str:
     defaults = {f.name: f.default for f in dataclasses.fields(C.OffloadConfig)}
     scope_names = {C.TPU: "TPU", C.VLLM: "vLLM", C.BOTH: "both"}
     rows = []
-    for s in C._SETTINGS:
+    for s in C.SETTINGS:
         keys = ", ".join(f"`{k}`" for k in s.keys) or "(env only)"
         envs = ", ".join([f"`{s.env}`"] if s.env else []) or "(JSON only)"
         if s.env_aliases:

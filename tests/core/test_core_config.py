@@ -412,7 +412,7 @@ def test_resolve_num_chunks():
 # ---- precedence -------------------------------------------------------------------------
 
 # fs_secret_file must name a readable secret and fs_encrypt needs one: both in tests/fs/test_fs_auth.py.
-WITH_BOTH = sorted({s.field: s for s in C._SETTINGS if s.env and s.keys
+WITH_BOTH = sorted({s.field: s for s in C.SETTINGS if s.env and s.keys
                     and s.field not in ("fs_secret_file", "fs_encrypt")}.values(), key=lambda s: s.field)
 
 

@@ -17,18 +17,18 @@ from tpu_offload.core.config_checks import ignored_settings, warn_ignored
 
 
 def test_every_setting_has_one_scope_and_a_meaning():
-    for s in C._SETTINGS:
+    for s in C.SETTINGS:
         assert s.scope in (TPU, VLLM, BOTH), f"{s.field}: declare scope=TPU, VLLM or BOTH in core/config.py"
         assert s.doc.strip().endswith("."), f"{s.field}: give doc=, one sentence of meaning"
     by_field: dict[str, set] = {}
-    for s in C._SETTINGS:
+    for s in C.SETTINGS:
         by_field.setdefault(s.field, set()).add(s.scope)
     assert all(len(v) == 1 for v in by_field.values()), by_field
 
 
 def test_variable_names_follow_keys():
     """TPU_OFFLOAD_ + the canonical key, upper-cased; older spellings stay readable as aliases."""
-    for s in C._SETTINGS:
+    for s in C.SETTINGS:
         if s.env and s.keys:
             assert s.env == "TPU_OFFLOAD_" + s.keys[0].upper(), (s.env, s.keys[0])
     env = {"TPU_OFFLOAD_NUM_STAGING_BLOCKS": "64", "TPU_OFFLOAD_SKIP_JAX_PRECOMPILE": "1",

@@ -29,7 +29,7 @@ def test_every_setting_and_series_is_on_its_page():
     from tpu_offload.core import config as C
 
     settings = (REPO / "docs/reference/settings.md").read_text()
-    for s in C._SETTINGS:
+    for s in C.SETTINGS:
         assert f"`{s.env or s.keys[0]}`" in settings, s.field
     metrics = (REPO / "docs/reference/metrics.md").read_text()
     for name in ("tpu_offload_tier_capacity_bytes", "tpu_offload_fs_ops", "vllm:kv_offload_cpu_cache_usage_perc",

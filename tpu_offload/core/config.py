@@ -6,7 +6,7 @@ it. Every bad value, unknown key and contradiction raises one ``ConfigError``
 naming the key, the value and what is allowed (with a "did you mean").
 
 Each setting declares its scope (TPU, VLLM or BOTH) and its meaning in
-``_SETTINGS``; docs/reference/settings.md is generated from that table
+``SETTINGS``; docs/reference/settings.md is generated from that table
 (``make docs``). A non-default setting the running engine ignores, or that
 this configuration leaves without effect (a file-tier setting without
 ``shared_storage_path``), is named in one warning at start
@@ -64,7 +64,7 @@ class _Setting:
     env_aliases: tuple[str, ...] = ()  # older variable names still read (tpu-inference's own names)
 
 
-_SETTINGS: tuple[_Setting, ...] = (
+SETTINGS: tuple[_Setting, ...] = (
     # host tier size: exactly one of these per source
     _Setting("num_cpu_chunks", _int(1), "TPU_OFFLOAD_NUM_CPU_CHUNKS", ("num_cpu_chunks",), scope=BOTH,
              doc="Host-tier capacity in chunks (instead of a size in bytes)."),
@@ -267,8 +267,8 @@ UPSTREAM_ENV = {
     "TPU_OFFLOAD_METRICS_LOG_INTERVAL": "metrics are Prometheus series, not log lines",
 }
 
-_BY_KEY = {k: s for s in _SETTINGS for k in s.keys}
-_BY_ENV = {e: s for s in _SETTINGS for e in ((s.env,) if s.env else ()) + s.env_aliases}
+_BY_KEY = {k: s for s in SETTINGS for k in s.keys}
+_BY_ENV = {e: s for s in SETTINGS for e in ((s.env,) if s.env else ()) + s.env_aliases}
 _SIZE_FIELDS = ("num_cpu_chunks", "cpu_bytes")
 
 
@@ -456,16 +456,16 @@ class OffloadConfig:
         return self.chunk_tokens // engine_block_size
 
 
-_DEFAULTS = {f.name: f.default for f in dataclasses.fields(OffloadConfig)}
+DEFAULTS = {f.name: f.default for f in dataclasses.fields(OffloadConfig)}
 def _check_pairs(values: dict[str, Any], names: dict[str, str]) -> None:
     """Settings that cannot both hold, from whichever source (or default) each came: one error naming both."""
 
     def said(field: str) -> str:
-        value = values.get(field, _DEFAULTS[field])
+        value = values.get(field, DEFAULTS[field])
         return f"{field}={value!r} ({names.get(field, 'the default')})"
 
     def get(field: str) -> Any:
-        return values.get(field, _DEFAULTS[field])
+        return values.get(field, DEFAULTS[field])
 
     if values.get("snapshot_path") and get("transfer_path") == "device_put":
         raise ConfigError(

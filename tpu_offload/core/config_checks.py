@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from tpu_offload.core.config import _DEFAULTS, _SETTINGS, BOTH, TPU, VLLM, ConfigError, OffloadConfig
+from tpu_offload.core.config import BOTH, DEFAULTS, SETTINGS, TPU, VLLM, ConfigError, OffloadConfig
 
 _ENGINE_NAMES = {TPU: "the TPU connector (tpu-inference)", VLLM: "vLLM"}
 _WARNED: set[str] = set()
@@ -21,12 +21,12 @@ def ignored_settings(cfg: OffloadConfig, engine: str) -> list[str]:
     """What the config sets that has no effect on ``engine`` (TPU or VLLM), as ``name=value (where it was
     set)``: each non-default setting of the other engine's scope, each non-default setting this configuration
     leaves without effect (``inert_settings``: with why), and each name only another connector reads."""
-    by_field = {s.field: s for s in _SETTINGS}
+    by_field = {s.field: s for s in SETTINGS}
     inert = inert_settings(cfg, engine)
     out = []
     for field, where in cfg.set_by:
         s = by_field[field]
-        if getattr(cfg, field) == _DEFAULTS[field]:
+        if getattr(cfg, field) == DEFAULTS[field]:
             continue
         if s.scope in (engine, BOTH) and field not in inert:
             continue
@@ -36,7 +36,7 @@ def ignored_settings(cfg: OffloadConfig, engine: str) -> list[str]:
 
 
 # Settings that act only through another one: field -> why it does nothing, given the resolved config.
-_FILE_TIER = tuple(dict.fromkeys(s.field for s in _SETTINGS if s.field.startswith("fs_")))
+_FILE_TIER = tuple(dict.fromkeys(s.field for s in SETTINGS if s.field.startswith("fs_")))
 _PACING = ("transfer_piece_bytes",)  # the budget itself (bandwidth, stall) also bounds what the scheduler sends
 
 
