@@ -69,9 +69,13 @@ class Engine:
             time.sleep(0.0005)
         self.step()
 
-    def store(self, keys: Sequence[bytes], payloads: Sequence[np.ndarray], settle: bool = True) -> int:
-        """Store chunks as the worker would (into primary rows), cascading to the secondary tiers; stored count."""
-        ctx = ReqContext(req_id=f"s{next(_REQ)}")
+    def store(self, keys: Sequence[bytes], payloads: Sequence[np.ndarray], settle: bool = True,
+              params: dict | None = None) -> int:
+        """Store chunks as the worker would (into primary rows), cascading to the secondary tiers; stored count.
+        ``params``: the request's ``kv_transfer_params``; the keys are its prefix, in order."""
+        ctx = ReqContext(req_id=f"s{next(_REQ)}", kv_transfer_params=params)
+        for i, key in enumerate(keys):
+            ctx.set_offload_key_position(key, i + 1)
         m = self.manager
         m.on_new_request(ctx)
         out = m.prepare_store(list(keys), ctx)

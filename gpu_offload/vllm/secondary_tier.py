@@ -65,6 +65,7 @@ from vllm.v1.kv_offload.tiering.base import JobId, JobResult, SecondaryTierManag
 
 from gpu_offload._log import get_logger
 from gpu_offload.vllm.tier_settings import TierSettings, parse_tier_settings
+from tpu_offload.core import leases
 from tpu_offload.core.fs import FileTier, FsMetrics, WriteTicket
 from tpu_offload.core.fs.journal import PUBLISHED, REMOVED, FileJournal
 from tpu_offload.core.fs.reset import bind_weights
@@ -200,11 +201,21 @@ class SharedFileTier(SecondaryTierManager):
             except ValueError:
                 pass
 
+    # ---- session leases (core/leases.py): the tier is in this process, so the hint reaches it directly ----
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        if self.tier.leases is not None:  # the session came back: its lease runs ttl_s from now
+            hint = leases.parse_hint(req_context.kv_transfer_params)
+            if hint is not None:
+                self.tier.renew(hint.session, hint.ttl_s)
         return RequestOffloadingContext()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         self._lookups.cleanup(req_context.req_id)
+        if self.tier.leases is not None and leases.has_hint(req_context.kv_transfer_params):
+            hint = leases.parse_hint(req_context.kv_transfer_params)
+            if hint is not None:  # its keys in prefix order: the head first, which every later turn needs
+                positions = req_context._offload_key_positions
+                self.tier.lease(hint.session, hint.ttl_s, sorted(positions, key=positions.__getitem__))
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         self._lookups.flush()

@@ -303,3 +303,22 @@ def test_file_metrics_reach_the_process_registry(engines, entry):
     before = REGISTRY.get_sample_value("tpu_offload_fs_bytes_total", labels) or 0.0
     e.store(new_keys(2), _payloads(e, 2))
     assert REGISTRY.get_sample_value("tpu_offload_fs_bytes_total", labels) - before == 2 * e.row_bytes
+
+
+@pytest.mark.parametrize("hint", [True, False])
+def test_a_lease_hint_keeps_a_sessions_files_through_other_traffic(engines, entry, hint):
+    """The hint in kv_transfer_params reaches the file tier (it runs in the scheduler's process): the leased
+    prefix's files outlive other traffic that evicts them without it."""
+    from tpu_offload.core.leases import HINT_KEY
+
+    e = engines({**entry, "fs_capacity_bytes": 8 * (HEADER_SIZE + BPB)})
+    tier = e.secondary[0].tier
+    mine = new_keys(4)
+    e.store(mine, _payloads(e, 4), params={HINT_KEY: {"session": "agent", "ttl_s": 120}} if hint else None)
+    tier.flush()
+    assert all(tier.contains(k) for k in mine)
+    for _ in range(3):  # another session: 12 chunks through an 8-file tier
+        e.store(new_keys(4), _payloads(e, 4))
+        tier.flush()
+    assert [tier.contains(k) for k in mine] == [hint] * 4
+    assert tier.leases.sessions() == int(hint) and (tier.leases.honoured > 0) == hint

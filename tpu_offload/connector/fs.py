@@ -205,6 +205,14 @@ class FsMover:
         # KV of the old weights is never read again: its files go, or every reset would leak a namespace.
         threading.Thread(target=old.retire, kwargs={"timeout": 60}, name="tpu-offload-fs-retire", daemon=True).start()
 
+    def lease(self, renews, leases) -> None:
+        """The scheduler's session leases of one step: renewals first, then the prefixes of finished requests."""
+        tier = self.tier
+        for session, ttl_s in renews:
+            tier.renew(session, ttl_s)
+        for session, ttl_s, keys, salt in leases:
+            tier.lease(session, ttl_s, keys, salt)
+
     # ---- writes ------------------------------------------------------------
     def write(self, key: ChunkKey, slot: int, salt: bytes = b"") -> None:
         """Queue the slot's file write (named and signed for ``salt``); copied out now or on a later ``pump``."""

@@ -88,6 +88,10 @@ class OffloadMetadata(KVConnectorMetadata):
     # The scheduler's number for this step (-1: none). Workers echo it in their report, so the scheduler
     # times the step from its scheduling to its output's return (the engine's prefill cost, core/costs.py).
     step: int = -1
+    # Session leases on the file tier (core/leases.py), which lives in the workers: (session, ttl_s) of requests
+    # that came back, and (session, ttl_s, prefix chunk keys, cache_salt) of requests that finished this step.
+    fs_renews: list[tuple[str, float]] = dataclasses.field(default_factory=list)
+    fs_leases: list[tuple[str, float, list[bytes], bytes]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass

@@ -57,6 +57,8 @@ Invariants this file keeps (each one a defect of the upstream connector):
   carry a lease hint renews its session's lease when it is allocated, and
   leases its prefix's chunks to the session when it finishes; the host tier
   then evicts them only after its unleased chunks, until the lease expires.
+  The file tier lives in the workers: the renewals and leases of each step
+  travel to them in its metadata (``fs_renews``, ``fs_leases``).
 """
 
 from __future__ import annotations
@@ -162,6 +164,10 @@ class OffloadScheduler:
         self.loads.unpin_hbm = self._unpin_hbm
         self._walked: dict[str, tuple[int, int]] = {}  # interleaved: the last lookup's (first chunk, chunks offered)
         self._fs_lookup = fs  # also when loads are synchronous (it learns resets)
+        # Session leases for the workers' file tier (it evicts only with a budget): this step's, sent in its metadata
+        self._lease_files = fs is not None and cfg.lease_max_fraction > 0 and cfg.fs_capacity_bytes is not None
+        self._fs_renews: list[tuple[str, float]] = []
+        self._fs_leases: list[tuple[str, float, list[bytes], bytes]] = []
         self.probe = None  # load_decision auto: the file tier's timed probe reads (core/fs/probe.py)
         if self.fs is not None and cfg.load_decision == "auto":
             from tpu_offload.core.fs.probe import ReadProbe
@@ -343,7 +349,12 @@ class OffloadScheduler:
 
     # ---- admission -------------------------------------------------------
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        leases.renew_from(self.manager.leases, getattr(request, "kv_transfer_params", None))
+        params = getattr(request, "kv_transfer_params", None)
+        hint = leases.renew_from(self.manager.leases, params)
+        if self._lease_files and leases.has_hint(params):
+            hint = hint or leases.parse_hint(params)
+            if hint is not None:
+                self._fs_renews.append((hint.session, hint.ttl_s))
         self.loading.release(request.request_id)  # a new allocation: any earlier load is over
         self._waited.discard(request.request_id)
         load_async = self._load_async.pop(request.request_id, self.async_load)
@@ -474,6 +485,9 @@ class OffloadScheduler:
         if self.fs is not None:
             self.fs.new_step()
         self.metrics.core.record_leases(self.manager.leases)
+        if self._fs_renews or self._fs_leases:
+            meta.fs_renews, self._fs_renews = meta.fs_renews + self._fs_renews, []
+            meta.fs_leases, self._fs_leases = meta.fs_leases + self._fs_leases, []
         self._time_orders(meta, so)
         return meta
 
@@ -591,8 +605,12 @@ class OffloadScheduler:
         self._walked.pop(req_id, None)
         self._decided.pop(req_id, None)
         params = getattr(request, "kv_transfer_params", None)
-        if self.manager.leases is not None and leases.has_hint(params):
-            leases.lease_from(self.manager.leases, params, self._keys(request))
+        if leases.has_hint(params) and (self.manager.leases is not None or self._lease_files):
+            keys = self._keys(request)
+            leases.lease_from(self.manager.leases, params, keys)
+            hint = leases.parse_hint(params) if self._lease_files else None
+            if hint is not None:
+                self._fs_leases.append((hint.session, hint.ttl_s, [bytes(k) for k in keys], request_salt(request)))
         st = self._reqs.get(req_id)
         if st is None:
             return False, None

@@ -306,6 +306,8 @@ class OffloadWorker:
         if meta.step >= 0:  # echoed: the scheduler times the step to its output's return (core/costs.py)
             self._report.steps.append(meta.step)
         self._check_snapshot(meta)
+        if self.fs is not None and (meta.fs_renews or meta.fs_leases):  # session leases (core/leases.py)
+            self.fs.lease(meta.fs_renews, meta.fs_leases)
         self._releasing.update(meta.release)
         self._dispatch_stores(meta.stores)
         self._pump()  # after the step's forward (vLLM calls this once the forward is launched)

@@ -216,8 +216,9 @@ SETTINGS: tuple[_Setting, ...] = (
              scope=BOTH, doc="With load_decision auto: above 1 favours recomputing, below 1 loading."),
     # session leases (core/leases.py): a kv_transfer_params hint keeps a session's prefix through its tool gaps
     _Setting("lease_max_fraction", _share, "TPU_OFFLOAD_LEASE_MAX_FRACTION", ("lease_max_fraction",), scope=BOTH,
-             doc="Largest share of the host tier that leases may hold at once (a request's 'tpu_offload_lease' "
-                 "hint in kv_transfer_params keeps its prefix), a fraction from 0 to 1; 0 turns leases off."),
+             doc="Largest share of each tier that leases may hold at once (a request's 'tpu_offload_lease' "
+                 "hint in kv_transfer_params keeps its prefix): of the host tier, and of fs_capacity_bytes for "
+                 "the file tier; a fraction from 0 to 1; 0 turns leases off."),
     _Setting("lease_max_sessions", _int(1, 1 << 20), "TPU_OFFLOAD_LEASE_MAX_SESSIONS", ("lease_max_sessions",),
              scope=BOTH, doc="Most sessions holding a lease at once; a hint for another session is ignored "
                              "until one expires."),
@@ -363,7 +364,8 @@ class OffloadConfig:
     load_decision: str = "auto"
     load_decision_bias: float = 1.0
     # session leases (core/leases.py): chunks a request's hint leases are evicted only after every unleased
-    # chunk of the tier, until the lease expires; leases hold at most this share of the host tier (0: off) ...
+    # chunk of the tier, until the lease expires; leases hold at most this share of each tier (0: off): of the
+    # host tier, and of fs_capacity_bytes for the file tier (none without a budget: it evicts nothing) ...
     lease_max_fraction: float = 0.5
     # ... and at most this many sessions (the table is allocated once, at start).
     lease_max_sessions: int = 4096

@@ -21,7 +21,10 @@ Per chunk, the hot path costs one dict probe (``in``); expiry is a heap of
 deadlines, so sessions that never come back cost nothing until they expire.
 A chunk two sessions lease (a shared system prompt) stays leased until both
 leases end. Nothing here knows about slots or engines: the tier's eviction
-asks ``key in table`` and reports what it evicted (``drop``).
+asks ``key in table`` and reports what it evicted (``drop``). Each tier has
+its own table, sized by its own capacity: the host tier's (``lru.py``) and
+the file tier's (``fs/tier.py``, keyed by on-disk id, in the process that
+owns the tier, so on a shared volume it orders only that process's evictions).
 """
 
 from __future__ import annotations

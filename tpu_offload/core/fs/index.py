@@ -98,14 +98,50 @@ class FileIndex:
                 return None
             return self._pop(key)
 
-    def pop_lru_until(self, budget_bytes: int) -> list[tuple[bytes, int]]:
-        """Take least-recent entries out until the total fits the budget."""
+    def pop_lru_until(self, budget_bytes: int, leased=None, spare: bytes | None = None) \
+            -> tuple[list[tuple[bytes, int]], int]:
+        """Take least-recent entries out until the total fits the budget; returns them and how many
+        leased entries were kept while an unleased one went.
+
+        ``leased`` (a ``core.leases.LeaseTable``, or any container of keys):
+        leased entries are passed over while an unleased one is left, and
+        each one passed goes to the recent end with its own last access, so
+        the next eviction does not meet it again first (a rescan puts it back
+        in its place by time); when only leased entries are left, the least
+        recent of them go. One probe per entry met. ``spare`` (the file just
+        written) goes only after every leased one: a write is never undone
+        because leases hold the rest of the tier.
+        """
         out = []
+        passed: list[tuple[bytes, float]] = []
         with self._lock:
-            while self.used_bytes > budget_bytes and self._od:
-                key, _ = self._od.popitem(last=False)
+            od = self._od
+            if leased is None or not len(leased):
+                while self.used_bytes > budget_bytes and od:
+                    key, _ = od.popitem(last=False)
+                    out.append((key, self._pop(key)))
+                return out, 0
+            while self.used_bytes > budget_bytes and od:
+                key, last = od.popitem(last=False)
+                if key in leased or key == spare:
+                    passed.append((key, last))  # still counted in used_bytes: the loop ends when od does
+                else:
+                    out.append((key, self._pop(key)))
+            unleased = len(out)
+            for j in range(len(passed) if spare is not None else 0):
+                if passed[j][0] == spare:  # after every leased one
+                    passed.append(passed.pop(j))
+                    break
+            i = 0
+            while self.used_bytes > budget_bytes and i < len(passed):  # only leased entries are left
+                key = passed[i][0]
+                i += 1
                 out.append((key, self._pop(key)))
-        return out
+            honoured = 0
+            for key, last in passed[i:]:
+                od[key] = last
+                honoured += key != spare
+        return out, (honoured if unleased else 0)
 
     def begin_rebuild(self) -> None:
         """Call before the directory scan starts: from here on, changes are journaled."""

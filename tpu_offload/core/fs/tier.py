@@ -29,6 +29,11 @@ Why it is built this way:
   followed if it is a symlink, a FIFO or device at a key is a miss, an
   unreadable subdirectory is skipped and counted, only our own names are
   ever deleted, and ages are judged on the file server's clock.
+* Session leases (``core/leases.py``): eviction takes the chunks a
+  session leased only after every unleased file in the index, until the
+  lease expires, at most ``lease_max_fraction`` of the budget. The table is
+  this process's (keyed by on-disk id): it orders our own evictions only;
+  other replicas sharing the namespace evict by their own tables.
 * A checksum is not authentication: with a secret (``auth``) every file
   carries a keyed MAC, names are keyed hashes, and a file that fails the MAC
   is a miss counted as ``auth_failures``, never served and never deleted
@@ -63,6 +68,7 @@ from tpu_offload.core.fs.ticket import TierState
 from tpu_offload.core.fs.tier_reads import ReadPath
 from tpu_offload.core.fs.tier_writes import SPACE_ERRNOS, WritePath
 from tpu_offload.core.fs.workers import IOWorkers
+from tpu_offload.core import leases as _leases
 from tpu_offload.core.keys import ChunkKey, LayoutFingerprint
 from tpu_offload.core.manager import TierStats
 
@@ -112,6 +118,8 @@ class FileTier(WritePath, ReadPath):
         encrypt: bool = False,
         mac: str = "hmac-sha256",
         io_timeout_s: float | None = None,
+        lease_max_fraction: float = 0.0,
+        lease_max_sessions: int = 4096,
     ):
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes}")
@@ -164,6 +172,11 @@ class FileTier(WritePath, ReadPath):
                                 dir_mode=dir_mode, owner=self._uid, encrypt=encrypt, mac=mac,
                                 report=self._repaired, on_lost=self._lost)
         self._index = FileIndex(touch_interval_s)
+        # Session leases, keyed by on-disk id; None without a budget (nothing is evicted) or with a share of 0.
+        # Used by the engine's thread (lease, renew) and the I/O threads (eviction): ``_lease_lock``.
+        self.leases = (_leases.table_for(lease_max_fraction, lease_max_sessions, capacity_bytes // self.file_bytes)
+                       if capacity_bytes is not None else None)
+        self._lease_lock = threading.Lock()
         self._scanner = Rescanner(self.ns_dir, self._index, name=name, stale_tmp_s=stale_tmp_s, count=self._count,
                                   writable=lambda: self._state is TierState.RW, owner=self._uid,
                                   file_bytes=self.file_bytes, head_ok=self._head_ok if self._tk else None,
@@ -214,7 +227,8 @@ class FileTier(WritePath, ReadPath):
                 capacity_bytes=cfg.fs_capacity_bytes, threads=cfg.fs_threads,
                 queue_depth=cfg.fs_queue_depth, fsync=cfg.fs_fsync, o_direct=cfg.fs_o_direct,
                 metrics=metrics, secret=cfg.fs_secret, dir_mode=cfg.fs_dir_mode, encrypt=cfg.fs_encrypt,
-                mac=cfg.fs_mac, **{"io_timeout_s": cfg.fs_io_timeout_s, **kw},
+                mac=cfg.fs_mac, **{"io_timeout_s": cfg.fs_io_timeout_s, "lease_max_fraction": cfg.lease_max_fraction,
+                                   "lease_max_sessions": cfg.lease_max_sessions, **kw},
             )
             tier._warn_no_budget()  # an engine's start: say it once when the shared tier has no budget
             return tier
@@ -359,23 +373,61 @@ class FileTier(WritePath, ReadPath):
         """On-disk ids, least recent first (the chunk keys themselves without a secret)."""
         return self._index.keys_lru_order()
 
+    # ---- session leases ---------------------------------------------------
+    def lease(self, session: str, ttl_s: float, keys, salt: bytes = b"") -> int:
+        """A request of ``session`` finished: its prefix ``keys`` (head first, named for ``salt``) is evicted
+        only after unleased files for ``ttl_s``; returns how many are leased (0: leases off or table full).
+        Files still being written are leased too: they are the newest part of the prefix."""
+        table = self.leases
+        if table is None or self._state is TierState.CLOSED:
+            return 0
+        try:
+            fids = [self._fid(k, salt=salt) for k in keys]
+        except ValueError:
+            return 0
+        with self._lease_lock:
+            return table.lease(session, ttl_s, fids)
+
+    def renew(self, session: str, ttl_s: float) -> bool:
+        """The session came back: its lease runs ``ttl_s`` from now. False if it holds none here."""
+        table = self.leases
+        if table is None:
+            return False
+        with self._lease_lock:
+            return table.renew(session, ttl_s)
+
+    def _record_leases(self) -> None:
+        """Honoured and expired leases to the tier-labelled counters (after evictions and rescans)."""
+        if self.leases is not None and self._offload_metrics is not None:
+            with self._lease_lock:
+                self._offload_metrics.record_leases(self.leases, tier=self.name)
+
     # ---- capacity ------------------------------------------------------
-    def _evict_to(self, budget: int) -> int:
+    def _evict_to(self, budget: int, spare: bytes | None = None) -> int:
         """Evict least-recent files until the index fits ``budget``; returns files deleted.
 
         Each victim is re-checked just before the unlink: a file whose
         identity (ctime: a restamp or a rewrite moves it) is no longer what
         our last rescan indexed or what we last wrote or verified was used by
         another replica since the choice. It is kept, back in the index as
-        just used, and the next least recent goes instead.
+        just used, and the next least recent goes instead. Leased files go
+        after unleased ones (``FileIndex.pop_lru_until``), ``spare`` (the
+        file just written) after those.
         """
         n = 0
         kept: list[tuple[bytes, int]] = []
         kept_bytes = 0
+        table = self.leases
+        if table is not None:
+            with self._lease_lock:
+                table.expire()
         while True:
-            victims = self._index.pop_lru_until(budget - kept_bytes)
+            victims, honoured = self._index.pop_lru_until(budget - kept_bytes, table, spare)
             if not victims:
                 break
+            if honoured:
+                with self._lease_lock:
+                    table.honoured += honoured
             for fid, size in victims:
                 khex = fid.hex()
                 ours = self._ours.get(fid)
@@ -387,6 +439,11 @@ class FileTier(WritePath, ReadPath):
                     outcome = self.files.evict(khex, unchanged)
                 except OSError as e:
                     log.debug("fs tier %s: evicting %s failed: %s", self.name, khex, e)
+                    outcome = "failed"
+                if outcome != "used" and table is not None and fid in table:  # out of the index: no lease
+                    with self._lease_lock:
+                        table.drop((fid,))
+                if outcome == "failed":
                     continue
                 if outcome == "deleted":
                     n += 1
@@ -404,6 +461,7 @@ class FileTier(WritePath, ReadPath):
             self._m.evicted.inc(n)
             if self._offload_metrics is not None:
                 self._offload_metrics.record_evictions(n, tier=self.name)
+        self._record_leases()
         return n
 
     def rescan(self) -> None:
@@ -424,6 +482,7 @@ class FileTier(WritePath, ReadPath):
             self._ours = {f: i for f, i in list(self._ours.items()) if f in idx}
         if self.capacity_bytes is not None:
             self._enforce_budget()
+        self._record_leases()  # leases that ran out while nothing was evicted
 
     # ---- state ---------------------------------------------------------
     def _open_namespace(self) -> None:
@@ -660,6 +719,7 @@ class FileTier(WritePath, ReadPath):
             pinned_chunks=0,
             pending_chunks=self._writes,
             chunk_bytes=self.chunk_bytes,
+            leased_chunks=len(self.leases) if self.leases is not None else 0,
         )
 
     def usage(self) -> dict:

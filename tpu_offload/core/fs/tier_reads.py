@@ -174,6 +174,9 @@ class ReadPath:
         if fid in self._index:
             self._journal_removed(fid)  # deleted under us (another instance's eviction, an admin)
         self._index.remove(fid)
+        if self.leases is not None and fid in self.leases:  # gone: its lease protects nothing any more
+            with self._lease_lock:
+                self.leases.drop((fid,))
         self._count("read_misses")
         self._m.op("read", "miss")
         return False

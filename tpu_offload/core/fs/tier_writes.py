@@ -118,7 +118,7 @@ class WritePath:
         self._m.op("write", "ok")
         if self._offload_metrics is not None:
             self._offload_metrics.stored_chunks.labels(tier=self.name, **self._offload_metrics.labels).inc()
-        self._after_write()
+        self._after_write(fid)
         return True
 
     def _write_error(self, e: OSError) -> None:
@@ -165,7 +165,7 @@ class WritePath:
         except OSError:
             return False
 
-    def _after_write(self) -> None:
+    def _after_write(self, fid: bytes | None = None) -> None:
         if self.capacity_bytes is None:
             return
         if time.monotonic() - self._scanner.last >= self.rescan_interval_s or \
@@ -174,9 +174,9 @@ class WritePath:
                 self._rescan(block=False)  # picks up what other instances wrote
             except OSError as e:
                 log.debug("fs tier %s: rescan failed: %s", self.name, e)
-        self._enforce_budget()
+        self._enforce_budget(fid)
 
-    def _enforce_budget(self) -> None:
+    def _enforce_budget(self, spare: bytes | None = None) -> None:
         """Our chunk files plus our temps (writes in progress) the last scan saw, within the budget.
 
         The temps' allowance is capped (``Rescanner.temp_cap_bytes``, a quarter
@@ -188,4 +188,4 @@ class WritePath:
             allowance = min(allowance, self._scanner.temp_cap_bytes)
         budget = max(self.file_bytes, self.capacity_bytes - allowance)
         if self._index.used_bytes > budget:
-            self._evict_to(budget)
+            self._evict_to(budget, spare)
