@@ -361,7 +361,7 @@ class OffloadConfig:
     # engine's expected time to recompute it (learned from its steps); the rest is recomputed, and a chunk
     # still being stored is waited for only when that pays. "always": load every hit. "never": recompute.
     # load_decision_bias > 1 favours recomputing, < 1 loading.
-    load_decision: str = "auto"
+    load_decision: str = "always"
     load_decision_bias: float = 1.0
     # session leases (core/leases.py): chunks a request's hint leases are evicted only after every unleased
     # chunk of the tier, until the lease expires; leases hold at most this share of each tier (0: off): of the
