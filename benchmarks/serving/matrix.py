@@ -185,7 +185,7 @@ def stored_workload(d: dict):
 def report(records: list[dict], title: str, w) -> tuple[dict, list[dict]]:
     from _common import print_table
 
-    verdict = check(records, w)
+    verdict = check(records)
     rows = harness.compare(records)
     print_table(rows, title=f"{title}: {w.describe()}")
     for line in verdict["lines"]:
@@ -211,7 +211,7 @@ def hits_line(rec: dict) -> str:
             f" of {h['reusable_tokens']} reusable tokens")
 
 
-def check(records: list[dict], w=None) -> dict:
+def check(records: list[dict]) -> dict:
     """Correctness and accounting checks; ``ok`` is False if any fails. GAP lines name what
     the connector does not export (reported, not failed)."""
     lines, ok = [], True
@@ -222,13 +222,12 @@ def check(records: list[dict], w=None) -> dict:
         lines.append("FAIL " + msg)
 
     base = {(r["scenario"], r["repeat"]): r for r in records if r["config"] == "none"}
-    exact_prompts = getattr(w, "exact_prompt_count", True)
     for r in records:
         tag = f"{r['engine']}/{r['scenario']}/{r['config']}/r{r['repeat']}"
         f, h = r["figures"], r["hits"]
         if f["requests_failed"]:
             fail(f"{tag}: {f['requests_failed']} failed requests")
-        if exact_prompts and h["perf_prompt_tokens"] != h["server_prompt_tokens"]:
+        if h["perf_prompt_tokens"] != h["server_prompt_tokens"]:
             fail(f"{tag}: inference-perf counted {h['perf_prompt_tokens']} prompt tokens, the server "
                  f"{h['server_prompt_tokens']}")
         if h["server_vs_perf_cached_diff"]:

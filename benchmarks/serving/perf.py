@@ -185,10 +185,6 @@ class Agentic:
     themes: tuple[str, ...] = ("code_change_task", "db2_latency_incident", "research_rag")
     seed: int = 7
 
-    # inference-perf counts message text only (no chat template, no tool catalog): the server
-    # counts more prompt tokens than it does, by design, so that check does not apply.
-    exact_prompt_count = False
-
     @property
     def calls_per_session(self) -> int:
         return self.turns * (self.tool_loop_depth + 1)
