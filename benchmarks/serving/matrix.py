@@ -76,7 +76,7 @@ def sizes(w, ratio: float, block: int) -> dict:
     """Device blocks per scenario and host-tier blocks, from the workload's working set."""
     request_blocks = w.request_blocks(block)
     ws_blocks = w.working_set_blocks(block)
-    running = w.concurrency * request_blocks
+    running = getattr(w, "running_requests", w.concurrency) * request_blocks
     high = max(int(ws_blocks / ratio), running + request_blocks)
     return {
         "working_set_blocks": ws_blocks, "running_blocks": running,

@@ -181,7 +181,10 @@ class Agentic:
     tools_per_agent: int = 1
     tool_gap_s: float = 2.0
     think_s: float = 4.0
-    concurrency: int = 4
+    concurrency: int = 8
+    # Requests the device cache is sized to run at once: a session spends most of its time in
+    # tool gaps and think time, so far fewer than ``concurrency`` run together.
+    running_requests: int = 2
     themes: tuple[str, ...] = ("code_change_task", "db2_latency_incident", "research_rag")
     seed: int = 7
 
@@ -201,11 +204,16 @@ class Agentic:
                 + self.calls_per_session * (self.turn_input_len + 2 * self.output_len))
 
     @property
+    def live_sessions(self) -> int:
+        """Sessions under way at once: a finished session never comes back."""
+        return min(self.sessions, self.concurrency)
+
+    @property
     def working_set_tokens(self) -> int:
-        return self.sessions * self.final_context_tokens
+        return self.live_sessions * self.final_context_tokens
 
     def working_set_blocks(self, block: int) -> int:
-        return self.sessions * -(-self.final_context_tokens // block)
+        return self.live_sessions * -(-self.final_context_tokens // block)
 
     def request_blocks(self, block: int) -> int:
         return -(-(self.final_context_tokens + self.output_len) // block)
