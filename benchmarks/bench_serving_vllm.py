@@ -3,6 +3,7 @@
     python benchmarks/bench_serving_vllm.py [--repeats 2] [--scenarios high low]
         [--configs none host host-fs] [--groups 24 --system-prompt-len 1024 ...]
     python benchmarks/bench_serving_vllm.py --soak 2000
+    python benchmarks/bench_serving_vllm.py --workload agentic --scenarios high --configs none host host-lease
 
 For each repeat, scenario and configuration (the order rotates every repeat, because the
 machine is shared), one server (``python -m vllm.entrypoints.openai.api_server``; ``vllm
@@ -23,6 +24,11 @@ requests. The device cache is set in blocks (``--num-gpu-blocks-override``). Eve
 configuration runs with the same CPU binding: ``VLLM_CPU_NUM_OF_RESERVED_CPU`` is set
 explicitly (a kv-transfer-config otherwise reserves one more core) and
 ``VLLM_CPU_OMP_THREADS_BIND`` is the same. Results: ``results/serving_vllm.{json,png}``.
+
+``--workload agentic``: inference-perf's agentic sessions over the chat API (the model's
+tokenizer is then a byte-level BPE with a plain chat template); ``host-lease`` is ``host`` with
+every request carrying its session's lease hint (``ttl_s`` 120), added by
+``serving/lease_middleware.py`` from inference-perf's session header.
 """
 
 from __future__ import annotations
@@ -41,7 +47,10 @@ from benchmarks.serving.model import bench_model  # noqa: E402
 from benchmarks.serving.server import Server, free_port  # noqa: E402
 
 BLOCK = 128  # vLLM's CPU backend block size
-CONFIGS = {"host": "configs/vllm/offload-host.json", "host-fs": "configs/vllm/offload-host-fs.json"}
+CONFIGS = {"host": "configs/vllm/offload-host.json", "host-fs": "configs/vllm/offload-host-fs.json",
+           # our host tier, every request carrying its agent session's lease hint (lease_middleware)
+           "host-lease": "configs/vllm/offload-host.json"}
+LEASE_TTL_S = 120
 
 
 def connector_config(name: str, host_bytes: int, work: Path) -> dict:
@@ -75,6 +84,11 @@ def start(name: str, model: str, blocks: int, host_bytes: int, w, work: Path, ar
     ]
     if ktc is not None:
         cmd += ["--kv-transfer-config", json.dumps(ktc)]
+    if w.kind == "agentic":
+        # tools in every request: "auto" tool choice needs a parser (pythonic: no special tokens);
+        # the middleware adds the lease hint from the session header (host-lease only)
+        cmd += ["--enable-auto-tool-choice", "--tool-call-parser", "pythonic",
+                "--middleware", "benchmarks.serving.lease_middleware.SessionLease"]
     env = {
         **os.environ,
         "PYTHONPATH": str(Path(args.code).resolve()) if args.code else str(ROOT),  # every process imports gpu_offload
@@ -84,6 +98,9 @@ def start(name: str, model: str, blocks: int, host_bytes: int, w, work: Path, ar
         "VLLM_PLUGINS": "", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
     }
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server's own process layout
+    env.pop("BENCH_LEASE_TTL_S", None)
+    if name == "host-lease":
+        env["BENCH_LEASE_TTL_S"] = str(LEASE_TTL_S)
     chunk_tokens = 0 if ktc is None else int(ktc["kv_connector_extra_config"].get("block_size", BLOCK))
     return Server(cmd, env, work / "server.log", port), endpoint, chunk_tokens
 
@@ -91,6 +108,7 @@ def start(name: str, model: str, blocks: int, host_bytes: int, w, work: Path, ar
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     matrix.add_args(ap, ("none", *CONFIGS), "serving_vllm")
+    ap.set_defaults(configs=["none", "host", "host-fs"])  # host-lease: named explicitly
     ap.add_argument("--reserved-cpus", type=int, default=1, help="VLLM_CPU_NUM_OF_RESERVED_CPU for every configuration")
     ap.add_argument("--omp-bind", default="auto", help="VLLM_CPU_OMP_THREADS_BIND for every configuration")
     args = ap.parse_args(argv)

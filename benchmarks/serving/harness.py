@@ -188,6 +188,9 @@ def tier_state(s: dict) -> dict:
         "pending_chunks": g("tpu_offload_tier_pending_chunks", tier="cpu"),
         "fs_files": g("tpu_offload_fs_files"),  # chunk files the file tier knows (None: no file tier)
         "fs_reads": g("tpu_offload_fs_ops_total", op="read"),  # file -> host promotions, every outcome
+        "leased_bytes": g("tpu_offload_tier_leased_bytes", tier="cpu"),
+        "lease_honoured_chunks": g("tpu_offload_lease_honoured_chunks", tier="cpu"),
+        "leases_expired": g("tpu_offload_leases_expired", tier="cpu"),
     }
 
 

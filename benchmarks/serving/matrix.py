@@ -51,8 +51,14 @@ def add_args(ap: argparse.ArgumentParser, configs: tuple[str, ...], out: str) ->
     ap.add_argument("--host-fraction", type=float, default=None,
                     help="host tier = this x working set (default: it holds the working set; --soak: 0.5, "
                          "so the tier evicts all the time)")
-    ap.add_argument("--workload", default="shared_prefix", choices=["shared_prefix", "conversations"],
-                    help="conversations: inference-perf's conversation_replay (multi-turn sessions, growing contexts)")
+    ap.add_argument("--workload", default="shared_prefix", choices=["shared_prefix", "conversations", "agentic"],
+                    help="conversations: inference-perf's conversation_replay (multi-turn sessions, growing contexts); "
+                         "agentic: its synthetic_agentic generator (themed agent sessions, tool loops, tool gaps)")
+    ap.add_argument("--sessions", type=int, default=8, help="agentic: agent sessions (--concurrency at a time)")
+    ap.add_argument("--tool-loop-depth", type=int, default=1, help="agentic: tool calls per turn")
+    ap.add_argument("--tool-gap-s", type=float, default=2.0, help="agentic: seconds a tool runs (the session waits)")
+    ap.add_argument("--think-s", type=float, default=4.0, help="agentic: seconds before each next user turn")
+    ap.add_argument("--tools-per-agent", type=int, default=1, help="agentic: tools in each agent's catalog")
     ap.add_argument("--conversations", type=int, default=12)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=2)
@@ -70,7 +76,7 @@ def sizes(w, ratio: float, block: int) -> dict:
     """Device blocks per scenario and host-tier blocks, from the workload's working set."""
     request_blocks = w.request_blocks(block)
     ws_blocks = w.working_set_blocks(block)
-    running = w.concurrency * request_blocks
+    running = getattr(w, "running_requests", w.concurrency) * request_blocks
     high = max(int(ws_blocks / ratio), running + request_blocks)
     return {
         "working_set_blocks": ws_blocks, "running_blocks": running,
@@ -106,7 +112,7 @@ def run(eng: Engine, args) -> int:
     records: list[dict] = []
     tmp = Path(tempfile.mkdtemp(prefix=f"bench_serving_{eng.name}_"))
     try:
-        model = build(str(tmp / "model"), m, eng.dtype)
+        model = build(str(tmp / "model"), m, eng.dtype, tokenizer="text" if w.kind == "agentic" else "wordlevel")
         probe_len = w.probe_len
         probe_set = harness.probe_prompts(args.probes, probe_len, m.vocab_size)
         t0 = time.time()
@@ -154,6 +160,11 @@ def run(eng: Engine, args) -> int:
 
 
 def workload(args):
+    if args.workload == "agentic":  # --turns, --system-prompt-len, --turn-input-len, --turn-output-len shape it
+        return perf.Agentic(sessions=args.sessions, turns=args.turns, tool_loop_depth=args.tool_loop_depth,
+                            system_len=args.system_prompt_len, turn_input_len=args.turn_input_len,
+                            output_len=args.turn_output_len, tools_per_agent=args.tools_per_agent,
+                            tool_gap_s=args.tool_gap_s, think_s=args.think_s, concurrency=args.concurrency)
     if args.workload == "conversations":
         return perf.Conversations(conversations=args.conversations, shared_system_len=args.shared_system_len,
                                   dynamic_system_len=args.dynamic_system_len, turns=args.turns,
@@ -166,6 +177,8 @@ def workload(args):
 
 
 def stored_workload(d: dict):
+    if "sessions" in d:
+        return perf.Agentic(**{**d, "themes": tuple(d["themes"])})
     return perf.Conversations(**d) if "conversations" in d else perf.Workload(**d)
 
 

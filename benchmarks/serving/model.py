@@ -54,15 +54,76 @@ def train_tokenizer(path: str, vocab_size: int, seed: int = 0) -> str:
     return path
 
 
-def build(path: str, model, dtype: str = "float32") -> str:
+# A chat template for the agentic workload: the tool catalog first (as real templates put it in
+# the system turn, so it is part of every call's shared prefix), then each message with its role,
+# an assistant's tool calls as text. Plain text, no special tokens: any tokenizer renders it.
+CHAT_TEMPLATE = (
+    "{% if tools %}<tools> {{ tools | tojson }} </tools>{{ '\n' }}{% endif %}"
+    "{% for m in messages %}<{{ m['role'] }}> "
+    "{% if m['content'] is string %}{{ m['content'] }}"
+    "{% elif m['content'] %}{% for p in m['content'] %}{{ p['text'] if p['text'] is defined else '' }}{% endfor %}"
+    "{% endif %}"
+    "{% if m['tool_calls'] is defined and m['tool_calls'] %}{% for t in m['tool_calls'] %}"
+    " [{{ t['function']['name'] }}({{ t['function']['arguments'] | tojson }})]{% endfor %}{% endif %}{{ '\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}<assistant> {% endif %}"
+)
+
+
+def train_text_tokenizer(path: str, vocab_size: int, corpus_files: list[str]) -> str:
+    """A byte-level BPE tokenizer of exactly ``vocab_size`` entries trained on ``corpus_files``
+    (inference-perf's own text: its Shakespeare corpus and agentic theme templates), with
+    ``CHAT_TEMPLATE``: the agentic workload sends English chat messages with tool catalogs,
+    which the word-level tokenizer would map to ``<unk>`` (every session would then look the
+    same to a prefix cache). Any byte sequence encodes, so no prompt is lost."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIALS), show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train(corpus_files, trainer)
+    if tok.get_vocab_size() != vocab_size:
+        raise RuntimeError(f"trained tokenizer has {tok.get_vocab_size()} entries, wanted {vocab_size}")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                   model_max_length=1 << 20)
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+    return path
+
+
+def agentic_corpus() -> list[str]:
+    """inference-perf's shipped text (from ``.venv-bench``): what the agentic generator draws from."""
+    import glob
+
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    found = []
+    for venv in (os.path.join(root, ".venv-bench"), "/work/main/.venv-bench"):
+        for pat in ("lib/python3*/site-packages/inference_perf/assets/shakespeare.txt",
+                    "lib/python3*/site-packages/inference_perf/datagen/synthetic_agentic/synthetic_themes.py"):
+            found += sorted(glob.glob(os.path.join(venv, pat)))[:1]
+        if len(found) == 2:
+            return found
+        found = []
+    raise FileNotFoundError("inference-perf's package (.venv-bench) is missing: its text trains the agentic tokenizer")
+
+
+def build(path: str, model, dtype: str = "float32", tokenizer: str = "wordlevel") -> str:
     """Model (``gpu_offload.tiny_model.TinyLlama``) and tokenizer under ``path``; reused if
-    the same spec is already there."""
+    the same spec is already there. ``tokenizer``: ``wordlevel`` (exact round trips of random
+    ids, for the token-level workloads) or ``text`` (byte-level BPE with a chat template, for
+    the agentic workload's English chat messages)."""
     marker = os.path.join(path, "serving_model.json")
-    spec = json.dumps({"model": repr(model), "dtype": dtype, "tokenizer": "wordlevel-v1"}, sort_keys=True)
+    spec = json.dumps({"model": repr(model), "dtype": dtype,
+                       "tokenizer": "wordlevel-v1" if tokenizer == "wordlevel" else "text-bpe-v1"}, sort_keys=True)
     if os.path.exists(marker) and open(marker).read() == spec:
         return path
     model.write(path, dtype=dtype)
-    train_tokenizer(path, model.vocab_size)
+    if tokenizer == "wordlevel":
+        train_tokenizer(path, model.vocab_size)
+    else:
+        train_text_tokenizer(path, model.vocab_size, agentic_corpus())
     with open(marker, "w") as f:
         f.write(spec)
     return path

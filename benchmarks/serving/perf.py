@@ -8,6 +8,11 @@
   grows every turn (a shared system prompt, a per-session one, then each turn's prompt and
   the model's answer), dispatched round-robin over the sessions, so a session comes back
   after every other session had a turn.
+* ``Agentic``: inference-perf's ``synthetic_agentic`` generator (chat API, ``load.type:
+  trace_session_replay``): agent sessions drawn from its themes (a code change, an incident,
+  research over retrieved documents), each a system head and a tool catalog, then turns that
+  each run a tool loop; a tool's run is a gap in which the session sends nothing while other
+  sessions run, and every call resends the whole transcript so far.
 
 Every size is a parameter so the same shapes fit a 2-core machine.
 """
@@ -152,12 +157,118 @@ class Conversations:
             "output_tokens_per_turn": fixed(self.output_len), "max_model_len": self.max_model_len}}
 
 
-def config(w: Workload | Conversations, url: str, model: str, report_dir: Path) -> dict:
+SESSION_HEADER = "x-agent-session"  # inference-perf's session_id_header_key; lease_middleware reads it
+# Tokens of one advertised tool's schema as the serving tokenizer counts them (the byte-level BPE
+# the agentic bench trains: measured 430-560 over the three themes' tools; inference-perf's own
+# estimate for real tokenizers is 380). Only the sizing uses it.
+CATALOG_TOKENS_PER_TOOL = 560
+
+
+@dataclasses.dataclass(frozen=True)
+class Agentic:
+    """inference-perf's ``synthetic_agentic``: ``sessions`` agent sessions, ``concurrency`` at a
+    time, each ``turns`` user turns; each turn is ``tool_loop_depth`` tool calls (a model call
+    that emits the call, then a ``tool_gap_s`` pause while the tool runs) and one answer.
+    No sub-agents (fanout 0), so every call of a session extends one transcript."""
+
+    kind = "agentic"
+    sessions: int = 8
+    turns: int = 3
+    tool_loop_depth: int = 1
+    system_len: int = 512
+    turn_input_len: int = 128
+    output_len: int = 32
+    tools_per_agent: int = 1
+    tool_gap_s: float = 2.0
+    think_s: float = 4.0
+    concurrency: int = 8
+    # Requests the device cache is sized to run at once: a session spends most of its time in
+    # tool gaps and think time, so far fewer than ``concurrency`` run together.
+    running_requests: int = 2
+    themes: tuple[str, ...] = ("code_change_task", "db2_latency_incident", "research_rag")
+    seed: int = 7
+
+    @property
+    def calls_per_session(self) -> int:
+        return self.turns * (self.tool_loop_depth + 1)
+
+    @property
+    def requests(self) -> int:
+        return self.sessions * self.calls_per_session
+
+    @property
+    def final_context_tokens(self) -> int:
+        """Estimated prompt of a session's last call: head, catalog, every earlier call's input
+        and output (the template and tool-call text add a little; sizing only)."""
+        return (self.system_len + self.tools_per_agent * CATALOG_TOKENS_PER_TOOL
+                + self.calls_per_session * (self.turn_input_len + 2 * self.output_len))
+
+    @property
+    def live_sessions(self) -> int:
+        """Sessions under way at once: a finished session never comes back."""
+        return min(self.sessions, self.concurrency)
+
+    @property
+    def working_set_tokens(self) -> int:
+        return self.live_sessions * self.final_context_tokens
+
+    def working_set_blocks(self, block: int) -> int:
+        return self.live_sessions * -(-self.final_context_tokens // block)
+
+    def request_blocks(self, block: int) -> int:
+        return -(-(self.final_context_tokens + self.output_len) // block)
+
+    def reusable_tokens(self, block: int) -> None:
+        """Not known up front: tool-call outputs and the transcript's text re-tokenize per run."""
+        return None
+
+    @property
+    def max_model_len(self) -> int:
+        return 2 * self.final_context_tokens + 4 * self.output_len + 512
+
+    @property
+    def probe_len(self) -> int:
+        return self.system_len + self.turn_input_len
+
+    def describe(self) -> str:
+        return (f"{self.sessions} agent sessions ({'/'.join(self.themes)}) x {self.turns} turns x "
+                f"{self.tool_loop_depth + 1} calls ({self.tool_loop_depth} tool loop(s), {self.tool_gap_s:g} s tool "
+                f"gaps, {self.think_s:g} s think time), {self.system_len}-token system head, {self.tools_per_agent} "
+                f"tool(s) advertised, {self.turn_input_len}-token inputs, {self.output_len}-token outputs, "
+                f"{self.concurrency} sessions at a time")
+
+    def data(self) -> dict:
+        fixed = lambda n: {"type": "fixed", "mean": n, "min": n, "max": n, "std_dev": 0}  # noqa: E731
+        return {"type": "synthetic_agentic", "synthetic_agentic": {
+            "seed": self.seed, "num_sessions": self.sessions,
+            "input_tokens_per_turn": fixed(self.turn_input_len), "output_tokens_per_turn": fixed(self.output_len),
+            "turns_per_session": fixed(self.turns), "fanout_probability": 0.0,
+            "theme_mix": {t: {"weight": 1.0} for t in self.themes},
+            "shared_system_prompt_len": self.system_len, "tool_loop_depth": fixed(self.tool_loop_depth),
+            "tool_catalog_size_per_agent": fixed(self.tools_per_agent),
+            "parallel_tool_calls_per_step": fixed(1),
+            "tool_call_latency_sec": fixed(self.tool_gap_s), "user_think_time_sec": fixed(self.think_s),
+            # No tool_choice: a random-weight model under a forced JSON schema writes until
+            # max_tokens; the server answers in text (its tool parser finds no call) and the
+            # recorded tool results follow as the next call's tool messages.
+            "tool_choice_mode": "as_recorded",
+            "max_model_len": self.max_model_len}}
+
+    def api(self) -> dict:
+        return {"type": "chat", "streaming": True, "session_id_header_key": SESSION_HEADER}
+
+    def load(self) -> dict:
+        return {"type": "trace_session_replay",
+                "stages": [{"concurrent_sessions": self.concurrency, "num_sessions": self.sessions}]}
+
+
+def config(w: Workload | Conversations | Agentic, url: str, model: str, report_dir: Path) -> dict:
+    load = w.load() if hasattr(w, "load") else {
+        "type": "concurrent", "stages": [{"num_requests": w.requests, "concurrency_level": w.concurrency}]}
     return {
-        "api": {"type": "completion", "streaming": True},
+        "api": w.api() if hasattr(w, "api") else {"type": "completion", "streaming": True},
         "data": w.data(),
-        "load": {"type": "concurrent", "stages": [{"num_requests": w.requests, "concurrency_level": w.concurrency}],
-                 "num_workers": 1, "worker_max_concurrency": max(w.concurrency, 1), "base_seed": w.seed,
+        "load": {**load, "num_workers": 1, "worker_max_concurrency": max(w.concurrency, 1), "base_seed": w.seed,
                  "request_timeout": 600},
         "server": {"type": "vllm", "model_name": model, "base_url": url, "ignore_eos": True},
         "tokenizer": {"pretrained_model_name_or_path": model},

@@ -1,0 +1,108 @@
+"""The agentic serving workload: inference-perf 0.7.0 (its own venv, ``.venv-bench``) must accept
+the config the harness writes, and the lease middleware must put the hint where docs/leases.md
+says. No engine, no server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT)]
+
+from benchmarks.serving import lease_middleware, perf  # noqa: E402
+
+BENCH_PY = next((p for p in (ROOT / ".venv-bench/bin/python", Path("/work/main/.venv-bench/bin/python"))
+                 if p.exists()), None)
+
+VALIDATE = r"""
+import sys, json
+from inference_perf.config import read_config
+c = read_config(sys.argv[1])
+a = c.data.synthetic_agentic
+print(json.dumps({"data": c.data.type.value, "load": c.load.type.value, "api": c.api.type.value,
+                  "header": c.api.session_id_header_key, "sessions": a.num_sessions,
+                  "themes": sorted(a.theme_weights()), "tool_choice_mode": a.tool_choice_mode.value,
+                  "gap": a.tool_call_latency_sec.mean, "depth": a.tool_loop_depth.mean,
+                  "concurrent_sessions": c.load.stages[0].concurrent_sessions}))
+"""
+
+
+@pytest.mark.skipif(BENCH_PY is None, reason="no .venv-bench (inference-perf) here")
+def test_inference_perf_accepts_agentic_config(tmp_path):
+    w = perf.Agentic(sessions=5, concurrency=2, tool_gap_s=3.0, tool_loop_depth=2)
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump(perf.config(w, "http://127.0.0.1:1", str(tmp_path), tmp_path / "r"),
+                                  sort_keys=False))
+    out = subprocess.run([str(BENCH_PY), "-c", VALIDATE, str(cfg)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got == {"data": "synthetic_agentic", "load": "trace_session_replay", "api": "chat",
+                   "header": perf.SESSION_HEADER, "sessions": 5, "themes": sorted(w.themes),
+                   "tool_choice_mode": "as_recorded", "gap": 3.0, "depth": 2, "concurrent_sessions": 2}
+
+
+@pytest.mark.skipif(BENCH_PY is None, reason="no .venv-bench (inference-perf) here")
+def test_inference_perf_rejects_a_context_past_max_model_len(tmp_path):
+    """The check above is not vacuous: inference-perf does validate what we send."""
+    w = perf.Agentic()
+    c = perf.config(w, "http://127.0.0.1:1", str(tmp_path), tmp_path / "r")
+    c["data"]["synthetic_agentic"]["max_model_len"] = 64
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump(c, sort_keys=False))
+    out = subprocess.run([str(BENCH_PY), "-c", VALIDATE, str(cfg)], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "max_model_len" in out.stderr
+
+
+def test_agentic_counts():
+    w = perf.Agentic(sessions=8, turns=3, tool_loop_depth=1)
+    assert w.requests == 48
+    assert w.working_set_blocks(128) == 8 * -(-w.final_context_tokens // 128)
+    assert w.max_model_len > w.final_context_tokens
+
+
+def _through(mw_env: dict, body: dict, headers: list, monkeypatch) -> dict:
+    for k in ("BENCH_LEASE_TTL_S",):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in mw_env.items():
+        monkeypatch.setenv(k, v)
+    seen = {}
+
+    async def app(scope, receive, send):
+        parts, more = [], True
+        while more:
+            msg = await receive()
+            parts.append(msg["body"])
+            more = msg.get("more_body", False)
+        seen["body"] = json.loads(b"".join(parts))
+        seen["length"] = dict(scope["headers"]).get(b"content-length")
+
+    raw = json.dumps(body).encode()
+    msgs = [{"type": "http.request", "body": raw[:5], "more_body": True},
+            {"type": "http.request", "body": raw[5:], "more_body": False}]
+
+    async def receive():
+        return msgs.pop(0)
+
+    scope = {"type": "http", "path": "/v1/chat/completions",
+             "headers": [(b"content-length", str(len(raw)).encode()), *headers]}
+    asyncio.run(lease_middleware.SessionLease(app)(scope, receive, None))
+    return seen
+
+
+def test_middleware_adds_lease_from_session_header(monkeypatch):
+    seen = _through({"BENCH_LEASE_TTL_S": "120"}, {"model": "m", "kv_transfer_params": {"other": 1}},
+                    [(b"x-agent-session", b"s-3")], monkeypatch)
+    assert seen["body"]["kv_transfer_params"] == {"other": 1, "tpu_offload_lease": {"session": "s-3", "ttl_s": 120.0}}
+    assert seen["length"] == str(len(json.dumps(seen["body"]).encode())).encode()
+
+
+def test_middleware_passes_through_without_ttl_or_header(monkeypatch):
+    assert "kv_transfer_params" not in _through({}, {"model": "m"}, [(b"x-agent-session", b"s")], monkeypatch)["body"]
+    assert "kv_transfer_params" not in _through({"BENCH_LEASE_TTL_S": "120"}, {"model": "m"}, [], monkeypatch)["body"]
