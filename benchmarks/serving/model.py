@@ -98,14 +98,13 @@ def agentic_corpus() -> list[str]:
     import glob
 
     root = os.path.join(os.path.dirname(__file__), "..", "..")
+    venv = os.path.join(root, ".venv-bench")
     found = []
-    for venv in (os.path.join(root, ".venv-bench"), "/work/main/.venv-bench"):
-        for pat in ("lib/python3*/site-packages/inference_perf/assets/shakespeare.txt",
-                    "lib/python3*/site-packages/inference_perf/datagen/synthetic_agentic/synthetic_themes.py"):
-            found += sorted(glob.glob(os.path.join(venv, pat)))[:1]
-        if len(found) == 2:
-            return found
-        found = []
+    for pat in ("lib/python3*/site-packages/inference_perf/assets/shakespeare.txt",
+                "lib/python3*/site-packages/inference_perf/datagen/synthetic_agentic/synthetic_themes.py"):
+        found += sorted(glob.glob(os.path.join(venv, pat)))[:1]
+    if len(found) == 2:
+        return found
     raise FileNotFoundError("inference-perf's package (.venv-bench) is missing: its text trains the agentic tokenizer")
 
 

@@ -18,8 +18,8 @@ sys.path[:0] = [str(ROOT)]
 
 from benchmarks.serving import lease_middleware, perf  # noqa: E402
 
-BENCH_PY = next((p for p in (ROOT / ".venv-bench/bin/python", Path("/work/main/.venv-bench/bin/python"))
-                 if p.exists()), None)
+BENCH_PY = ROOT / ".venv-bench/bin/python"  # made by `make bench-serving`; absent from a fresh clone
+BENCH_PY = BENCH_PY if BENCH_PY.exists() else None
 
 VALIDATE = r"""
 import sys, json
