@@ -217,6 +217,22 @@ def supported(layout, platform: str | None = None) -> str | None:
     return None
 
 
+def slab_spec(g):
+    """A tiled slab's spec: its rows whole on every device, the tiles of a row split over the cache's shard axes."""
+    from jax.sharding import PartitionSpec as P
+    return P(None, tuple(g.shard_axes) or None, None, None)
+
+
+def tiled_slab_aval(layout, g, rows: int, blocks_per_chunk: int, memory_kind: str):
+    """Group ``g``'s slab of ``rows`` slots as u8 4 KiB tiles: (rows, devices x bpc x layers x tiles, 32, 128),
+    each device's part of a row its own (block, layer, tiles) bytes. One type for both kernels that fill a
+    tier's slabs: the direct kernel (from the caches) and the staging path's host copies (host_dma.py)."""
+    from jax.sharding import NamedSharding
+    width = g.shards * blocks_per_chunk * len(g.layers) * tiles_per_block(g.piece_shape, g.dtype)
+    sh = NamedSharding(layout.program_mesh, slab_spec(g), memory_kind=memory_kind)
+    return jax.ShapeDtypeStruct((rows, width, *TILE), jnp.uint8, sharding=sh)
+
+
 class DirectPrograms:
     """The direct path's programs for one layout: per (layer group, slab size), a store (the group's caches
     -> one slab, the slab donated) and a load (one slab -> the group's caches, donated), each one kernel
@@ -236,18 +252,11 @@ class DirectPrograms:
 
     # ---- shapes -------------------------------------------------------------------------
     def slab_spec(self, g):
-        from jax.sharding import PartitionSpec as P
-        axes = tuple(a for a in g.shard_axes)
-        return P(None, axes or None, None, None)
+        return slab_spec(g)
 
     def slab_aval(self, gi: int, rows: int, memory_kind: str | None = None):
-        """Group ``gi``'s slab of ``rows`` slots: (rows, devices x bpc x layers x tiles, 32, 128) u8, each
-        device's row its own (block, layer, tiles) bytes."""
-        from jax.sharding import NamedSharding
-        g = self.layout.groups[gi]
-        width = g.shards * self.bpc * len(g.layers) * self.tiles[gi]
-        sh = NamedSharding(self.layout.program_mesh, self.slab_spec(g), memory_kind=memory_kind or self.memory_kind)
-        return jax.ShapeDtypeStruct((rows, width, *TILE), jnp.uint8, sharding=sh)
+        """Group ``gi``'s slab of ``rows`` slots (``tiled_slab_aval``)."""
+        return tiled_slab_aval(self.layout, self.layout.groups[gi], rows, self.bpc, memory_kind or self.memory_kind)
 
     def _cache_avals(self, g):
         from jax.sharding import NamedSharding, PartitionSpec as P

@@ -38,7 +38,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from tpu_offload.jax_backend import dma, ranks, xla_kernel
+from tpu_offload.jax_backend import direct_dma, dma, host_dma, ranks, xla_kernel
 from tpu_offload.jax_backend.collectives import bits, collectives_as_bits, ring
 from tpu_offload.jax_backend.layout import KVLayout, _divided
 
@@ -71,6 +71,9 @@ class Programs:
                              f"(block shapes {[g.block_shape for g in layout.groups]}), which a TPU DMA cannot "
                              "address; use the 'loop' kernel (TPU_OFFLOAD_TRANSFER_KERNEL=loop)")
         self.kernel = kernel
+        # the host copies (store/load): DMA kernels on TPU (host_dma.py), else the loop programs, and why
+        self.host_copy_why = host_dma.supported(layout, self.platform) if kernel != "xla" else "the xla kernel"
+        self.host_copy = "dma" if self.host_copy_why is None else "loop"
         self.staging_blocks = staging_blocks
         self.bpc = blocks_per_chunk
         self.staging_chunks = staging_blocks // blocks_per_chunk
@@ -105,14 +108,17 @@ class Programs:
         )
 
     def _slab_aval(self, rows: int):
+        """Per group, a slab of ``rows`` slots: u8 4 KiB tiles where the host copies are DMA kernels (the direct
+        path's type, ``direct_dma.tiled_slab_aval``), else the cache's dtype, one chunk per row."""
+        if self.host_copy == "dma":
+            return tuple(direct_dma.tiled_slab_aval(self.layout, g, rows, self.bpc, self.memory_kind)
+                         for g in self.layout.groups)
         return tuple(jax.ShapeDtypeStruct(g.slab_shape(rows, self.bpc), g.dtype, sharding=s)
                      for g, s in zip(self.layout.groups, self._slab_sh))
 
     def _slabs_aval(self):
-        return tuple(
-            tuple(jax.ShapeDtypeStruct(g.slab_shape(r, self.bpc), g.dtype, sharding=s) for r in self.slab_rows)
-            for g, s in zip(self.layout.groups, self._slab_sh)
-        )
+        per_size = [self._slab_aval(r) for r in self.slab_rows]
+        return tuple(tuple(s[gi] for s in per_size) for gi in range(len(self.layout.groups)))
 
     def _ints(self, n: int):
         return jax.ShapeDtypeStruct((n,), jnp.int32, sharding=self._rep)
@@ -208,6 +214,8 @@ class Programs:
             return self._get(("store", rows), lambda r: ranks.build_store(self, r), rows)
         if self.kernel == "xla":
             return self._get(("store", rows), lambda r: xla_kernel.build_store(self, r), rows)
+        if self.host_copy == "dma":
+            return self._get(("store", rows), self._build_store_dma, rows)
         return self._get(("store", rows), self._build_store, rows)
 
     def load(self, rows: int | None = None, cross: bool = False) -> Callable:
@@ -218,6 +226,8 @@ class Programs:
             return self._get(("load", rows, cross), lambda r: ranks.build_load(self, r, cross), rows)
         if self.kernel == "xla":
             return self._get(("load", rows, False), lambda r: xla_kernel.build_load(self, r), rows)
+        if self.host_copy == "dma":
+            return self._get(("load", rows, False), self._build_load_dma, rows)
         return self._get(("load", rows, False), self._build_load, rows)
 
     def store_args(self, k: int, rows: list, pos: list) -> tuple:
@@ -229,6 +239,9 @@ class Programs:
         if self.kernel == "xla":
             return xla_kernel.host_args(self, rows, pos)
         c = self.staging_chunks
+        if self.host_copy == "dma":  # per group the kernel's runs: (count, chunk starts, row starts, lengths)
+            per = [host_dma.run_operands(p, r, c) for r, p in zip(rows, pos)]
+            return tuple(tuple(o[i] for o in per) for i in range(4))
         return (tuple(ints(r, c, 0) for r in rows), tuple(ints(p, c, 0) for p in pos),
                 ints([len(r) for r in rows], len(rows), 0))
 
@@ -489,6 +502,47 @@ class Programs:
         c = self.staging_chunks
         return jitted.lower(self._staging_aval(), self._slab_aval(rows), self._group_ints(c), self._group_ints(c),
                             self._ints(len(groups))).compile()
+
+    def _host_dma_avals(self):
+        c = self.staging_chunks
+        return tuple(self._group_ints(n) for n in (1, c, c, c))
+
+    def _build_store_dma(self, rows: int):
+        """(slabs, staging, count, chunk, row, length) -> (slabs, done): per group one kernel call
+        (host_dma.store_call), its slab updated in place; ``done`` the groups' run counts."""
+        groups, bpc, platform = self.layout.groups, self.bpc, self.platform
+        slabs = self._slab_aval(rows)
+
+        def store_local(slabs, staging, count, chunk, row, length):
+            out = []
+            for gi, (g, sl, st) in enumerate(zip(groups, slabs, staging)):
+                call = host_dma.store_call(bpc, host_dma.chunk_tiles(g, bpc), sl.shape, platform)
+                out.append(call(count[gi], chunk[gi], row[gi], length[gi], st, sl))
+            return tuple(out), jnp.concatenate(count)
+
+        specs = tuple(direct_dma.slab_spec(g) for g in groups)
+        gp = tuple(P() for _ in groups)
+        body = self._local(store_local, (specs, self._staging_specs(), gp, gp, gp, gp), (specs, P()))
+        jitted = jax.jit(body, donate_argnums=(0,), out_shardings=(tuple(a.sharding for a in slabs), self._rep))
+        return jitted.lower(slabs, self._staging_aval(), *self._host_dma_avals()).compile()
+
+    def _build_load_dma(self, rows: int):
+        """(staging, slabs, count, chunk, row, length) -> (staging, done): per group one kernel call
+        (host_dma.load_call), staging written in place, the slab only read."""
+        groups, bpc, platform = self.layout.groups, self.bpc, self.platform
+
+        def load_local(staging, slabs, count, chunk, row, length):
+            out = []
+            for gi, (g, sl, st) in enumerate(zip(groups, slabs, staging)):
+                call = host_dma.load_call(bpc, host_dma.chunk_tiles(g, bpc), st.shape, st.dtype, platform)
+                out.append(call(count[gi], chunk[gi], row[gi], length[gi], sl, st))
+            return tuple(out), jnp.concatenate(count)
+
+        specs = tuple(direct_dma.slab_spec(g) for g in groups)
+        gp = tuple(P() for _ in groups)
+        body = self._local(load_local, (self._staging_specs(), specs, gp, gp, gp, gp), (self._staging_specs(), P()))
+        jitted = jax.jit(body, donate_argnums=(0,), out_shardings=(self._staging_sh, self._rep))
+        return jitted.lower(self._staging_aval(), self._slab_aval(rows), *self._host_dma_avals()).compile()
 
     def host_chunk_avals(self):
         return tuple(jax.ShapeDtypeStruct(g.staging_shape(self.bpc), g.dtype, sharding=s)
