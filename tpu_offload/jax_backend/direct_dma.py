@@ -1,13 +1,11 @@
 """Host copies as DMAs straight between the paged caches and the host tier: the TPU's direct kernel.
 
 The ``program`` host path moves a pass twice: gather (caches -> HBM staging),
-then a compiled loop of one asynchronous copy per chunk (staging -> host
-slab), which the TPU compiler lowers to a TensorCore copy fusion and a host
-``dynamic-update-slice`` waited inside every trip (store 5x, load 6x what the
-pass moves, one host DMA in flight). Here one Pallas kernel per call starts a
-DMA for every (run, layer) between a cache and the host slab, then waits
-for them all: no staging, no TensorCore copy, no HBM scratch, the slab
-updated in place.
+then a host copy (staging -> host slab; on TPU the same kind of kernel as
+this one, host_dma.py): store 3x, load 3x what the pass moves in HBM. Here
+one Pallas kernel per call starts a DMA for every (run, layer) between a
+cache and the host slab, then waits for them all: no staging, no TensorCore
+copy, no HBM scratch, the slab updated in place, 2x.
 
 libtpu refuses a Pallas DMA into host memory at a dynamic offset unless the
 host array's tile is 4 KiB (``LLO_CHECK multiplier_in_bytes % word_size``
@@ -58,10 +56,25 @@ def tiles_per_block(piece_shape, dtype) -> int:
 
 
 def viewable(piece_shape, dtype) -> bool:
-    """Whether a cache's blocks can be viewed as whole u8 tiles: their bytes whole tiles, and the
-    bitcast to u8 defined (a second-minor dimension, a dtype of 8 bits or more)."""
+    """Whether a block's pieces can be viewed as whole u8 tiles: their bytes whole tiles, the bitcast to u8
+    defined (a second-minor dimension, a dtype of 8 bits or more) and the minor dimension the tile's 128
+    lanes (Mosaic reshapes a ref only with its minormost dimension unchanged: MLA's (4, 4, 640) piece is
+    whole tiles, 20 KiB, yet cannot be viewed)."""
+    return why_not_viewable(piece_shape, dtype) is None
+
+
+def why_not_viewable(piece_shape, dtype) -> str | None:
+    """``viewable``'s reason, in words (None: viewable)."""
     nbytes = math.prod(piece_shape) * np.dtype(dtype).itemsize
-    return len(piece_shape) >= 2 and np.dtype(dtype).itemsize >= 1 and nbytes % TILE_BYTES == 0
+    what = f"a block piece of {tuple(piece_shape)} {np.dtype(dtype).name}"
+    if len(piece_shape) < 2 or np.dtype(dtype).itemsize < 1:
+        return f"{what} has no u8 view (it needs a second-minor dimension and 8-bit or wider elements)"
+    if nbytes % TILE_BYTES:
+        return f"{what} is {nbytes} bytes, not whole {TILE_BYTES}-byte tiles"
+    if piece_shape[-1] != TILE[1]:
+        return (f"{what} has a minor dimension of {piece_shape[-1]}, not {TILE[1]}: Mosaic reshapes a ref "
+                f"into ({TILE[0]}, {TILE[1]}) tiles only with its minormost dimension unchanged")
+    return None
 
 
 def _view(ref, tiles: int):
@@ -212,8 +225,9 @@ def supported(layout, platform: str | None = None) -> str | None:
     for g in layout.groups:
         if g.replicas != 1 or g.ranks != 1:
             return "replicated KV heads, MLA copies or attention-DP ranks"
-        if not viewable(g.piece_shape, g.dtype):
-            return f"a block piece of {g.piece_shape} {np.dtype(g.dtype).name} is not whole 4 KiB tiles"
+        why = why_not_viewable(g.piece_shape, g.dtype)
+        if why is not None:
+            return why
     return None
 
 

@@ -12,7 +12,10 @@ Two host paths behind the same calls (``path``):
 
 * ``program`` (the default): the tier is preallocated slabs, and
   ``store``/``load`` are compiled programs that write and read them in
-  place: one asynchronous copy per chunk, into or out of its slab row. With
+  place. On TPU (one attention-DP rank, pieces with a 4 KiB-tile view) the
+  host copy is one Pallas kernel per group that DMAs staging chunks to or
+  from their slab rows (host_dma.py; the slabs then u8 tiles, the direct
+  path's type); elsewhere a loop of one asynchronous copy per chunk. With
   the DMA gather/scatter every program a pass runs moves that pass's blocks
   and no more (TPU compiler: tests/tpu_compiler), and host memory is
   allocated once.
@@ -209,9 +212,7 @@ class TransferEngine:
         if not checked:
             preflight(layout, plan, path, num_slots, hbm_check)
         self.staging = self.programs.alloc_staging()
-        # program path: preallocated slabs; direct: preallocated u8 slabs; device_put: a host array tuple per slot
-        self.slabs = (self.programs.alloc_slabs() if path == "program"
-                      else self.direct.alloc_slabs() if path == "direct" else None)
+        self.slabs = self.alloc_slabs()
         self.host: list[tuple | None] = [None] * num_slots if path == "device_put" else []
         self.valid = np.zeros(num_slots, dtype=bool)
         self._blanks: dict[int, jax.Array] = {}  # device_put path, several hosts: zeros for a lost chunk
@@ -221,6 +222,14 @@ class TransferEngine:
         self.last_dmas = {"gather": 0, "scatter": 0}
         self.pacer: Pacer | None = None  # set by ``pace``: host copies in pieces, across steps
         self._busy = np.zeros(self.staging_chunks, dtype=bool)  # paced: staging chunks a transfer still holds
+
+    def alloc_slabs(self):
+        """This path's host tier, zero-filled: the program path's slabs (u8 4 KiB tiles where its host copies
+        are DMA kernels, host_dma.py; else the cache's dtype), the direct path's u8 slabs (the same type),
+        none for device_put (a host array tuple per slot, made by each store)."""
+        if self.path == "program":
+            return self.programs.alloc_slabs()
+        return self.direct.alloc_slabs() if self.path == "direct" else None
 
     # ---- pacing ------------------------------------------------------------
     def pace(self, pacer: "Pacer") -> None:

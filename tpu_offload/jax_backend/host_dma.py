@@ -20,7 +20,9 @@ copy fusion and a host ``dynamic-update-slice`` per trip) stay where this
 kernel cannot run (``supported`` says why): off TPU (interpret mode cannot
 run the ref bitcast), under attention-DP ranks (a slab's rows split over the
 ranks and a load from another rank's rows crosses a ring: ranks.py), and
-where a block's piece of one layer is not whole 4 KiB tiles.
+where a block's piece of one layer has no 4 KiB-tile view
+(``direct_dma.why_not_viewable``: not whole tiles, or a minor dimension
+other than the tile's 128 lanes, as MLA's latent (4, 4, 640) piece).
 
 Staging holds per device ``(blocks, layers, *piece)``; a slab row holds one
 chunk: ``blocks_per_chunk`` blocks, each every layer of the group, each layer
@@ -30,8 +32,6 @@ type whichever of the two kernels fills them.
 """
 
 from __future__ import annotations
-
-import math
 
 import jax
 import jax.numpy as jnp
@@ -53,10 +53,9 @@ def supported(layout, platform: str | None = None) -> str | None:
         return ("attention-DP ranks: a slab's rows split over the ranks and a load from another rank's rows "
                 "crosses their ring (ranks.py)")
     for g in layout.groups:
-        if not direct_dma.viewable(g.piece_shape, g.dtype):
-            nbytes = math.prod(g.piece_shape) * np.dtype(g.dtype).itemsize
-            return (f"a block's piece of one layer, {g.piece_shape} {np.dtype(g.dtype).name}, is {nbytes} bytes: "
-                    f"not whole {direct_dma.TILE_BYTES}-byte tiles")
+        why = direct_dma.why_not_viewable(g.piece_shape, g.dtype)
+        if why is not None:
+            return why
     return None
 
 
