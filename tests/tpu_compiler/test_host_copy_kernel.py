@@ -14,16 +14,31 @@ import re
 import numpy as np
 import pytest
 
-from test_compiler_budgets import DEPLOYMENTS, build
+from test_compiler_budgets import DEPLOYMENTS
 from tpu_offload.connector import aot
+from tpu_offload.core.config import _bytes as parse_bytes
 from tpu_offload.jax_backend import direct_dma, host_dma
 from tpu_offload.jax_backend.engine import LoadChunk, StoreChunk, TransferEngine
+from tpu_offload.jax_backend.layout import KVLayout
+from tpu_offload.jax_backend.programs import HOST_COPY_DEFAULT
 from tpu_offload.selfcheck import pass_figures
 
 BLOCKS = (1, 16, 64, 1000)
 QWEN25 = DEPLOYMENTS[3]  # Qwen2.5-7B, TP 8: replicated KV heads, the staging path's own deployment
 QWEN3 = DEPLOYMENTS[0]  # Qwen3-32B, TP 8
 FIGURES: dict = {}  # (model, blocks, kind) -> per-pass figures, printed at the end of the module
+
+
+def build(topology, tp, model_name, num_blocks, cpu_bytes, staging, host_copy="dma"):
+    """test_compiler_budgets.build, with the host copies asked for as kernels (``host_copy``)."""
+    model = aot.MODELS[model_name]
+    mesh = aot.compile_only_mesh(topology, tp)
+    caches = aot.kv_cache_avals(mesh, model, num_blocks, 128)
+    _, replicas = aot.padded_kv_heads(model, tp)
+    layout = KVLayout.from_caches(caches, mesh, head_replicas=replicas)
+    num_slots = parse_bytes(cpu_bytes) // layout.block_bytes
+    return aot.deployment_programs(caches, mesh, num_slots=num_slots, blocks_per_chunk=1, staging_blocks=staging,
+                                   head_replicas=replicas, host_copy=host_copy)
 
 
 def kernel_calls(hlo: str) -> int:
@@ -55,9 +70,28 @@ def test_host_copies_are_kernels_where_they_can_be(programs):
         assert d.slab_aval(0, programs.slab_rows[0]) == slab
 
 
+def test_the_default_is_the_loop_and_says_why():
+    p = build(*QWEN3, host_copy=None)
+    assert p.host_copy == "loop" and p.host_copy_why == HOST_COPY_DEFAULT
+
+
+@pytest.mark.xfail(strict=True, reason="a zero row broadcast in host memory comes out in the u8 (8, 128) tile: the "
+                   "allocator relays every 4 KiB-tiled slab through HBM (the direct path's allocator alike)")
+def test_tiled_slabs_are_allocated_without_hbm():
+    """What keeps the kernels off by default (programs.HOST_COPY_DEFAULT): the allocator of the u8 4 KiB-tiled
+    slabs, at the shipped 720 GiB tier, must not fill them on HBM (budget: a sixteenth of a slab)."""
+    p = build(*QWEN3)
+    scratch = p._slab_allocator().memory_analysis().temp_size_in_bytes
+    print(f"tiled slab allocator: {scratch / (1 << 20):.1f} MiB of HBM scratch per device")
+    assert scratch <= aot.slab_device_bytes(p) / 16
+
+
 def test_layouts_that_keep_the_loop_copies_say_why():
-    mla = build(*[d for d in DEPLOYMENTS if d[2] == "DeepSeek-V3"][0])
+    mla_d = [d for d in DEPLOYMENTS if d[2] == "DeepSeek-V3"][0]
+    mla = build(*mla_d, host_copy=None)
     assert mla.host_copy == "loop" and "minor dimension of 640" in mla.host_copy_why
+    with pytest.raises(ValueError, match="minor dimension of 640"):
+        build(*mla_d)
     assert mla._slab_aval(mla.slab_rows[0])[0].dtype != np.uint8  # the cache's own dtype, as the loop writes
     assert "TPU only" in host_dma.supported(mla.layout, platform="cpu")
     with pytest.raises(ValueError, match="TPU only"):

@@ -12,10 +12,10 @@ Two host paths behind the same calls (``path``):
 
 * ``program`` (the default): the tier is preallocated slabs, and
   ``store``/``load`` are compiled programs that write and read them in
-  place. On TPU (one attention-DP rank, pieces with a 4 KiB-tile view) the
-  host copy is one Pallas kernel per group that DMAs staging chunks to or
-  from their slab rows (host_dma.py; the slabs then u8 tiles, the direct
-  path's type); elsewhere a loop of one asynchronous copy per chunk. With
+  place: a loop of one asynchronous copy per chunk, or where asked on TPU
+  (``host_copy="dma"``: one attention-DP rank, pieces with a 4 KiB-tile
+  view) one Pallas kernel per group that DMAs staging chunks to or from their
+  slab rows (host_dma.py; the slabs then u8 tiles, the direct path's type). With
   the DMA gather/scatter every program a pass runs moves that pass's blocks
   and no more (TPU compiler: tests/tpu_compiler), and host memory is
   allocated once.
@@ -121,7 +121,8 @@ class TransferPlan:
 
 def plan_transfers(layout: KVLayout, *, num_slots: int, blocks_per_chunk: int, staging_blocks: int,
                    memory_kind: str = "pinned_host", max_slab_bytes: int = DEFAULT_MAX_SLAB_BYTES,
-                   kernel: str | None = None, rows_per_slab: int | None = None) -> TransferPlan:
+                   kernel: str | None = None, rows_per_slab: int | None = None,
+                   host_copy: str | None = None) -> TransferPlan:
     """``rows_per_slab``: the slab size the hosts agreed on (jax_backend/agree.py); default: from
     ``max_slab_bytes`` and this process's share of a chunk."""
     if staging_blocks < blocks_per_chunk:
@@ -146,7 +147,7 @@ def plan_transfers(layout: KVLayout, *, num_slots: int, blocks_per_chunk: int, s
     n_full, rest = divmod(num_slots // d, rows_per_slab // d)  # each rank's partition, in slabs of equal shares
     rows = (rows_per_slab,) * n_full + ((rest * d,) if rest else ())
     programs = Programs(layout, staging_blocks=staging_blocks, blocks_per_chunk=blocks_per_chunk,
-                        slab_rows=rows, memory_kind=memory_kind, kernel=kernel)
+                        slab_rows=rows, memory_kind=memory_kind, kernel=kernel, host_copy=host_copy)
     return TransferPlan(staging_blocks=staging_blocks, rows_per_slab=rows_per_slab, programs=programs)
 
 

@@ -43,15 +43,25 @@ from tpu_offload.jax_backend.collectives import bits, collectives_as_bits, ring
 from tpu_offload.jax_backend.layout import KVLayout, _divided
 
 KERNELS = ("dma", "loop", "xla")
+# Why the host copies stay the loop programs by default on TPU, where host_dma.py's kernels compile to 3x
+# per pass (tests/tpu_compiler/test_host_copy_kernel.py): their slabs are u8 (32, 128) tiles, and a zero
+# row broadcast in host memory comes out in the (8, 128) tile, so the slab allocator relays the whole tier
+# through HBM (94 GB per device for the 720 GiB Qwen3-32B tier on TPU7x; the direct path's allocator
+# alike), which the start-up HBM check refuses.
+HOST_COPY_DEFAULT = ("the default: its u8 4 KiB-tiled slabs cannot yet be zero-filled without relaying the "
+                     "tier through HBM")
 
 
 class Programs:
     """Builds and caches the compiled transfer programs for one layout."""
 
     def __init__(self, layout: KVLayout, *, staging_blocks: int, blocks_per_chunk: int,
-                 slab_rows: tuple[int, ...], memory_kind: str, kernel: str | None = None):
+                 slab_rows: tuple[int, ...], memory_kind: str, kernel: str | None = None,
+                 host_copy: str | None = None):
         """``kernel``: how gather/scatter move blocks: ``dma`` (the Pallas kernel; interpreted on CPU)
-        or ``loop`` (XLA ops, one block per trip). Default: ``dma`` on TPU, ``loop`` elsewhere."""
+        or ``loop`` (XLA ops, one block per trip). Default: ``dma`` on TPU, ``loop`` elsewhere.
+        ``host_copy``: how store/load move chunks between staging and the slabs: ``dma`` (host_dma.py, TPU
+        only, refused with the reason where it cannot run) or ``loop`` (the default, ``HOST_COPY_DEFAULT``)."""
         self.layout = layout
         self.platform = layout.program_mesh.devices.flat[0].platform
         self.ranks = layout.ranks
@@ -71,9 +81,15 @@ class Programs:
                              f"(block shapes {[g.block_shape for g in layout.groups]}), which a TPU DMA cannot "
                              "address; use the 'loop' kernel (TPU_OFFLOAD_TRANSFER_KERNEL=loop)")
         self.kernel = kernel
-        # the host copies (store/load): DMA kernels on TPU (host_dma.py), else the loop programs, and why
+        # the host copies (store/load): DMA kernels on TPU where asked (host_dma.py), else the loop programs, and why
         self.host_copy_why = host_dma.supported(layout, self.platform) if kernel != "xla" else "the xla kernel"
-        self.host_copy = "dma" if self.host_copy_why is None else "loop"
+        if host_copy not in (None, "dma", "loop"):
+            raise ValueError(f"host copy {host_copy!r}: expected 'dma' or 'loop'")
+        if host_copy == "dma" and self.host_copy_why is not None:
+            raise ValueError(f"host copy 'dma' (host_dma.py) cannot serve this KV cache: {self.host_copy_why}")
+        self.host_copy = host_copy or "loop"
+        if self.host_copy == "loop" and self.host_copy_why is None:
+            self.host_copy_why = HOST_COPY_DEFAULT
         self.staging_blocks = staging_blocks
         self.bpc = blocks_per_chunk
         self.staging_chunks = staging_blocks // blocks_per_chunk
