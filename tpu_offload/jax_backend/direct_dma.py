@@ -1,8 +1,10 @@
 """Host copies as DMAs straight between the paged caches and the host tier: the TPU's direct kernel.
 
 The ``program`` host path moves a pass twice: gather (caches -> HBM staging),
-then a host copy (staging -> host slab; on TPU the same kind of kernel as
-this one, host_dma.py): store 3x, load 3x what the pass moves in HBM. Here
+then a host copy (staging -> host slab): a compiled loop of one asynchronous
+copy per chunk, a TensorCore copy fusion and a host ``dynamic-update-slice``
+per trip, or where asked the same kind of kernel as this one (host_dma.py:
+store 3x, load 3x what the pass moves in HBM). Here
 one Pallas kernel per call starts a DMA for every (run, layer) between a
 cache and the host slab, then waits for them all: no staging, no TensorCore
 copy, no HBM scratch, the slab updated in place, 2x.
@@ -56,22 +58,22 @@ def tiles_per_block(piece_shape, dtype) -> int:
 
 
 def viewable(piece_shape, dtype) -> bool:
-    """Whether a block's pieces can be viewed as whole u8 tiles: their bytes whole tiles, the bitcast to u8
-    defined (a second-minor dimension, a dtype of 8 bits or more) and the minor dimension the tile's 128
-    lanes (Mosaic reshapes a ref only with its minormost dimension unchanged: MLA's (4, 4, 640) piece is
-    whole tiles, 20 KiB, yet cannot be viewed)."""
+    """Whether a cache's blocks can be viewed as whole u8 tiles: their bytes whole tiles, and the
+    bitcast to u8 defined (a second-minor dimension, a dtype of 8 bits or more)."""
     return why_not_viewable(piece_shape, dtype) is None
 
 
-def why_not_viewable(piece_shape, dtype) -> str | None:
-    """``viewable``'s reason, in words (None: viewable)."""
+def why_not_viewable(piece_shape, dtype, lanes: bool = False) -> str | None:
+    """``viewable``'s reason, in words (None: viewable). ``lanes``: also the minor dimension the tile's 128
+    lanes (Mosaic reshapes a ref only with its minormost dimension unchanged: MLA's (4, 4, 640) piece is
+    whole tiles, 20 KiB, yet its staging refuses the view; the staging path's host copies check it)."""
     nbytes = math.prod(piece_shape) * np.dtype(dtype).itemsize
     what = f"a block piece of {tuple(piece_shape)} {np.dtype(dtype).name}"
     if len(piece_shape) < 2 or np.dtype(dtype).itemsize < 1:
         return f"{what} has no u8 view (it needs a second-minor dimension and 8-bit or wider elements)"
     if nbytes % TILE_BYTES:
         return f"{what} is {nbytes} bytes, not whole {TILE_BYTES}-byte tiles"
-    if piece_shape[-1] != TILE[1]:
+    if lanes and piece_shape[-1] != TILE[1]:
         return (f"{what} has a minor dimension of {piece_shape[-1]}, not {TILE[1]}: Mosaic reshapes a ref "
                 f"into ({TILE[0]}, {TILE[1]}) tiles only with its minormost dimension unchanged")
     return None

@@ -53,7 +53,7 @@ def supported(layout, platform: str | None = None) -> str | None:
         return ("attention-DP ranks: a slab's rows split over the ranks and a load from another rank's rows "
                 "crosses their ring (ranks.py)")
     for g in layout.groups:
-        why = direct_dma.why_not_viewable(g.piece_shape, g.dtype)
+        why = direct_dma.why_not_viewable(g.piece_shape, g.dtype, lanes=True)
         if why is not None:
             return why
     return None
