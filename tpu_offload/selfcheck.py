@@ -275,11 +275,13 @@ DEVICES_PER_CHIP = {"TPU7x": 2}  # TPU7x: two TensorCore devices per chip, each 
 def pass_figures(programs, figs, blocks: int, path: str = "program") -> dict:
     """What every program of one pass of ``blocks`` blocks costs per device, from the compiled figures.
 
-    A DMA kernel reads and writes what it moves (the cost model sees ~0 inside it); a loop program runs
-    its body once per chunk (the cost model counts the body once), less the host-side bytes (the slab,
-    and the chunk the body writes to or reads from host memory); ``device_put``'s wrappers run at the
-    full staging size whatever the pass moves. ``hbm_accessed``/``moved`` and ``scratch``/``moved`` are
-    the ratios the budgets bound (3x, 1.1x)."""
+    A DMA kernel reads and writes what it moves (the cost model sees ~0 inside it): gather/scatter 2x in
+    HBM, the host copies' kernels (host_dma.py) 1x in HBM (the other side is the host slab), plus the
+    cost model's figure for the ops around the kernel (its index operands); a loop program runs its body
+    once per chunk (the cost model counts the body once), less the host-side bytes (the slab, and the
+    chunk the body writes to or reads from host memory); ``device_put``'s wrappers run at the full
+    staging size whatever the pass moves. ``hbm_accessed``/``moved`` and ``scratch``/``moved`` are the
+    ratios the budgets bound (3x, 1.1x)."""
     dev_block = programs.layout.device_block_bytes()
     moved = blocks * dev_block
     chunk = dev_block * programs.bpc
@@ -288,6 +290,8 @@ def pass_figures(programs, figs, blocks: int, path: str = "program") -> dict:
     for name, f in figs.items():
         if name in ("gather", "scatter") and programs.kernel == "dma":
             acc = 2 * moved
+        elif name in ("store", "load") and getattr(programs, "host_copy", "loop") == "dma":
+            acc = moved + f.bytes_accessed  # staging read (store) or written (load) once, and the index operands
         elif name in ("store", "load"):
             acc = trips * max(0, f.bytes_accessed - f.host_alias - chunk)  # the slab a store updates in place
         elif name in ("take_chunks", "put_chunks"):

@@ -66,12 +66,13 @@ def kv_cache_avals(mesh: Mesh, model: ModelShape, num_blocks: int, block_size: i
 
 def deployment_programs(caches: Sequence, mesh: Mesh, *, num_slots: int, blocks_per_chunk: int,
                         staging_blocks: int, head_replicas: int = 1, memory_kind: str = "pinned_host",
-                        max_slab_bytes: int = DEFAULT_MAX_SLAB_BYTES, kernel: str | None = None) -> Programs:
+                        max_slab_bytes: int = DEFAULT_MAX_SLAB_BYTES, kernel: str | None = None,
+                        host_copy: str | None = None) -> Programs:
     """The product's own programs for this deployment, nothing allocated."""
     layout = KVLayout.from_caches(caches, mesh, head_replicas=head_replicas)
     return plan_transfers(layout, num_slots=num_slots, blocks_per_chunk=blocks_per_chunk,
                           staging_blocks=staging_blocks, memory_kind=memory_kind,
-                          max_slab_bytes=max_slab_bytes, kernel=kernel).programs
+                          max_slab_bytes=max_slab_bytes, kernel=kernel, host_copy=host_copy).programs
 
 
 @dataclasses.dataclass

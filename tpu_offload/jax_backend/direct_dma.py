@@ -1,13 +1,13 @@
 """Host copies as DMAs straight between the paged caches and the host tier: the TPU's direct kernel.
 
 The ``program`` host path moves a pass twice: gather (caches -> HBM staging),
-then a compiled loop of one asynchronous copy per chunk (staging -> host
-slab), which the TPU compiler lowers to a TensorCore copy fusion and a host
-``dynamic-update-slice`` waited inside every trip (store 5x, load 6x what the
-pass moves, one host DMA in flight). Here one Pallas kernel per call starts a
-DMA for every (run, layer) between a cache and the host slab, then waits
-for them all: no staging, no TensorCore copy, no HBM scratch, the slab
-updated in place.
+then a host copy (staging -> host slab): a compiled loop of one asynchronous
+copy per chunk, a TensorCore copy fusion and a host ``dynamic-update-slice``
+per trip, or where asked the same kind of kernel as this one (host_dma.py:
+store 3x, load 3x what the pass moves in HBM). Here
+one Pallas kernel per call starts a DMA for every (run, layer) between a
+cache and the host slab, then waits for them all: no staging, no TensorCore
+copy, no HBM scratch, the slab updated in place, 2x.
 
 libtpu refuses a Pallas DMA into host memory at a dynamic offset unless the
 host array's tile is 4 KiB (``LLO_CHECK multiplier_in_bytes % word_size``
@@ -60,8 +60,23 @@ def tiles_per_block(piece_shape, dtype) -> int:
 def viewable(piece_shape, dtype) -> bool:
     """Whether a cache's blocks can be viewed as whole u8 tiles: their bytes whole tiles, and the
     bitcast to u8 defined (a second-minor dimension, a dtype of 8 bits or more)."""
+    return why_not_viewable(piece_shape, dtype) is None
+
+
+def why_not_viewable(piece_shape, dtype, lanes: bool = False) -> str | None:
+    """``viewable``'s reason, in words (None: viewable). ``lanes``: also the minor dimension the tile's 128
+    lanes (Mosaic reshapes a ref only with its minormost dimension unchanged: MLA's (4, 4, 640) piece is
+    whole tiles, 20 KiB, yet its staging refuses the view; the staging path's host copies check it)."""
     nbytes = math.prod(piece_shape) * np.dtype(dtype).itemsize
-    return len(piece_shape) >= 2 and np.dtype(dtype).itemsize >= 1 and nbytes % TILE_BYTES == 0
+    what = f"a block piece of {tuple(piece_shape)} {np.dtype(dtype).name}"
+    if len(piece_shape) < 2 or np.dtype(dtype).itemsize < 1:
+        return f"{what} has no u8 view (it needs a second-minor dimension and 8-bit or wider elements)"
+    if nbytes % TILE_BYTES:
+        return f"{what} is {nbytes} bytes, not whole {TILE_BYTES}-byte tiles"
+    if lanes and piece_shape[-1] != TILE[1]:
+        return (f"{what} has a minor dimension of {piece_shape[-1]}, not {TILE[1]}: Mosaic reshapes a ref "
+                f"into ({TILE[0]}, {TILE[1]}) tiles only with its minormost dimension unchanged")
+    return None
 
 
 def _view(ref, tiles: int):
@@ -212,9 +227,26 @@ def supported(layout, platform: str | None = None) -> str | None:
     for g in layout.groups:
         if g.replicas != 1 or g.ranks != 1:
             return "replicated KV heads, MLA copies or attention-DP ranks"
-        if not viewable(g.piece_shape, g.dtype):
-            return f"a block piece of {g.piece_shape} {np.dtype(g.dtype).name} is not whole 4 KiB tiles"
+        why = why_not_viewable(g.piece_shape, g.dtype)
+        if why is not None:
+            return why
     return None
+
+
+def slab_spec(g):
+    """A tiled slab's spec: its rows whole on every device, the tiles of a row split over the cache's shard axes."""
+    from jax.sharding import PartitionSpec as P
+    return P(None, tuple(g.shard_axes) or None, None, None)
+
+
+def tiled_slab_aval(layout, g, rows: int, blocks_per_chunk: int, memory_kind: str):
+    """Group ``g``'s slab of ``rows`` slots as u8 4 KiB tiles: (rows, devices x bpc x layers x tiles, 32, 128),
+    each device's part of a row its own (block, layer, tiles) bytes. One type for both kernels that fill a
+    tier's slabs: the direct kernel (from the caches) and the staging path's host copies (host_dma.py)."""
+    from jax.sharding import NamedSharding
+    width = g.shards * blocks_per_chunk * len(g.layers) * tiles_per_block(g.piece_shape, g.dtype)
+    sh = NamedSharding(layout.program_mesh, slab_spec(g), memory_kind=memory_kind)
+    return jax.ShapeDtypeStruct((rows, width, *TILE), jnp.uint8, sharding=sh)
 
 
 class DirectPrograms:
@@ -236,18 +268,11 @@ class DirectPrograms:
 
     # ---- shapes -------------------------------------------------------------------------
     def slab_spec(self, g):
-        from jax.sharding import PartitionSpec as P
-        axes = tuple(a for a in g.shard_axes)
-        return P(None, axes or None, None, None)
+        return slab_spec(g)
 
     def slab_aval(self, gi: int, rows: int, memory_kind: str | None = None):
-        """Group ``gi``'s slab of ``rows`` slots: (rows, devices x bpc x layers x tiles, 32, 128) u8, each
-        device's row its own (block, layer, tiles) bytes."""
-        from jax.sharding import NamedSharding
-        g = self.layout.groups[gi]
-        width = g.shards * self.bpc * len(g.layers) * self.tiles[gi]
-        sh = NamedSharding(self.layout.program_mesh, self.slab_spec(g), memory_kind=memory_kind or self.memory_kind)
-        return jax.ShapeDtypeStruct((rows, width, *TILE), jnp.uint8, sharding=sh)
+        """Group ``gi``'s slab of ``rows`` slots (``tiled_slab_aval``)."""
+        return tiled_slab_aval(self.layout, self.layout.groups[gi], rows, self.bpc, memory_kind or self.memory_kind)
 
     def _cache_avals(self, g):
         from jax.sharding import NamedSharding, PartitionSpec as P

@@ -12,7 +12,10 @@ Two host paths behind the same calls (``path``):
 
 * ``program`` (the default): the tier is preallocated slabs, and
   ``store``/``load`` are compiled programs that write and read them in
-  place: one asynchronous copy per chunk, into or out of its slab row. With
+  place: a loop of one asynchronous copy per chunk, or where asked on TPU
+  (``host_copy="dma"``: one attention-DP rank, pieces with a 4 KiB-tile
+  view) one Pallas kernel per group that DMAs staging chunks to or from their
+  slab rows (host_dma.py; the slabs then u8 tiles, the direct path's type). With
   the DMA gather/scatter every program a pass runs moves that pass's blocks
   and no more (TPU compiler: tests/tpu_compiler), and host memory is
   allocated once.
@@ -118,7 +121,8 @@ class TransferPlan:
 
 def plan_transfers(layout: KVLayout, *, num_slots: int, blocks_per_chunk: int, staging_blocks: int,
                    memory_kind: str = "pinned_host", max_slab_bytes: int = DEFAULT_MAX_SLAB_BYTES,
-                   kernel: str | None = None, rows_per_slab: int | None = None) -> TransferPlan:
+                   kernel: str | None = None, rows_per_slab: int | None = None,
+                   host_copy: str | None = None) -> TransferPlan:
     """``rows_per_slab``: the slab size the hosts agreed on (jax_backend/agree.py); default: from
     ``max_slab_bytes`` and this process's share of a chunk."""
     if staging_blocks < blocks_per_chunk:
@@ -143,7 +147,7 @@ def plan_transfers(layout: KVLayout, *, num_slots: int, blocks_per_chunk: int, s
     n_full, rest = divmod(num_slots // d, rows_per_slab // d)  # each rank's partition, in slabs of equal shares
     rows = (rows_per_slab,) * n_full + ((rest * d,) if rest else ())
     programs = Programs(layout, staging_blocks=staging_blocks, blocks_per_chunk=blocks_per_chunk,
-                        slab_rows=rows, memory_kind=memory_kind, kernel=kernel)
+                        slab_rows=rows, memory_kind=memory_kind, kernel=kernel, host_copy=host_copy)
     return TransferPlan(staging_blocks=staging_blocks, rows_per_slab=rows_per_slab, programs=programs)
 
 
@@ -209,9 +213,7 @@ class TransferEngine:
         if not checked:
             preflight(layout, plan, path, num_slots, hbm_check)
         self.staging = self.programs.alloc_staging()
-        # program path: preallocated slabs; direct: preallocated u8 slabs; device_put: a host array tuple per slot
-        self.slabs = (self.programs.alloc_slabs() if path == "program"
-                      else self.direct.alloc_slabs() if path == "direct" else None)
+        self.slabs = self.alloc_slabs()
         self.host: list[tuple | None] = [None] * num_slots if path == "device_put" else []
         self.valid = np.zeros(num_slots, dtype=bool)
         self._blanks: dict[int, jax.Array] = {}  # device_put path, several hosts: zeros for a lost chunk
@@ -221,6 +223,14 @@ class TransferEngine:
         self.last_dmas = {"gather": 0, "scatter": 0}
         self.pacer: Pacer | None = None  # set by ``pace``: host copies in pieces, across steps
         self._busy = np.zeros(self.staging_chunks, dtype=bool)  # paced: staging chunks a transfer still holds
+
+    def alloc_slabs(self):
+        """This path's host tier, zero-filled: the program path's slabs (u8 4 KiB tiles where its host copies
+        are DMA kernels, host_dma.py; else the cache's dtype), the direct path's u8 slabs (the same type),
+        none for device_put (a host array tuple per slot, made by each store)."""
+        if self.path == "program":
+            return self.programs.alloc_slabs()
+        return self.direct.alloc_slabs() if self.path == "direct" else None
 
     # ---- pacing ------------------------------------------------------------
     def pace(self, pacer: "Pacer") -> None:

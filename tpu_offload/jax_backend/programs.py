@@ -38,20 +38,30 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from tpu_offload.jax_backend import dma, ranks, xla_kernel
+from tpu_offload.jax_backend import direct_dma, dma, host_dma, ranks, xla_kernel
 from tpu_offload.jax_backend.collectives import bits, collectives_as_bits, ring
 from tpu_offload.jax_backend.layout import KVLayout, _divided
 
 KERNELS = ("dma", "loop", "xla")
+# Why the host copies stay the loop programs by default on TPU, where host_dma.py's kernels compile to 3x
+# per pass (tests/tpu_compiler/test_host_copy_kernel.py): their slabs are u8 (32, 128) tiles, and a zero
+# row broadcast in host memory comes out in the (8, 128) tile, so the slab allocator relays the whole tier
+# through HBM (94 GB per device for the 720 GiB Qwen3-32B tier on TPU7x; the direct path's allocator
+# alike), which the start-up HBM check refuses.
+HOST_COPY_DEFAULT = ("the default: its u8 4 KiB-tiled slabs cannot yet be zero-filled without relaying the "
+                     "tier through HBM")
 
 
 class Programs:
     """Builds and caches the compiled transfer programs for one layout."""
 
     def __init__(self, layout: KVLayout, *, staging_blocks: int, blocks_per_chunk: int,
-                 slab_rows: tuple[int, ...], memory_kind: str, kernel: str | None = None):
+                 slab_rows: tuple[int, ...], memory_kind: str, kernel: str | None = None,
+                 host_copy: str | None = None):
         """``kernel``: how gather/scatter move blocks: ``dma`` (the Pallas kernel; interpreted on CPU)
-        or ``loop`` (XLA ops, one block per trip). Default: ``dma`` on TPU, ``loop`` elsewhere."""
+        or ``loop`` (XLA ops, one block per trip). Default: ``dma`` on TPU, ``loop`` elsewhere.
+        ``host_copy``: how store/load move chunks between staging and the slabs: ``dma`` (host_dma.py, TPU
+        only, refused with the reason where it cannot run) or ``loop`` (the default, ``HOST_COPY_DEFAULT``)."""
         self.layout = layout
         self.platform = layout.program_mesh.devices.flat[0].platform
         self.ranks = layout.ranks
@@ -71,6 +81,15 @@ class Programs:
                              f"(block shapes {[g.block_shape for g in layout.groups]}), which a TPU DMA cannot "
                              "address; use the 'loop' kernel (TPU_OFFLOAD_TRANSFER_KERNEL=loop)")
         self.kernel = kernel
+        # the host copies (store/load): DMA kernels on TPU where asked (host_dma.py), else the loop programs, and why
+        self.host_copy_why = host_dma.supported(layout, self.platform) if kernel != "xla" else "the xla kernel"
+        if host_copy not in (None, "dma", "loop"):
+            raise ValueError(f"host copy {host_copy!r}: expected 'dma' or 'loop'")
+        if host_copy == "dma" and self.host_copy_why is not None:
+            raise ValueError(f"host copy 'dma' (host_dma.py) cannot serve this KV cache: {self.host_copy_why}")
+        self.host_copy = host_copy or "loop"
+        if self.host_copy == "loop" and self.host_copy_why is None:
+            self.host_copy_why = HOST_COPY_DEFAULT
         self.staging_blocks = staging_blocks
         self.bpc = blocks_per_chunk
         self.staging_chunks = staging_blocks // blocks_per_chunk
@@ -105,14 +124,17 @@ class Programs:
         )
 
     def _slab_aval(self, rows: int):
+        """Per group, a slab of ``rows`` slots: u8 4 KiB tiles where the host copies are DMA kernels (the direct
+        path's type, ``direct_dma.tiled_slab_aval``), else the cache's dtype, one chunk per row."""
+        if self.host_copy == "dma":
+            return tuple(direct_dma.tiled_slab_aval(self.layout, g, rows, self.bpc, self.memory_kind)
+                         for g in self.layout.groups)
         return tuple(jax.ShapeDtypeStruct(g.slab_shape(rows, self.bpc), g.dtype, sharding=s)
                      for g, s in zip(self.layout.groups, self._slab_sh))
 
     def _slabs_aval(self):
-        return tuple(
-            tuple(jax.ShapeDtypeStruct(g.slab_shape(r, self.bpc), g.dtype, sharding=s) for r in self.slab_rows)
-            for g, s in zip(self.layout.groups, self._slab_sh)
-        )
+        per_size = [self._slab_aval(r) for r in self.slab_rows]
+        return tuple(tuple(s[gi] for s in per_size) for gi in range(len(self.layout.groups)))
 
     def _ints(self, n: int):
         return jax.ShapeDtypeStruct((n,), jnp.int32, sharding=self._rep)
@@ -208,6 +230,8 @@ class Programs:
             return self._get(("store", rows), lambda r: ranks.build_store(self, r), rows)
         if self.kernel == "xla":
             return self._get(("store", rows), lambda r: xla_kernel.build_store(self, r), rows)
+        if self.host_copy == "dma":
+            return self._get(("store", rows), self._build_store_dma, rows)
         return self._get(("store", rows), self._build_store, rows)
 
     def load(self, rows: int | None = None, cross: bool = False) -> Callable:
@@ -218,6 +242,8 @@ class Programs:
             return self._get(("load", rows, cross), lambda r: ranks.build_load(self, r, cross), rows)
         if self.kernel == "xla":
             return self._get(("load", rows, False), lambda r: xla_kernel.build_load(self, r), rows)
+        if self.host_copy == "dma":
+            return self._get(("load", rows, False), self._build_load_dma, rows)
         return self._get(("load", rows, False), self._build_load, rows)
 
     def store_args(self, k: int, rows: list, pos: list) -> tuple:
@@ -229,6 +255,9 @@ class Programs:
         if self.kernel == "xla":
             return xla_kernel.host_args(self, rows, pos)
         c = self.staging_chunks
+        if self.host_copy == "dma":  # per group the kernel's runs: (count, chunk starts, row starts, lengths)
+            per = [host_dma.run_operands(p, r, c) for r, p in zip(rows, pos)]
+            return tuple(tuple(o[i] for o in per) for i in range(4))
         return (tuple(ints(r, c, 0) for r in rows), tuple(ints(p, c, 0) for p in pos),
                 ints([len(r) for r in rows], len(rows), 0))
 
@@ -489,6 +518,47 @@ class Programs:
         c = self.staging_chunks
         return jitted.lower(self._staging_aval(), self._slab_aval(rows), self._group_ints(c), self._group_ints(c),
                             self._ints(len(groups))).compile()
+
+    def _host_dma_avals(self):
+        c = self.staging_chunks
+        return tuple(self._group_ints(n) for n in (1, c, c, c))
+
+    def _build_store_dma(self, rows: int):
+        """(slabs, staging, count, chunk, row, length) -> (slabs, done): per group one kernel call
+        (host_dma.store_call), its slab updated in place; ``done`` the groups' run counts."""
+        groups, bpc, platform = self.layout.groups, self.bpc, self.platform
+        slabs = self._slab_aval(rows)
+
+        def store_local(slabs, staging, count, chunk, row, length):
+            out = []
+            for gi, (g, sl, st) in enumerate(zip(groups, slabs, staging)):
+                call = host_dma.store_call(bpc, host_dma.chunk_tiles(g, bpc), sl.shape, platform)
+                out.append(call(count[gi], chunk[gi], row[gi], length[gi], st, sl))
+            return tuple(out), jnp.concatenate(count)
+
+        specs = tuple(direct_dma.slab_spec(g) for g in groups)
+        gp = tuple(P() for _ in groups)
+        body = self._local(store_local, (specs, self._staging_specs(), gp, gp, gp, gp), (specs, P()))
+        jitted = jax.jit(body, donate_argnums=(0,), out_shardings=(tuple(a.sharding for a in slabs), self._rep))
+        return jitted.lower(slabs, self._staging_aval(), *self._host_dma_avals()).compile()
+
+    def _build_load_dma(self, rows: int):
+        """(staging, slabs, count, chunk, row, length) -> (staging, done): per group one kernel call
+        (host_dma.load_call), staging written in place, the slab only read."""
+        groups, bpc, platform = self.layout.groups, self.bpc, self.platform
+
+        def load_local(staging, slabs, count, chunk, row, length):
+            out = []
+            for gi, (g, sl, st) in enumerate(zip(groups, slabs, staging)):
+                call = host_dma.load_call(bpc, host_dma.chunk_tiles(g, bpc), st.shape, st.dtype, platform)
+                out.append(call(count[gi], chunk[gi], row[gi], length[gi], sl, st))
+            return tuple(out), jnp.concatenate(count)
+
+        specs = tuple(direct_dma.slab_spec(g) for g in groups)
+        gp = tuple(P() for _ in groups)
+        body = self._local(load_local, (self._staging_specs(), specs, gp, gp, gp, gp), (self._staging_specs(), P()))
+        jitted = jax.jit(body, donate_argnums=(0,), out_shardings=(self._staging_sh, self._rep))
+        return jitted.lower(self._staging_aval(), self._slab_aval(rows), *self._host_dma_avals()).compile()
 
     def host_chunk_avals(self):
         return tuple(jax.ShapeDtypeStruct(g.staging_shape(self.bpc), g.dtype, sharding=s)

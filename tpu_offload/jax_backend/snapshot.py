@@ -185,7 +185,7 @@ def restore_slabs(engine, host_dir: str, fp_digest: str, secret: bytes | None = 
         log.warning("tpu_offload: starting cold: %s", why)
         if engine.slabs is not None:
             jax.tree.map(lambda a: a.delete(), engine.slabs)
-        engine.slabs = engine.programs.alloc_slabs()
+        engine.slabs = engine.alloc_slabs()
         return None
     auth = FsAuth(secret) if secret else None
     sid = str(meta["snapshot_id"])
