@@ -39,7 +39,7 @@ NEED_TPU := $(if $(filter setup setup-tpu demo test test-fast test-tpu test-tpu-
 CHECK_SETUP = @sh tools/check_setup.sh "$(PY)" "$(PY312)" $(if $(wildcard $(STAMP)),0,1) \
 	$(if $(wildcard $(STAMP_TPU)),0,$(NEED_TPU))
 
-.PHONY: help setup setup-tpu demo test test-lane3 test-fast test-timing test-vllm test-tpu test-tpu-compiler test-tpu-engine docs bench bench-tpu-aot bench-tpu bench-manager bench-ttft bench-jax bench-fs bench-fs-rescan bench-tpu-engine bench-step-thread bench-serving bench-device clean
+.PHONY: help setup setup-tpu demo test test-lane2 test-fast test-timing test-vllm test-tpu test-tpu-compiler test-tpu-engine docs bench bench-tpu-aot bench-tpu bench-manager bench-ttft bench-jax bench-fs bench-fs-rescan bench-tpu-engine bench-step-thread bench-serving bench-device clean
 
 help: ## this list (the default goal; installs nothing)
 	@echo "make TARGET, where TARGET is one of:"
@@ -94,26 +94,24 @@ demo: setup ## real engines on CPU: vLLM, then tpu-inference (ours beside its ow
 # tpu-inference pins). Separate processes because both backends register tpu_offload_* names in the
 # global Prometheus registry, and tests/tpu and tests/tpu_engine must set their emulated device
 # counts before JAX starts. The suites share nothing (no fixed paths or ports; libtpu loads with
-# ALLOW_MULTIPLE_LIBTPU_LOAD), so several run at once, each lane's output printed whole when it ends. Every test has a time limit (pytest-timeout, `timeout` in
+# ALLOW_MULTIPLE_LIBTPU_LOAD), so two run at once, each lane's output printed whole when it ends. Every test has a time limit (pytest-timeout, `timeout` in
 # pyproject.toml): a hung engine stops the run with every thread's stack instead of stalling it.
 VLLM_SUITES := tests --ignore=tests/tpu --ignore=tests/tpu_compiler --ignore=tests/tpu_engine
 # Each suite is its own target below; test runs them through make again, told (-o) that the
 # environments it just built are up to date.
 SUITE := --no-print-directory -o $(STAMP) -o $(STAMP_TPU)
-# Three lanes at once on the two cores (a suite's time is mostly one Python thread; the OS shares
-# the cores): the tpu-inference engine suite as a pool of ENGINE_WORKERS pytest-xdist workers that
-# take its files one at a time (a file's tests share an engine), the TPU connector's suite, and the
-# vLLM-path units, the TPU compiler suite and the real vLLM engine tests in turn. When the two
-# shorter lanes end, the pool's workers have both cores, so the run ends with the last engine file,
-# not with a long serial lane.
-ENGINE_WORKERS ?= 2
-test: setup ## the whole suite (CI runs this): three lanes side by side, the engine suite as a pool of workers
-	$(MAKE) $(SUITE) -j3 --output-sync=target test-tpu-engine test-tpu test-lane3
-
-test-lane3: $(STAMP) $(STAMP_TPU) ## test's third lane: vLLM-path units, the TPU compiler suite, the vLLM engine tests
-	$(MAKE) $(SUITE) test-vllm PYTEST_ARGS='-m "not engine"'
-	$(MAKE) $(SUITE) test-tpu-compiler
+# Two lanes side by side on the two cores (most of a suite's time is one Python thread), then the
+# real vLLM engine tests alone, since several time a load against its recompute:
+#   lane 1: the tpu-inference engine suite, the longest;
+#   lane 2: vLLM-path units, then the TPU connector's suite, then the TPU compiler's.
+test: setup ## the whole suite (CI runs this): two lanes side by side, then the vLLM engine tests alone
+	$(MAKE) $(SUITE) -j2 --output-sync=target test-tpu-engine test-lane2
 	$(MAKE) $(SUITE) test-vllm PYTEST_ARGS='-m "engine and not timing"'
+
+test-lane2: $(STAMP) $(STAMP_TPU) ## test's second lane: vLLM-path units, the TPU connector's suite, the TPU compiler's
+	$(MAKE) $(SUITE) test-vllm PYTEST_ARGS='-m "not engine"'
+	$(MAKE) $(SUITE) test-tpu
+	$(MAKE) $(SUITE) test-tpu-compiler
 
 # The suites that start no real engine (pytest marker `engine`) and compile nothing for TPU: test-vllm
 # and test-tpu side by side, without their engine tests (about 1 and 5 CPU-minutes).
@@ -136,8 +134,8 @@ test-tpu: $(STAMP_TPU) ## the TPU connector on an emulated 8-device JAX CPU mesh
 test-tpu-compiler: $(STAMP_TPU) ## libtpu compiling our programs for compile-only TPU topologies (.venv-tpu)
 	$(TPU_BIN)/python -m pytest -q $(PYTEST_ARGS) tests/tpu_compiler
 
-test-tpu-engine: $(STAMP_TPU) ## the real tpu-inference engine on JAX CPU, every model family (.venv-tpu), ENGINE_WORKERS at once
-	$(TPU_BIN)/python -m pytest -q -n $(ENGINE_WORKERS) --dist loadfile $(PYTEST_ARGS) tests/tpu_engine
+test-tpu-engine: $(STAMP_TPU) ## the real tpu-inference engine on JAX CPU, every model family (.venv-tpu)
+	$(TPU_BIN)/python -m pytest -q $(PYTEST_ARGS) tests/tpu_engine
 
 bench: bench-manager bench-ttft bench-jax bench-fs bench-fs-rescan bench-tpu-engine ## the six CPU benchmarks named on this line, in turn
 

@@ -72,8 +72,8 @@ def test_a_fresh_checkout_checks_first_then_builds_only_what_the_goal_needs(chec
     assert stamps(test) == stamps(setup), test  # each environment built once, before any suite
     vllm = "tests --ignore=tests/tpu --ignore=tests/tpu_compiler --ignore=tests/tpu_engine"
     assert pytest_runs(test) == [  # every suite once: the vLLM one as its units, then its engine tests
-        "-n 2 --dist loadfile tests/tpu_engine", "tests/tpu", f'-m "not engine" {vllm}', "tests/tpu_compiler",
-        f'-m "engine and not timing" {vllm}']  # the engine suite's files spread over two workers
+        "tests/tpu_engine", f'-m "not engine" {vllm}', "tests/tpu", "tests/tpu_compiler",
+        f'-m "engine and not timing" {vllm}']
     vllm_only = make(checkout, "-n", "test-vllm")
     assert len(stamps(vllm_only)) == 1 and re.search(r"check_setup\.sh .* 1 0$", vllm_only, re.M), vllm_only
     fast = make(checkout, "-n", "test-fast")
