@@ -94,6 +94,18 @@ class Trace:
         self.events.sort()
 
 
+def _hit_figures(agent_hit: int, agent_reusable: int, other_hit: int) -> dict:
+    """Hits in tokens (counted in chunks): the agents', what an unbounded tier would have served them, the rest."""
+    tok = TOKENS_PER_CHUNK
+    return {
+        "agent_hit_tokens": agent_hit * tok,
+        "agent_reusable_tokens": agent_reusable * tok,
+        "agent_hit_share": agent_hit / agent_reusable if agent_reusable else 0.0,
+        "other_hit_tokens": other_hit * tok,
+        "all_hit_tokens": (agent_hit + other_hit) * tok,
+    }
+
+
 def run(trace: Trace, capacity: int, ttl_s: float | None, fraction: float) -> dict:
     now = [0.0]
     table = leases.table_for(fraction, 4096, capacity, clock=lambda: now[0]) if ttl_s else None
@@ -119,13 +131,8 @@ def run(trace: Trace, capacity: int, ttl_s: float | None, fraction: float) -> di
         if alloc is not None:
             m.complete_store(alloc.keys)
         leases.lease_from(table, hint, keys)
-    tok = TOKENS_PER_CHUNK
     return {
-        "agent_hit_tokens": agent_hit * tok,
-        "agent_reusable_tokens": agent_reusable * tok,
-        "agent_hit_share": agent_hit / agent_reusable if agent_reusable else 0.0,
-        "other_hit_tokens": other_hit * tok,
-        "all_hit_tokens": (agent_hit + other_hit) * tok,
+        **_hit_figures(agent_hit, agent_reusable, other_hit),
         "honoured": table.honoured if table else 0,
         "expired": table.expired if table else 0,
         "evictions": m.evictions,
@@ -191,14 +198,9 @@ def run_two_tiers(trace: Trace, host: int, files: int, ttl_s: float | None, frac
             fs.write(k)
         leases.lease_from(host_table, hint, keys)
         leases.lease_from(file_table, hint, keys)
-    tok = TOKENS_PER_CHUNK
     return {
-        "agent_hit_tokens": agent_hit * tok,
-        "agent_file_hit_tokens": agent_file_hit * tok,
-        "agent_reusable_tokens": agent_reusable * tok,
-        "agent_hit_share": agent_hit / agent_reusable if agent_reusable else 0.0,
-        "other_hit_tokens": other_hit * tok,
-        "all_hit_tokens": (agent_hit + other_hit) * tok,
+        **_hit_figures(agent_hit, agent_reusable, other_hit),
+        "agent_file_hit_tokens": agent_file_hit * TOKENS_PER_CHUNK,
         "file_honoured": file_table.honoured if file_table else 0,
         "file_expired": file_table.expired if file_table else 0,
         "file_evictions": fs.evictions,

@@ -33,6 +33,11 @@ ROOT = Path(__file__).resolve().parents[2]
 BENCH_VENV = ROOT / ".venv-bench"
 
 
+def fixed(n) -> dict:
+    """inference-perf's distribution of one value (every sample ``n``)."""
+    return {"type": "fixed", "mean": n, "min": n, "max": n, "std_dev": 0}
+
+
 @dataclasses.dataclass(frozen=True)
 class Workload:
     kind = "shared_prefix"
@@ -148,7 +153,6 @@ class Conversations:
                 f"{self.turn_input_len}-token turns, {self.output_len} output tokens), concurrency {self.concurrency}")
 
     def data(self) -> dict:
-        fixed = lambda n: {"type": "fixed", "mean": n, "min": n, "max": n, "std_dev": 0}  # noqa: E731
         return {"type": "conversation_replay", "conversation_replay": {
             "seed": self.seed, "num_conversations": self.conversations,
             "shared_system_prompt_len": self.shared_system_len,
@@ -238,7 +242,6 @@ class Agentic:
                 f"{self.concurrency} sessions at a time")
 
     def data(self) -> dict:
-        fixed = lambda n: {"type": "fixed", "mean": n, "min": n, "max": n, "std_dev": 0}  # noqa: E731
         return {"type": "synthetic_agentic", "synthetic_agentic": {
             "seed": self.seed, "num_sessions": self.sessions,
             "input_tokens_per_turn": fixed(self.turn_input_len), "output_tokens_per_turn": fixed(self.output_len),
