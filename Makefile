@@ -89,9 +89,9 @@ demo: setup ## real engines on CPU: vLLM, then tpu-inference (ours beside its ow
 	JAX_PLATFORMS=cpu SKIP_JAX_PRECOMPILE=1 VLLM_PLUGINS= XLA_FLAGS=--xla_force_host_platform_device_count=4 \
 		$(TPU_BIN)/python demos/tpu_inference_demo.py
 
-# Five pytest processes: vLLM-path suites in .venv (units, then engines); the TPU connector's own
-# suite, the TPU compiler suite and the real tpu-inference engine suite in .venv-tpu (jax 0.11.2, as
-# tpu-inference pins). Separate processes because both backends register tpu_offload_* names in the
+# Six pytest processes: vLLM-path suites in .venv (units, then engines); the TPU connector's own
+# suite, the TPU compiler suite and the real tpu-inference engine suite (as two processes) in
+# .venv-tpu (jax 0.11.2, as tpu-inference pins). Separate processes because both backends register tpu_offload_* names in the
 # global Prometheus registry, and tests/tpu and tests/tpu_engine must set their emulated device
 # counts before JAX starts. The suites share nothing (no fixed paths or ports; libtpu loads with
 # ALLOW_MULTIPLE_LIBTPU_LOAD), so two run at once, each lane's output printed whole when it ends. Every test has a time limit (pytest-timeout, `timeout` in
@@ -102,16 +102,21 @@ VLLM_SUITES := tests --ignore=tests/tpu --ignore=tests/tpu_compiler --ignore=tes
 SUITE := --no-print-directory -o $(STAMP) -o $(STAMP_TPU)
 # Two lanes side by side on the two cores (most of a suite's time is one Python thread), then the
 # real vLLM engine tests alone, since several time a load against its recompute:
-#   lane 1: the tpu-inference engine suite, the longest;
-#   lane 2: vLLM-path units, then the TPU connector's suite, then the TPU compiler's.
+#   lane 1: the tpu-inference engine suite but for ENGINE_LANE2, the longest;
+#   lane 2: vLLM-path units, the TPU connector's suite, the TPU compiler's, then ENGINE_LANE2: the engine
+#   suite's files whose engines all start in child processes of their own (nothing shared with the rest
+#   of the suite), so the two lanes end about together.
+ENGINE_LANE2 := tests/tpu_engine/test_tpu_engine_families_served.py tests/tpu_engine/test_tpu_engine_served_shape.py
 test: setup ## the whole suite (CI runs this): two lanes side by side, then the vLLM engine tests alone
-	$(MAKE) $(SUITE) -j2 --output-sync=target test-tpu-engine test-lane2
+	$(MAKE) $(SUITE) -j2 --output-sync=target test-tpu-engine test-lane2 \
+		ENGINE_SUITE="tests/tpu_engine $(addprefix --ignore=,$(ENGINE_LANE2))"
 	$(MAKE) $(SUITE) test-vllm PYTEST_ARGS='-m "engine and not timing"'
 
-test-lane2: $(STAMP) $(STAMP_TPU) ## test's second lane: vLLM-path units, the TPU connector's suite, the TPU compiler's
+test-lane2: $(STAMP) $(STAMP_TPU) ## test's second lane: vLLM-path units, the TPU connector's and compiler's suites, two engine files
 	$(MAKE) $(SUITE) test-vllm PYTEST_ARGS='-m "not engine"'
 	$(MAKE) $(SUITE) test-tpu
 	$(MAKE) $(SUITE) test-tpu-compiler
+	$(MAKE) $(SUITE) test-tpu-engine ENGINE_SUITE="$(ENGINE_LANE2)"
 
 # The suites that start no real engine (pytest marker `engine`) and compile nothing for TPU: test-vllm
 # and test-tpu side by side, without their engine tests (about 1 and 5 CPU-minutes).
@@ -134,8 +139,9 @@ test-tpu: $(STAMP_TPU) ## the TPU connector on an emulated 8-device JAX CPU mesh
 test-tpu-compiler: $(STAMP_TPU) ## libtpu compiling our programs for compile-only TPU topologies (.venv-tpu)
 	$(TPU_BIN)/python -m pytest -q $(PYTEST_ARGS) tests/tpu_compiler
 
+ENGINE_SUITE ?= tests/tpu_engine
 test-tpu-engine: $(STAMP_TPU) ## the real tpu-inference engine on JAX CPU, every model family (.venv-tpu)
-	$(TPU_BIN)/python -m pytest -q $(PYTEST_ARGS) tests/tpu_engine
+	$(TPU_BIN)/python -m pytest -q $(PYTEST_ARGS) $(ENGINE_SUITE)
 
 bench: bench-manager bench-ttft bench-jax bench-fs bench-fs-rescan bench-tpu-engine ## the six CPU benchmarks named on this line, in turn
 
