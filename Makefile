@@ -139,7 +139,8 @@ test-tpu: $(STAMP_TPU) ## the TPU connector on an emulated 8-device JAX CPU mesh
 test-tpu-compiler: $(STAMP_TPU) ## libtpu compiling our programs for compile-only TPU topologies (.venv-tpu)
 	$(TPU_BIN)/python -m pytest -q $(PYTEST_ARGS) tests/tpu_compiler
 
-ENGINE_SUITE ?= tests/tpu_engine
+# a value on make's command line wins; one in the environment does not
+ENGINE_SUITE := tests/tpu_engine
 test-tpu-engine: $(STAMP_TPU) ## the real tpu-inference engine on JAX CPU, every model family (.venv-tpu)
 	$(TPU_BIN)/python -m pytest -q $(PYTEST_ARGS) $(ENGINE_SUITE)
 

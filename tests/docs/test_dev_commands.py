@@ -27,9 +27,9 @@ pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="needs GNU 
 
 def make(cwd: Path, *args: str) -> str:
     # Not what the make running this suite was given: its flags, and PYTEST_ARGS (a command-line variable
-    # there, so exported to this process: a suite run as `make test-vllm PYTEST_ARGS=...`).
+    # there, so exported to this process: a suite run as `make test-vllm PYTEST_ARGS=...`, or make test's ENGINE_SUITE).
     env = {k: v for k, v in os.environ.items()
-           if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES", "PYTEST_ARGS")}
+           if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES", "PYTEST_ARGS", "ENGINE_SUITE")}
     proc = subprocess.run(["make", "--no-print-directory", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
