@@ -6,19 +6,11 @@ so they are cleared. Runs under ``.venv-tpu`` (jax 0.11.2, the version
 tpu-inference pins) and ``.venv`` (jax 0.10).
 """
 
-import atexit
 import os
-import shutil
-import tempfile
 
-# JAX's persistent compile cache in a fresh directory per session (removed at exit; children this
-# session starts inherit it): the suite compiles the same small programs in many tests and in its
-# multi-process children, each well under JAX's 1-second default threshold, so every compile is kept.
-_XLA_CACHE = tempfile.mkdtemp(prefix="tpu-xla-cache-")
-atexit.register(shutil.rmtree, _XLA_CACHE, True)
-os.environ["JAX_COMPILATION_CACHE_DIR"] = _XLA_CACHE
-os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
+from tpu_offload.testing.compile_cache import use_fresh_cache
+
+use_fresh_cache("tpu-xla-cache-", "JAX_COMPILATION_CACHE_DIR")  # imports no JAX
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")

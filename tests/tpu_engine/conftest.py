@@ -10,33 +10,21 @@ files are laid out so consecutive tests ask for the same one. Baseline tokens
 The engine harness is ``tpu_offload.testing`` (the demo and the benchmarks
 start the engine with it too); the modules beside this file are the tests' own.
 
-Compiles: tpu-inference turns on JAX's persistent compile cache (at
-``VLLM_XLA_CACHE_PATH``, by default in the user's home). Here it is a fresh
-directory per session, shared with the engine children this session starts
-(they inherit the environment), and removed at exit: no run reads what
-another left behind. Every compile is cached, not only those over JAX's
-1-second default: the suite starts dozens of engines of the same tiny models
-and shapes, whose forward passes and our programs each compile in well
-under a second, so without this each start recompiled them all. A cache hit
-still counts as a compile for ``CompileCounter`` (the program was not in
-memory), so the tests that count compiles after warm-up see the same events.
+Compiles: tpu-inference turns on JAX's persistent compile cache at
+``VLLM_XLA_CACHE_PATH`` (by default in the user's home); here that is a fresh
+directory per session (``tpu_offload.testing.compile_cache``), every compile kept.
 """
 
 from __future__ import annotations
 
-import atexit
 import os
-import shutil
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-_XLA_CACHE = tempfile.mkdtemp(prefix="tpu-engine-xla-cache-")
-atexit.register(shutil.rmtree, _XLA_CACHE, True)
-os.environ["VLLM_XLA_CACHE_PATH"] = _XLA_CACHE
-os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
+from tpu_offload.testing.compile_cache import use_fresh_cache  # noqa: E402
+
+use_fresh_cache("tpu-engine-xla-cache-", "VLLM_XLA_CACHE_PATH")  # where tpu-inference points JAX's cache
 
 from tpu_offload.testing import engine_run  # noqa: E402
 
