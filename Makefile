@@ -31,6 +31,12 @@ export TOKENIZERS_PARALLELISM := false
 # tests) registers one that cannot load off-TPU and polls TPU metadata.
 export VLLM_PLUGINS :=
 export PYTHONPATH := $(CURDIR)
+# Installs are --no-compile, so bytecode is written on first import; where the environment sets
+# PYTHONDONTWRITEBYTECODE (some CI images do), every process, each engine child of the tests too,
+# would compile vLLM, torch, JAX and tpu-inference from source again: 12-18 s per process. It is
+# kept in one ignored folder instead (.cache/pycache), not beside the sources.
+unexport PYTHONDONTWRITEBYTECODE
+export PYTHONPYCACHEPREFIX := $(CURDIR)/.cache/pycache
 
 # Goals that build .venv-tpu (Python 3.12) as well: `make setup` checks for both Pythons and the disk
 # before the first download (tools/check_setup.sh), not half-way through.

@@ -29,8 +29,9 @@ P = [ids(11, 520), ids(12, 300)]  # 2 + 1 shipped chunks (256 tokens)
 
 def test_a_hung_read_costs_a_recompute_not_a_hung_request(fs_model_dir, tmp_path):
     shared = tmp_path / "shared"
-    ref = EngineRun(tmp_path, "ref", fs_model_dir, None, [{"prompts": P}, {"prompts": P}]).result()
+    ref_run = EngineRun(tmp_path, "ref", fs_model_dir, None, [{"prompts": P}, {"prompts": P}])  # beside ``a``
     a = EngineRun(tmp_path, "a", fs_model_dir, shipped_kv_transfer_config(shared), [{"prompts": P}]).result()
+    ref = ref_run.result()
     assert len(a["steps"][0]["new_files"]) == 3
     h = EngineRun(tmp_path, "h", fs_model_dir, shipped_kv_transfer_config(shared, fs_io_timeout_s=DEADLINE_S),
                   [{"prompts": P}], fault={"op": "read", "hang_s": HANG_S}).result()

@@ -31,8 +31,9 @@ COLD, P1, P2 = ids(30, 300), ids(31, 520), ids(32, 520)  # P1, P2: 2 chunks of 2
 def test_decision_moves_from_load_to_recompute_as_the_file_tier_slows(fs_model_dir, tmp_path):
     shared = tmp_path / "shared"
     steps = [{"prompts": [COLD, P1]}, {"prompts": [P2]}]
-    ref = EngineRun(tmp_path, "ref", fs_model_dir, None, steps).result()
+    ref_run = EngineRun(tmp_path, "ref", fs_model_dir, None, steps)  # beside ``a``; the replicas run alone
     a = EngineRun(tmp_path, "a", fs_model_dir, shipped_kv_transfer_config(shared), [{"prompts": [P1, P2]}]).result()
+    ref = ref_run.result()
     assert len(a["steps"][0]["new_files"]) == 4
     auto = {"load_decision": "auto", "load_decision_bias": 0.5, "fs_io_timeout_s": DEADLINE_S}
     slow = EngineRun(tmp_path, "slow", fs_model_dir, shipped_kv_transfer_config(shared, **auto), steps,
