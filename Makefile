@@ -110,9 +110,10 @@ SUITE := --no-print-directory -o $(STAMP) -o $(STAMP_TPU)
 # real vLLM engine tests alone, since several time a load against its recompute:
 #   lane 1: the tpu-inference engine suite but for ENGINE_LANE2, the longest;
 #   lane 2: vLLM-path units, the TPU connector's suite, the TPU compiler's, then ENGINE_LANE2: the engine
-#   suite's files whose engines all start in child processes of their own (nothing shared with the rest
-#   of the suite), so the two lanes end about together.
-ENGINE_LANE2 := tests/tpu_engine/test_tpu_engine_families_served.py tests/tpu_engine/test_tpu_engine_served_shape.py
+#   suite's files that share no engine with the rest of it (theirs start in child processes of their own,
+#   or are DP-attention engines no other file runs), so the two lanes end about together.
+ENGINE_LANE2 := tests/tpu_engine/test_tpu_engine_families_served.py tests/tpu_engine/test_tpu_engine_served_shape.py \
+	tests/tpu_engine/test_tpu_engine_fresh_cache.py tests/tpu_engine/test_tpu_engine_vllm_kernels.py
 test: setup ## the whole suite (CI runs this): two lanes side by side, then the vLLM engine tests alone
 	$(MAKE) $(SUITE) -j2 --output-sync=target test-tpu-engine test-lane2 \
 		ENGINE_SUITE="tests/tpu_engine $(addprefix --ignore=,$(ENGINE_LANE2))"

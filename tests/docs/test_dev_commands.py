@@ -71,7 +71,8 @@ def test_a_fresh_checkout_checks_first_then_builds_only_what_the_goal_needs(chec
     test = make(checkout, "-n", "test")
     assert stamps(test) == stamps(setup), test  # each environment built once, before any suite
     vllm = "tests --ignore=tests/tpu --ignore=tests/tpu_compiler --ignore=tests/tpu_engine"
-    lane2 = ["tests/tpu_engine/test_tpu_engine_families_served.py", "tests/tpu_engine/test_tpu_engine_served_shape.py"]
+    lane2 = [f"tests/tpu_engine/test_tpu_engine_{name}.py"
+             for name in ("families_served", "served_shape", "fresh_cache", "vllm_kernels")]
     assert pytest_runs(test) == [  # every suite once: the vLLM one as its units, then its engine tests
         "tests/tpu_engine " + " ".join(f"--ignore={f}" for f in lane2), f'-m "not engine" {vllm}', "tests/tpu",
         "tests/tpu_compiler", " ".join(lane2), f'-m "engine and not timing" {vllm}']
