@@ -5,7 +5,8 @@ checked by the stand-in's forward, and an in-order device model timing what the 
 The device model is the TPU7x queue: one in-order queue for programs and DMAs, a 15 ms forward, host
 copies costing their bytes at the link's bandwidth (one device's share of a chip's link, each direction;
 the link is full duplex, so a step's loads and stores flow side by side). The pieces the pacer sends after
-forward N are queued before forward N+1, so forward N+1 is delayed by their link time;
+forward N are queued before forward N+1, so forward N+1 is delayed by their link time, and the harness
+waits for them before it runs forward N+1;
 the contract says that delay stays within the configured stall, that a 1,000-block hit lands within
 ceil(its bytes / the step budget) + 2 steps, that prefill stores of 32 and 64 blocks a step are all
 stored, and that a second large hit 10 steps later is deferred, never refused.
@@ -43,6 +44,18 @@ class DeviceModel:
         assert pacer is not None, "the worker must be paced"
         pacer.on_send.append(self._on_send)
         self.device_gbps = CHIP_GBPS / h.sch.s.config.devices_per_chip
+        # The queue is in order: forward N+1 runs only after the copies sent behind forward N. Here steps
+        # take microseconds and JAX CPU copies land on threads, so without this wait what lands by a step
+        # would depend on the machine's load (a busy 2-core VM landed B 11 steps late).
+        execute = h.runner.execute
+
+        def in_order(*a, **k):
+            for p in list(pacer.flying):
+                if p.done is not None:
+                    p.done.block_until_ready()
+            return execute(*a, **k)
+
+        h.runner.execute = in_order
 
     def _on_send(self, piece) -> None:
         per = self.sent.setdefault(self.h.steps, {"load": 0, "store": 0})
