@@ -257,6 +257,36 @@ def test_an_abandoned_transfer_counts_as_more_than_its_age():
     assert c.last_sample_at == 1.0
 
 
+def test_a_guessed_prefill_time_gets_a_wider_hedge():
+    """The hedge bets a load against the engine's recompute time. Until that is measured (or given) it is
+    the prior's guess (0.2 ms a token); tpu-inference on JAX CPU prefills at 0.7-1.3 ms, and a hedge at a
+    few times the guess gave up loads from a fast file tier. The first request keeps a bound, wider."""
+    clock = Clock()
+    m = CostModel("auto", clock=clock)
+    guess = costs.PRIOR_PREFILL_S_PER_TOKEN
+    assert not m.prefill.measured
+    assert m.hedge_s(2048) == pytest.approx(costs.HEDGE_FACTOR * costs.GUESS_MARGIN * 2048 * guess)
+    assert costs.HEDGE_FACTOR * costs.GUESS_MARGIN * guess >= 2 * 1.3e-3  # past twice the slowest seen
+    m.prefill.observe(1000, 1.3)  # one timed step
+    assert m.prefill.measured and m.hedge_s(95) == pytest.approx(costs.HEDGE_FACTOR * 95 * 1.3e-3)
+    given = CostModel("auto")
+    given.prefill = PrefillCost(1e-3)  # a figure given, not guessed
+    assert given.prefill.measured and given.hedge_s(100) == pytest.approx(costs.HEDGE_FACTOR * 0.1)
+
+
+def test_a_precompiled_engine_times_the_first_step_of_each_size():
+    """An engine that compiled every step size at start (a served tpu-inference) runs the first step of a
+    size as fast as the next: timed, so a deployment whose sizes each come once still learns its rate."""
+    for precompiled, samples in ((False, 0), (True, 1)):
+        clock = Clock()
+        p = CostModel("auto", clock=clock, precompiled=precompiled).prefill
+        p.scheduled(0, 96)
+        clock.t += 0.125
+        p.completed([0])
+        assert p.samples == samples
+        assert p.s_per_token == (pytest.approx(0.125 / 96) if precompiled else costs.PRIOR_PREFILL_S_PER_TOKEN)
+
+
 def test_the_hedge_is_a_multiple_of_the_recompute_time_of_the_loaded_tokens_in_auto_only():
     m = _model()  # 1e-4 s per token
     assert m.hedge_s(2048) == pytest.approx(costs.HEDGE_FACTOR * 0.2048) and costs.HEDGE_FACTOR >= 1

@@ -38,8 +38,6 @@ def _believe_fast_files(h, s_per_token: float) -> None:
     p.observe = lambda *a, **k: None  # fixed: the stand-in's steps take microseconds
 
 
-@pytest.mark.xfail(strict=True, reason="the hedge is off on tpu-inference (scheduler.TPU_HEDGE = 0): in the real "
-                   "engine it gave up a fast tier's loads, cause not yet found")
 def test_a_slow_file_load_is_abandoned_at_its_recompute_time_and_recomputed(make, monkeypatch):
     p = prompt(4 * 2 * BS, 61)  # 4 chunks of 32 tokens
     a = make()

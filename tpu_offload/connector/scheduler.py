@@ -94,13 +94,6 @@ def request_salt(request) -> bytes:
     return str(salt).encode() if salt else b""
 
 
-# The hedge is off on tpu-inference (its promotions carry no budget; the probe still prices the file
-# tier): in the real engine on a 2-core CPU it gave up 1 or 2 of a fast tier's 4 loads
-# (tests/tpu_engine/test_tpu_engine_load_decision.py), at 1x, 2x and 4x the recompute estimate, for a
-# cause not yet found. vLLM's path keeps it. 1 turns it back on.
-TPU_HEDGE = 0
-
-
 @dataclasses.dataclass
 class _Req:
     request: Any
@@ -156,7 +149,7 @@ class OffloadScheduler:
         self.exclusive = ExclusiveStores(self) if cfg.store_policy == "exclusive" else None
         self.stores = StorePlanner(self)  # which chunks each step stores (connector/stores.py)
         self._start: dict[str, int] = {}  # exclusive: the chunk a request's host lookup started at
-        self.costs = costs.CostModel(cfg.load_decision, cfg.load_decision_bias)
+        self.costs = costs.CostModel(cfg.load_decision, cfg.load_decision_bias, precompiled=compat.steps_precompiled())
         self._step_id = 0  # numbers each step's metadata; workers echo it (the step's timing, core/costs.py)
         self._decided: dict[str, tuple[int, costs.Decision]] = {}  # the last lookup's (chunks, decision)
         self.shared = None  # DP attention: the other ranks' chunks (connector/dp.py SharedIndex)
@@ -448,7 +441,7 @@ class OffloadScheduler:
         self.loads.add(LoadPlan(request.request_id, load_async, load_keys, slots, dst, ready,
                                 to_promote=fs_idx, evict=evict, salt=salt, groups=groups, restart=restart,
                                 src=[ids or None for ids in hbm_src],
-                                budget_s=TPU_HEDGE * self.costs.hedge_s(num_external_tokens) if fs_idx else 0.0))
+                                budget_s=self.costs.hedge_s(num_external_tokens) if fs_idx else 0.0))
         if load_async:
             self.loading.add(request.request_id, load_keys)
         if not st.looked_up:

@@ -62,6 +62,10 @@ HEDGE_FLOOR_S = 0.05  # the least a file read is given before it is abandoned (a
 # end is seen only at a step boundary. At 1 and at 2, the real engine on a busy 2-core CPU gave up loads
 # from a fast tier (the load-decision engine test); a false hedge costs its request one recompute.
 HEDGE_FACTOR = 4.0
+# Until the engine's prefill time is measured the estimate is the prior's guess, and a slow engine is
+# well past it (tpu-inference on JAX CPU: 0.7-1.3 ms a token against 0.2): the hedge is this many times
+# wider then, or it gives up loads from a fast tier; the first request still has a bound.
+GUESS_MARGIN = 4.0
 
 
 class TransferCost:
@@ -179,8 +183,10 @@ class PrefillCost:
     not do: with async scheduling and a batch queue the engine schedules the next step when one is
     dispatched, not when it ends. Until any id comes back (a worker that echoes none) ``step`` times
     those intervals instead. The first echoed step of each padded size (a power of two) is not timed:
-    an engine that compiles on first use (JAX without precompilation) compiles then. Each sample is
-    clipped to ``CLIP`` times the estimate (an interval may hold an idle gap), and the estimate is the
+    an engine that compiles on first use (JAX without precompilation) compiles then; ``precompiled``
+    (the engine compiled every step size at start, as a served tpu-inference does) times it too. Each sample is
+    clipped to ``CLIP`` times the estimate (an interval may hold an idle gap), but for the first echoed one
+    while the estimate is still the prior's guess (timed to its output, it holds no gap), and the estimate is the
     median of the last ``WINDOW``: it follows a changed rate within half a window and ignores a lone outlier either way.
     Timed to their outputs, samples carry no one-sided error, so the estimate does not drift.
     """
@@ -189,9 +195,11 @@ class PrefillCost:
     WINDOW = 9
     MAX_OPEN = 64  # scheduled steps awaiting their echo (an older one's report was lost)
 
-    def __init__(self, s_per_token: float = PRIOR_PREFILL_S_PER_TOKEN, min_tokens: int = 16,
-                 clock: Callable[[], float] = time.monotonic):
-        self.s_per_token = self._prior = float(s_per_token)
+    def __init__(self, s_per_token: float | None = None, min_tokens: int = 16,
+                 clock: Callable[[], float] = time.monotonic, precompiled: bool = False):
+        self.known = s_per_token is not None  # given (a deployment's or a test's figure), not the prior's guess
+        self.s_per_token = self._prior = float(PRIOR_PREFILL_S_PER_TOKEN if s_per_token is None else s_per_token)
+        self.precompiled = precompiled
         self._min = min_tokens
         self._clock = clock
         self._open: tuple[float, int] | None = None  # the interval fallback's step in progress
@@ -229,10 +237,10 @@ class PrefillCost:
             start = max(t0, self._last_done)  # queued behind the previous step: started when that one ended
             self._last_done = now
             size = 1 << max(0, n - 1).bit_length()  # engines pad a step's tokens to a power of two
-            if size not in self._sizes:  # the first step of each padded size may have compiled it: not timed
+            if size not in self._sizes and not self.precompiled:  # the first step of a size may have compiled it
                 self._sizes.add(size)
-            elif n >= self._min:
-                self.observe(n, self._clip(now - start, n))
+            elif n >= self._min:  # timed to its output, no idle gap: the first one replaces a guess whole
+                self.observe(n, self._clip(now - start, n) if self.measured else now - start)
 
     def step(self, tokens: int) -> None:
         """Fallback timing: a step of ``tokens`` scheduled tokens starts now (the previous one ended)."""
@@ -256,6 +264,11 @@ class PrefillCost:
 
     def seconds(self, tokens: int) -> float:
         return self.s_per_token * tokens
+
+    @property
+    def measured(self) -> bool:
+        """Whether the estimate is this engine's (a timed step, or a given figure), not the prior's guess."""
+        return self.known or bool(self._recent)
 
 
 @dataclasses.dataclass
@@ -285,7 +298,7 @@ class CostModel:
     """Every tier's ``TransferCost`` and the engine's ``PrefillCost``, with the deployment's settings."""
 
     def __init__(self, mode: str = "auto", bias: float = 1.0, host_bytes_per_s: float | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, precompiled: bool = False):
         if mode not in MODES:
             raise ValueError(f"load decision mode {mode!r}; allowed: {', '.join(MODES)}")
         self.mode = mode
@@ -293,7 +306,7 @@ class CostModel:
         self.tiers = {t: TransferCost(*_PRIOR[t], clock=clock) for t in TIERS}
         if host_bytes_per_s:
             self.tiers[HOST] = TransferCost(host_bytes_per_s, _PRIOR[HOST][1], clock=clock)
-        self.prefill = PrefillCost()
+        self.prefill = PrefillCost(clock=clock, precompiled=precompiled)
 
     def load_seconds(self, counts: dict[str, int], chunk_bytes: int) -> float:
         """Expected seconds to load chunks from several tiers: each tier's part, then the device copy of all.
@@ -338,9 +351,11 @@ class CostModel:
         """Seconds a file-tier load of ``tokens`` hit tokens may take before it is abandoned (``auto`` only).
 
         The time recomputing them would take: past it the load can no longer win, so its reads are given
-        up and the tokens recomputed (a failed load). ``HEDGE_FACTOR`` times that estimate, at least
-        ``HEDGE_FLOOR_S``; 0 (no hedge) in other modes.
+        up and the tokens recomputed (a failed load). ``HEDGE_FACTOR`` times that estimate (``GUESS_MARGIN``
+        times more while the estimate is the prior's guess), at least ``HEDGE_FLOOR_S``; 0 (no hedge) in
+        other modes.
         """
         if self.mode != "auto" or tokens <= 0:
             return 0.0
-        return max(HEDGE_FACTOR * self.prefill.seconds(tokens), HEDGE_FLOOR_S)
+        margin = 1.0 if self.prefill.measured else GUESS_MARGIN
+        return max(HEDGE_FACTOR * margin * self.prefill.seconds(tokens), HEDGE_FLOOR_S)
