@@ -274,17 +274,20 @@ def test_a_guessed_prefill_time_gets_a_wider_hedge():
     assert given.prefill.measured and given.hedge_s(100) == pytest.approx(costs.HEDGE_FACTOR * 0.1)
 
 
-def test_a_precompiled_engine_times_the_first_step_of_each_size():
-    """An engine that compiled every step size at start (a served tpu-inference) runs the first step of a
-    size as fast as the next: timed, so a deployment whose sizes each come once still learns its rate."""
-    for precompiled, samples in ((False, 0), (True, 1)):
-        clock = Clock()
-        p = CostModel("auto", clock=clock, precompiled=precompiled).prefill
-        p.scheduled(0, 96)
+def test_the_first_timed_step_replaces_the_guess_whole():
+    """A step timed to its output holds no idle gap: the first replaces the prior's guess unclipped (an
+    engine at 6.5x the guess is not read as 4x), later ones are clipped to CLIP times the estimate."""
+    clock = Clock()
+    p = CostModel("auto", clock=clock).prefill
+    for sid in (0, 1):  # the first step of the size is not timed (it may have compiled), the second is
+        p.scheduled(sid, 96)
         clock.t += 0.125
-        p.completed([0])
-        assert p.samples == samples
-        assert p.s_per_token == (pytest.approx(0.125 / 96) if precompiled else costs.PRIOR_PREFILL_S_PER_TOKEN)
+        p.completed([sid])
+    assert p.samples == 1 and p.measured and p.s_per_token == pytest.approx(0.125 / 96)
+    p.scheduled(2, 96)
+    clock.t += 100.0
+    p.completed([2])
+    assert p.s_per_token == pytest.approx((0.125 / 96) * (1 + PrefillCost.CLIP) / 2)  # clipped, then the median
 
 
 def test_the_hedge_is_a_multiple_of_the_recompute_time_of_the_loaded_tokens_in_auto_only():

@@ -8,7 +8,6 @@ way tpu-inference's own connector does it.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: F401  (re-exported)
@@ -369,12 +368,3 @@ def install_executor_flush(modules=None) -> int:
             cls.shutdown = shutdown
             done += 1
     return done
-
-
-def steps_precompiled() -> bool:
-    """Whether tpu-inference compiled every padded step size at start (``SKIP_JAX_PRECOMPILE`` unset or
-    false, as it serves): then the first step of a size runs as fast as any other and is timed
-    (core/costs.py ``PrefillCost``). Read from the environment as tpu-inference reads it, without
-    importing tpu-inference here."""
-    value = os.environ.get("SKIP_JAX_PRECOMPILE", "").strip().lower()
-    return value not in ("1", "true")

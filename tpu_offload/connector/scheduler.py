@@ -149,7 +149,7 @@ class OffloadScheduler:
         self.exclusive = ExclusiveStores(self) if cfg.store_policy == "exclusive" else None
         self.stores = StorePlanner(self)  # which chunks each step stores (connector/stores.py)
         self._start: dict[str, int] = {}  # exclusive: the chunk a request's host lookup started at
-        self.costs = costs.CostModel(cfg.load_decision, cfg.load_decision_bias, precompiled=compat.steps_precompiled())
+        self.costs = costs.CostModel(cfg.load_decision, cfg.load_decision_bias)
         self._step_id = 0  # numbers each step's metadata; workers echo it (the step's timing, core/costs.py)
         self._decided: dict[str, tuple[int, costs.Decision]] = {}  # the last lookup's (chunks, decision)
         self.shared = None  # DP attention: the other ranks' chunks (connector/dp.py SharedIndex)

@@ -183,8 +183,9 @@ class PrefillCost:
     not do: with async scheduling and a batch queue the engine schedules the next step when one is
     dispatched, not when it ends. Until any id comes back (a worker that echoes none) ``step`` times
     those intervals instead. The first echoed step of each padded size (a power of two) is not timed:
-    an engine that compiles on first use (JAX without precompilation) compiles then; ``precompiled``
-    (the engine compiled every step size at start, as a served tpu-inference does) times it too. Each sample is
+    an engine that compiles on first use compiles then (tpu-inference, even with its precompile on,
+    compiles an eager input unpacking per bucket on first use: tests/tpu_engine/test_tpu_engine_served_shape.py).
+    Each sample is
     clipped to ``CLIP`` times the estimate (an interval may hold an idle gap), but for the first echoed one
     while the estimate is still the prior's guess (timed to its output, it holds no gap), and the estimate is the
     median of the last ``WINDOW``: it follows a changed rate within half a window and ignores a lone outlier either way.
@@ -196,10 +197,9 @@ class PrefillCost:
     MAX_OPEN = 64  # scheduled steps awaiting their echo (an older one's report was lost)
 
     def __init__(self, s_per_token: float | None = None, min_tokens: int = 16,
-                 clock: Callable[[], float] = time.monotonic, precompiled: bool = False):
+                 clock: Callable[[], float] = time.monotonic):
         self.known = s_per_token is not None  # given (a deployment's or a test's figure), not the prior's guess
         self.s_per_token = self._prior = float(PRIOR_PREFILL_S_PER_TOKEN if s_per_token is None else s_per_token)
-        self.precompiled = precompiled
         self._min = min_tokens
         self._clock = clock
         self._open: tuple[float, int] | None = None  # the interval fallback's step in progress
@@ -237,7 +237,7 @@ class PrefillCost:
             start = max(t0, self._last_done)  # queued behind the previous step: started when that one ended
             self._last_done = now
             size = 1 << max(0, n - 1).bit_length()  # engines pad a step's tokens to a power of two
-            if size not in self._sizes and not self.precompiled:  # the first step of a size may have compiled it
+            if size not in self._sizes:  # the first step of each padded size may have compiled it: not timed
                 self._sizes.add(size)
             elif n >= self._min:  # timed to its output, no idle gap: the first one replaces a guess whole
                 self.observe(n, self._clip(now - start, n) if self.measured else now - start)
@@ -298,7 +298,7 @@ class CostModel:
     """Every tier's ``TransferCost`` and the engine's ``PrefillCost``, with the deployment's settings."""
 
     def __init__(self, mode: str = "auto", bias: float = 1.0, host_bytes_per_s: float | None = None,
-                 clock: Callable[[], float] = time.monotonic, precompiled: bool = False):
+                 clock: Callable[[], float] = time.monotonic):
         if mode not in MODES:
             raise ValueError(f"load decision mode {mode!r}; allowed: {', '.join(MODES)}")
         self.mode = mode
@@ -306,7 +306,7 @@ class CostModel:
         self.tiers = {t: TransferCost(*_PRIOR[t], clock=clock) for t in TIERS}
         if host_bytes_per_s:
             self.tiers[HOST] = TransferCost(host_bytes_per_s, _PRIOR[HOST][1], clock=clock)
-        self.prefill = PrefillCost(clock=clock, precompiled=precompiled)
+        self.prefill = PrefillCost(clock=clock)
 
     def load_seconds(self, counts: dict[str, int], chunk_bytes: int) -> float:
         """Expected seconds to load chunks from several tiers: each tier's part, then the device copy of all.
