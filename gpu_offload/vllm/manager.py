@@ -120,7 +120,7 @@ class HostTierManager(ManagerCompat, OffloadingManager):
         file_events: "FileEvents | None" = None,
         write_back: bool = False,
         reset_epoch_file: str | None = None,
-        load_decision: str = "always",
+        load_decision: str = "auto",
         load_decision_bias: float = 1.0,
         lease_max_fraction: float = 0.5,
         lease_max_sessions: int = 4096,

@@ -98,10 +98,30 @@ def test_modes_and_bias():
     assert _model("always", fs_s_per_mb=10).decide(tiers, MB, 256).load == 3
     d = _model("never").decide(tiers, MB, 256)
     assert d.load == 0 and d.reason == "never"
-    assert _model(bias=1000.0).decide(tiers, MB, 256).load == 0  # loads must be 1000x cheaper
+    assert _model(bias=1000.0).decide(tiers, MB, 256).load == 1  # file loads must be 1000x cheaper; host is not bet
     assert _model(bias=0.0, fs_s_per_mb=10).decide(tiers, MB, 256).load == 3
     with pytest.raises(ValueError, match="allowed"):
         CostModel("sometimes")
+
+
+def test_a_host_hit_is_loaded_however_long_its_step_takes_but_not_behind_a_stall():
+    """The host tier is timed from the step that issues a load to the step that reports it: a step's time,
+    here 50 ms, against 1.6 ms to recompute one 16-token chunk. ``auto`` still loads it (the step is
+    latency, not compute); only a host load outstanding past its expected time makes it recompute."""
+    clock = Clock()
+    m = CostModel("auto", clock=clock)
+    m.prefill = PrefillCost(1e-4)
+    for _ in range(8):
+        m.tiers[HOST].observe(MB, 0.05)
+    assert m.decide([HOST], MB, 16).load == 1
+    m.tiers[FILE].observe(MB, 1.0)
+    assert m.decide([HOST] * 4 + [FILE], MB, 16).load == 4  # a slow file chunk is still bet against
+    m.tiers[HOST].start("stuck")
+    clock.t += 0.5  # a host load 0.45 s past its expected time: the next ones would queue behind it
+    assert m.decide([HOST], MB, 16).load == 0
+    assert m.decide([HOST] * 400, MB, 16).load == 400  # a hit whose recompute outweighs the stall still loads
+    m.tiers[HOST].finish("stuck", MB)
+    assert m.decide([HOST], MB, 16).load == 1
 
 
 def test_decision_metrics_count_tokens_by_action_reason_and_tier():

@@ -102,7 +102,7 @@ def test_settings_without_effect_here_are_named_with_why(engine, caplog):
     """File-tier settings without shared_storage_path, a write-back lag under write_through, a bias without
     load_decision auto: each named once at start, with why; a setting that acts is not."""
     extra = {"num_cpu_chunks": 4, "fs_threads": 4, "fs_capacity_bytes": "1TiB", "fs_write_mode": "write_back",
-             "load_decision_bias": 2}
+             "load_decision": "always", "load_decision_bias": 2}
     items = ignored_settings(OffloadConfig.from_sources(extra, env={}), engine)
     for field in ("fs_threads", "fs_capacity_bytes", "fs_write_mode"):
         (item,) = [i for i in items if i.startswith(field + "=")]

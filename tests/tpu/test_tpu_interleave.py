@@ -134,8 +134,10 @@ def test_source_taken_by_the_allocation_falls_back_to_the_host(make):
 
 
 def test_hbm_chunks_cost_next_to_nothing_in_the_load_decision():
-    m = costs.CostModel("auto")
-    m.tiers[costs.HOST].observe(1 << 20, 10.0)  # a very slow host tier: not worth loading
+    now = [0.0]
+    m = costs.CostModel("auto", clock=lambda: now[0])
+    m.tiers[costs.HOST].start("stuck")
+    now[0] = 10.0  # a host tier stalled for 10 s: not worth loading from
     d = m.decide([costs.HBM, costs.HBM, costs.HOST], 1 << 20, 16)
     assert d.load == 2 and d.tiers[:2] == [costs.HBM, costs.HBM]
     assert m.load_seconds({costs.HBM: 4}, 1 << 20) < 1e-3

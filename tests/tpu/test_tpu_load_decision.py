@@ -2,10 +2,12 @@
 
 A request whose hit includes chunks another request is loading normally waits for that load, then
 hits vLLM's prefix cache. With ``load_decision: auto`` it waits only while that pays: waiting for those
-chunks costs what loading them does (the host tier's expected time, at least the age of its oldest
-outstanding load), so when that exceeds recomputing them, the lookup offers none of them and the request
-recomputes them instead of waiting.
+chunks costs the host tier's stall (the age of its oldest outstanding load past what that load should take),
+so when that exceeds recomputing them, the lookup offers none of them and the request recomputes them
+instead of waiting.
 """
+
+import time
 
 import pytest
 
@@ -28,10 +30,10 @@ def make(harnesses):
     return _make
 
 
-def _run_shared(h, wait_s: float):
+def _run_shared(h, stall_s: float):
     """Store a prefix, drop it from HBM, then send N requests sharing it at once. The first decides to load
-    it; by the others' lookups the host tier's model says its loads take ``wait_s`` (as measurements that
-    arrived meanwhile would), so they weigh waiting for the first's load against recomputing."""
+    it; by the others' lookups a host load has been outstanding ``stall_s`` past its expected time (a stalled
+    tier), so they weigh waiting for the first's load against recomputing."""
     p = prompt(CHUNKS * h.sch.chunk_tokens, 1)
     h.add(p, max_tokens=1)
     h.run()
@@ -45,7 +47,11 @@ def _run_shared(h, wait_s: float):
         r = orig_lookup(request, computed)
         lookups.append(r)
         if len(lookups) == 1:
-            sch.costs.tiers[HOST] = TransferCost(1e9, wait_s)
+            ahead = [0.0]
+            host = TransferCost(1e9, 1e-4, clock=lambda: time.monotonic() + ahead[0])
+            host.start("stalled")
+            ahead[0] = stall_s
+            sch.costs.tiers[HOST] = host
         return r
 
     h.conn_s.get_num_new_matched_tokens = lookup
@@ -57,7 +63,7 @@ def _run_shared(h, wait_s: float):
 
 def test_an_in_flight_load_is_not_waited_for_when_recomputing_costs_less(make):
     h = make(load_decision="auto")
-    lookups = _run_shared(h, wait_s=30.0)
+    lookups = _run_shared(h, stall_s=30.0)
     assert (None, False) not in lookups  # nobody held back behind the stalled load
     assert h.wrk.totals["loaded_chunks"] == CHUNKS  # the first request's load only
     assert h.sch.totals["recomputed_hit_tokens"] >= (N - 1) * CHUNKS * BS
@@ -65,7 +71,7 @@ def test_an_in_flight_load_is_not_waited_for_when_recomputing_costs_less(make):
 
 def test_an_in_flight_load_is_waited_for_when_that_pays(make):
     h = make(load_decision="auto")
-    lookups = _run_shared(h, wait_s=1e-4)
+    lookups = _run_shared(h, stall_s=0.0)
     assert (None, False) in lookups  # held back, then vLLM's prefix cache had it
     assert h.wrk.totals["loaded_chunks"] == CHUNKS
     assert h.sch.totals.get("recomputed_hit_tokens", 0) == 0

@@ -207,11 +207,12 @@ SETTINGS: tuple[_Setting, ...] = (
                  "and a write is dropped."),
     # load or recompute: a hit is loaded only as far as its load beats recomputing it
     _Setting("load_decision", _choice("auto", "always", "never"), "TPU_OFFLOAD_LOAD_DECISION", ("load_decision",),
-             scope=BOTH, doc="auto: load each hit's longest prefix whose expected load time (per tier, learned "
-                             "from completed transfers) x load_decision_bias is at most the expected time to "
-                             "recompute it, and recompute the rest (file-tier speed probed at start; a file load not "
-                             "done by 4x its estimated recompute time is given up and recomputed, on vLLM); always: load every "
-                             "hit; never: recompute."),
+             scope=BOTH, doc="auto (default): load each hit's longest prefix whose expected time in the tiers that can "
+                             "be slow (file tier, stores in flight; per tier, learned from completed transfers; a "
+                             "host-tier hit counts only a stall) x load_decision_bias is at most the expected time "
+                             "to recompute it, and recompute the rest (file-tier speed probed at start; a file load "
+                             "not done by 4x its estimated recompute time is given up and recomputed); always: load "
+                             "every hit, file reads bounded only by fs_io_timeout_s; never: recompute."),
     _Setting("load_decision_bias", _float(0.0), "TPU_OFFLOAD_LOAD_DECISION_BIAS", ("load_decision_bias",),
              scope=BOTH, doc="With load_decision auto: above 1 favours recomputing, below 1 loading."),
     # session leases (core/leases.py): a kv_transfer_params hint keeps a session's prefix through its tool gaps
@@ -356,12 +357,13 @@ class OffloadConfig:
     # Deadline of every file-tier read and write: past it a load fails (the request recomputes) and a
     # write is dropped; no engine thread ever waits longer on the mount.
     fs_io_timeout_s: float = 5.0
-    # load or recompute. "auto": each hit loads its longest prefix whose expected load time
-    # (per tier, learned from completed transfers; core/costs.py) x load_decision_bias is at most the
-    # engine's expected time to recompute it (learned from its steps); the rest is recomputed, and a chunk
-    # still being stored is waited for only when that pays. "always": load every hit. "never": recompute.
+    # load or recompute. "auto": each hit loads its longest prefix whose expected time in the tiers that
+    # can be slow (file tier, stores in flight; learned from completed transfers; core/costs.py; the host
+    # tier counts only a stall) x load_decision_bias is at most the engine's expected time to recompute it
+    # (learned from its steps); the rest is recomputed, a chunk still being stored is waited for only when
+    # that pays, and a file load past its hedge is given up. "always": load every hit. "never": recompute.
     # load_decision_bias > 1 favours recomputing, < 1 loading.
-    load_decision: str = "always"
+    load_decision: str = "auto"
     load_decision_bias: float = 1.0
     # session leases (core/leases.py): chunks a request's hint leases are evicted only after every unleased
     # chunk of the tier, until the lease expires; leases hold at most this share of each tier (0: off): of the

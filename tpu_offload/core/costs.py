@@ -19,8 +19,9 @@ stops being offered after one timeout's worth of waiting, not after it fails;
 one abandoned by its hedge (``hedge_s``) counts ``CENSORED`` times its age
 (it took at least that). The engine's prefill time per token is the median of
 its recent steps, each timed from its scheduling to its output's return.
-``decide`` returns the longest prefix of a hit whose expected load time
-(scaled by ``bias``) is at most its recompute time; the rest is recomputed.
+``decide`` returns the longest prefix of a hit whose risk (``bet_seconds``: the
+expected time of the tiers that can be slow, a stall of the host tier; scaled by
+``bias``) is at most its recompute time; the rest is recomputed.
 Backend-neutral: callers time their own transfers and steps.
 """
 
@@ -164,6 +165,16 @@ class TransferCost:
             return 0.0
         lat, inv = self._fit
         return max(lat + inv * nbytes, self.oldest_age())
+
+    def stall_s(self, nbytes: int) -> float:
+        """Seconds the oldest outstanding transfer has waited past what ``nbytes`` is expected to take.
+
+        A bounded tier (host, HBM) is not bet against in ``auto``: only a stall of it counts (a load that
+        queues behind one stuck there waits at least that long)."""
+        if nbytes <= 0:
+            return 0.0
+        lat, inv = self._fit
+        return max(0.0, self.oldest_age() - (lat + inv * nbytes))
 
     @property
     def bytes_per_s(self) -> float:
@@ -321,6 +332,24 @@ class CostModel:
                 s += self.tiers[t].seconds(counts[t] * chunk_bytes)
         return s
 
+    def bet_seconds(self, counts: dict[str, int], chunk_bytes: int) -> float:
+        """What loading chunks from several tiers risks against recomputing them, for ``auto``.
+
+        Tiers that can be slow (the file tier, a store still in flight) count their expected time; the
+        host tier and HBM count only a stall (``TransferCost.stall_s``). A host copy moves KV far faster
+        than a prefill recomputes it on every supported accelerator; what the scheduler measures of it is
+        mostly the engine step it lands in, which would make ``auto`` recompute hits smaller than a step's
+        worth of tokens: compute spent to save that request one step.
+        """
+        total = sum(counts.values()) - counts.get(HBM, 0)
+        s = self.tiers[HOST].stall_s(total * chunk_bytes)
+        if counts.get(HBM):
+            s += self.tiers[HBM].stall_s(counts[HBM] * chunk_bytes)
+        for t in (FILE, PENDING):
+            if counts.get(t):
+                s += self.tiers[t].seconds(counts[t] * chunk_bytes)
+        return s
+
     def decide(self, tiers: Sequence[str], chunk_bytes: int, chunk_tokens: int, skip_tokens: int = 0) -> Decision:
         """The longest prefix of a hit (one tier name per chunk) worth loading.
 
@@ -341,7 +370,7 @@ class CostModel:
             tokens += chunk_tokens
             load_all = self.load_seconds(counts, chunk_bytes)
             rec_all = self.prefill.seconds(tokens)
-            if self.bias * load_all <= rec_all:
+            if self.bias * self.bet_seconds(counts, chunk_bytes) <= rec_all:
                 best, best_l, best_r = i + 1, load_all, rec_all
         # against loading everything: what the cut saves; the loaded part saves its recompute time
         rest = max(0.0, (load_all - best_l) - (rec_all - best_r))
