@@ -5,7 +5,9 @@ tokens of no connector, within ``fs_io_timeout_s`` plus its recompute.
 replica with the same files whose every file read hangs for 20 s (injected at the tier's
 syscall wrapper, ``fileio.fault``: FUSE cannot be mounted here); ``ref`` runs without a
 connector. ``h``'s scheduler sees the files, plans loads, the reads pass their 1 s deadline,
-the loads are reported failed and vLLM recomputes.
+the loads are reported failed and vLLM recomputes. ``h`` loads every hit (``load_decision: always``):
+the deadline is what bounds a read there. Under the default (``auto``) the hedge gives up a hung
+read sooner (``test_gpu_fs_load_decision_hedge.py``; on tpu-inference, ``test_tpu_engine_files.py``).
 """
 
 from __future__ import annotations
@@ -33,8 +35,8 @@ def test_a_hung_read_costs_a_recompute_not_a_hung_request(fs_model_dir, tmp_path
     a = EngineRun(tmp_path, "a", fs_model_dir, shipped_kv_transfer_config(shared), [{"prompts": P}]).result()
     ref = ref_run.result()
     assert len(a["steps"][0]["new_files"]) == 3
-    h = EngineRun(tmp_path, "h", fs_model_dir, shipped_kv_transfer_config(shared, fs_io_timeout_s=DEADLINE_S),
-                  [{"prompts": P}], fault={"op": "read", "hang_s": HANG_S}).result()
+    ktc = shipped_kv_transfer_config(shared, fs_io_timeout_s=DEADLINE_S, load_decision="always")
+    h = EngineRun(tmp_path, "h", fs_model_dir, ktc, [{"prompts": P}], fault={"op": "read", "hang_s": HANG_S}).result()
     step = h["steps"][0]
     assert step["outputs"] == ref["steps"][0]["outputs"]  # identical to no connector
     assert step["fs_hits"] == 3 and step["load_error_blocks"] > 0  # planned from files, failed, recomputed
