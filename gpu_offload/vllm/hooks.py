@@ -30,6 +30,10 @@ each is needed (what vLLM's API lacks) is in ``patches.PATCHES``. vLLM
 * Step timing. The scheduler side numbers each step's metadata
   (``build_connector_meta``); the worker metadata echoes it, so our manager
   times each step from its scheduling to its output (the load decision).
+* File-tier leases. A request's lease hint reaches our manager (vLLM's
+  ``ReqContext``), but the file tier lives in each worker: the manager's
+  renewals and leases of the step ride on the same metadata, and each worker
+  applies them to its file tier (``build_connector_worker_meta``).
 * Tenant salts. vLLM's ``ReqContext`` does not carry the request's
   ``cache_salt``; with the file tier's secret our manager needs it (files are
   named and signed per tenant), so the context factory of vLLM's offloading
@@ -122,6 +126,7 @@ def get_block_ids_with_load_errors(self) -> set[int]:
 
 
 STEP_ATTR = "tpu_offload_step"  # our number on vLLM's step metadata, echoed by the workers
+LEASE_ATTR = "tpu_offload_fs_leases"  # the manager's file-tier lease orders of the step, for every worker
 
 
 def wrap_build_connector_worker_meta(orig):
@@ -134,7 +139,14 @@ def wrap_build_connector_worker_meta(orig):
         entries = journal.take() if journal is not None else []
         failures = getattr(self, "_tpu_offload_load_failures", None) or {}
         self._tpu_offload_load_failures = {}
-        step = getattr(getattr(self, "_connector_metadata", None), STEP_ATTR, -1)
+        bound = getattr(self, "_connector_metadata", None)
+        step = getattr(bound, STEP_ATTR, -1)
+        orders = getattr(bound, LEASE_ATTR, None)
+        if orders is not None and worker.fs is not None:
+            try:
+                worker.lease_files(*orders)
+            except Exception:  # never let bookkeeping take the engine down
+                logger.exception("could not apply the step's file-tier leases")
         stats = worker.take_connector_stats()  # to our manager's get_stats, vLLM's channel for spec metrics
         if meta is None and not entries and not failures and step < 0 and stats is None:
             return None
@@ -170,8 +182,11 @@ def wrap_build_connector_meta(orig):
         manager = _our_manager(self)
         if manager is not None:  # the step clock of the load decision (manager.py): workers echo the id
             step = manager.step_sent(getattr(scheduler_output, "total_num_scheduled_tokens", 0))
+            orders = manager.take_fs_leases()
             try:
                 setattr(meta, STEP_ATTR, step)
+                if orders is not None:
+                    setattr(meta, LEASE_ATTR, orders)
             except (AttributeError, TypeError):  # a metadata type without a __dict__: timed by schedule intervals
                 pass
         return meta

@@ -66,9 +66,9 @@ blocks actually landed, including loads that cover only part of a chunk.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Collection, Iterable
-
+import collections
 import time
+from typing import TYPE_CHECKING, Collection, Iterable
 
 import numpy as np
 
@@ -124,6 +124,7 @@ class HostTierManager(ManagerCompat, OffloadingManager):
         load_decision_bias: float = 1.0,
         lease_max_fraction: float = 0.5,
         lease_max_sessions: int = 4096,
+        lease_files: bool = False,
     ):
         """``chunk_bytes``: host bytes of one chunk summed over all workers.
         ``file_events``: the file tier's KV events (``file_events``), with events on.
@@ -139,6 +140,11 @@ class HostTierManager(ManagerCompat, OffloadingManager):
         self.tokens_per_chunk = blocks_per_chunk * tokens_per_block
         self.enable_events = enable_events
         self.leases = leases.table_for(lease_max_fraction, lease_max_sessions, num_chunks)
+        # The workers' file tiers lease too (``lease_files``: a file tier with a byte budget and a lease share):
+        # the hints reach them on the step's metadata (hooks), bounded here if no step takes them.
+        self._lease_files = lease_files
+        self._fs_renews: collections.deque = collections.deque(maxlen=lease_max_sessions)
+        self._fs_leases: collections.deque = collections.deque(maxlen=lease_max_sessions)
         self._lru = self._new_index()
         # Monotonic, across resets (read by tests and the demo).
         self.hit_chunks = 0  # loaded from host RAM
@@ -267,11 +273,15 @@ class HostTierManager(ManagerCompat, OffloadingManager):
             parent(context)
 
     def on_request_finished(self, req_context) -> None:
-        if self.leases is not None:
-            params = getattr(req_context, "kv_transfer_params", None)
-            if leases.has_hint(params):
-                positions = getattr(req_context, "_offload_key_positions", {})
-                leases.lease_from(self.leases, params, sorted(positions, key=positions.__getitem__))
+        params = getattr(req_context, "kv_transfer_params", None)
+        if (self.leases is not None or self._lease_files) and leases.has_hint(params):
+            positions = getattr(req_context, "_offload_key_positions", {})
+            ordered = sorted(positions, key=positions.__getitem__)  # head first: every later turn needs it
+            leases.lease_from(self.leases, params, ordered)
+            hint = leases.parse_hint(params) if self._lease_files else None
+            if hint is not None:
+                self._fs_leases.append((hint.session, hint.ttl_s, [bytes(k) for k in ordered],
+                                        request_salt(req_context)))
         if self.device is not None:
             self.device.finished(req_context.req_id)
         self._scans.pop(req_context.req_id, None)
@@ -464,8 +474,23 @@ class HostTierManager(ManagerCompat, OffloadingManager):
 
     # ---- requests, events, reset, stats -----------------------------------------
     def on_new_request(self, req_context) -> RequestOffloadingContext:
-        leases.renew_from(self.leases, getattr(req_context, "kv_transfer_params", None))
+        params = getattr(req_context, "kv_transfer_params", None)
+        hint = leases.renew_from(self.leases, params)
+        if self._lease_files and leases.has_hint(params):
+            hint = hint or leases.parse_hint(params)
+            if hint is not None:
+                self._fs_renews.append((hint.session, hint.ttl_s))
         return RequestOffloadingContext()
+
+    def take_fs_leases(self) -> tuple[list, list] | None:
+        """The workers' file-tier lease orders since the last call (hooks put them on the step's metadata):
+        (renewals: (session, ttl_s); leases: (session, ttl_s, keys head first, salt)); None if there are none."""
+        if not (self._fs_renews or self._fs_leases):
+            return None
+        out = list(self._fs_renews), list(self._fs_leases)
+        self._fs_renews.clear()
+        self._fs_leases.clear()
+        return out
 
     def take_events(self) -> Iterable:
         extra, self._extra_events = self._extra_events, []

@@ -85,6 +85,18 @@ CONFIG_INFO_KEYS = (
 )
 
 
+def lease_definitions() -> dict:
+    """The session-lease series, by tier: the host tier's (``HostOffloadSpec``) and a ``SharedFileTier``'s."""
+    return {
+        LEASED_BYTES: gauge("Bytes of chunks under a session lease (the tpu_offload_lease hint in "
+                            "kv_transfer_params), stores in flight included, by tier (HostOffloadSpec's "
+                            "per-worker file tier: rank 0's files).", _T),
+        LEASE_HONOURED: counter("Leased chunks an eviction kept while it evicted an unleased chunk of the same "
+                                "tier.", _T),
+        LEASES_EXPIRED: counter("Session leases that ran out before their session came back.", _T),
+    }
+
+
 def metric_definitions() -> dict:
     return {
         USAGE: gauge("Fraction of host-tier chunks pinned by in-flight loads or stores."),
@@ -102,11 +114,7 @@ def metric_definitions() -> dict:
         HIT_TOKENS: counter("Tokens loaded instead of recomputed, by the tier they came from.", _T),
         STORED_CHUNKS: counter("Chunks stored into the host tier.", _T),
         EVICTED_CHUNKS: counter("Chunks evicted from the host tier.", _T),
-        LEASED_BYTES: gauge("Host-tier bytes of chunks under a session lease (the tpu_offload_lease hint in "
-                            "kv_transfer_params), stores in flight included.", _T),
-        LEASE_HONOURED: counter("Leased chunks an eviction kept while it evicted an unleased chunk of the same "
-                                "tier.", _T),
-        LEASES_EXPIRED: counter("Session leases that ran out before their session came back.", _T),
+        **lease_definitions(),
         DECISION_TOKENS: counter("Hit tokens loaded or recomputed, by the load decision's reason (auto: measured "
                                  "costs; always/never: the setting) and the tier that held them.",
                                  ("action", "reason", "tier")),
@@ -184,12 +192,12 @@ def add_decisions(out: OffloadingConnectorStats, tokens: dict[tuple[str, str, st
         out.increase_counter(DECISION_SAVED, saved_s)
 
 
-def add_leases(out: OffloadingConnectorStats, honoured: int, expired: int) -> None:
-    """The host tier's session leases since the last call: chunks kept over unleased ones, leases run out."""
+def add_leases(out: OffloadingConnectorStats, honoured: int, expired: int, tier: tuple[str] = TIER) -> None:
+    """A tier's session leases since the last call: chunks kept over unleased ones, leases run out."""
     if honoured:
-        out.increase_counter(LEASE_HONOURED, honoured, TIER)
+        out.increase_counter(LEASE_HONOURED, honoured, tier)
     if expired:
-        out.increase_counter(LEASES_EXPIRED, expired, TIER)
+        out.increase_counter(LEASES_EXPIRED, expired, tier)
 
 
 class _RecordingHistogram:
@@ -271,6 +279,10 @@ class WorkerStats:
                 except IndexError:
                     break
                 out.observe_histogram(FS_LATENCY, v, lv)
+        if self.rank == 0 and getattr(tier, "leases", None) is not None:  # ranks lease alike: one reports
+            leased, honoured, expired = tier.take_lease_counts()
+            out.set_gauge(LEASED_BYTES, leased, (tier.name,))
+            add_leases(out, honoured, expired, (tier.name,))
         usage = tier.usage()
         lv = (tier.name, str(self.rank))
         for key, name in FS_GAUGES.items():

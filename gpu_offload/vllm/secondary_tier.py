@@ -64,6 +64,8 @@ from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobId, JobResult, SecondaryTierManager, TransferJob
 
 from gpu_offload._log import get_logger
+from gpu_offload.vllm.compat import OffloadingConnectorStats
+from gpu_offload.vllm.metrics import LEASED_BYTES, add_leases, lease_definitions
 from gpu_offload.vllm.tier_settings import TierSettings, parse_tier_settings
 from tpu_offload.core import leases
 from tpu_offload.core.fs import FileTier, FsMetrics, WriteTicket
@@ -308,6 +310,24 @@ class SharedFileTier(SecondaryTierManager):
                 events.append(OffloadingEvent(keys=[OffloadKey(key)], medium=self.medium, removed=removed,
                                               locality=self.locality))
         return events
+
+    # ---- metrics: vLLM's per-tier stats channel (its API server exports them) --------------------
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
+        """The lease series (``tpu_offload_tier_leased_bytes``, ``..._lease_honoured_chunks``,
+        ``..._leases_expired``), labelled with this tier's name; the file series go to the process registry."""
+        return lease_definitions()
+
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        """Leased bytes now, leases honoured and expired since the last call (None: leases off)."""
+        if self.tier.leases is None:
+            return None
+        leased, honoured, expired = self.tier.take_lease_counts()
+        out = OffloadingConnectorStats()
+        label = (self.tier.name,)
+        out.set_gauge(LEASED_BYTES, leased, label)
+        add_leases(out, honoured, expired, label)
+        return out
 
     def shutdown(self) -> None:
         self._lookups.shutdown()

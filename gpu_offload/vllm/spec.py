@@ -153,6 +153,8 @@ class HostOffloadSpec(HostSpecBase):
                 load_decision_bias=self.offload_config.load_decision_bias,
                 lease_max_fraction=self.offload_config.lease_max_fraction,
                 lease_max_sessions=self.offload_config.lease_max_sessions,
+                lease_files=files is not None and self.offload_config.lease_max_fraction > 0
+                and self.offload_config.fs_capacity_bytes is not None,
             )
             HostOffloadSpec.live_parts.add(self._manager)
             logger.info(

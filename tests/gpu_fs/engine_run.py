@@ -5,7 +5,7 @@
 The plan: ``{"model": dir, "kv_transfer_config": {...} | null, "fault": {"op": "read",
 "hang_s": s} (optional: every such file-tier syscall of this process hangs that long), "steps":
 [{"prompts": [[ids...], ...], "reset": "none" | "prefix" | "connector",
-"idle_s": 0, "cache_salt": null}, ...]}``. Each step optionally resets (vLLM's prefix cache, or
+"idle_s": 0, "cache_salt": null, "kv_transfer_params": null}, ...]}``. Each step optionally resets (vLLM's prefix cache, or
 it and our host tier), runs its prompts greedily in one batch, lets the
 deferred stores run, stays idle for ``idle_s`` (no engine step: only the
 write-back drainer can write), waits for queued file writes and records the
@@ -67,8 +67,12 @@ def main(plan_path: str) -> int:
             llm.reset_prefix_cache(reset_connector=step["reset"] == "connector")
         before = (manager.hit_chunks, manager.fs_hit_chunks, worker.stats.load_error_blocks) if manager else None
         salt = {"cache_salt": step["cache_salt"]} if step.get("cache_salt") else {}
+        ssp = sp
+        if step.get("kv_transfer_params"):  # e.g. a session lease hint
+            ssp = SamplingParams(max_tokens=sp.max_tokens, temperature=0.0, ignore_eos=True,
+                                 extra_args={"kv_transfer_params": step["kv_transfer_params"]})
         t0 = time.monotonic()
-        outs = llm.generate([{"prompt_token_ids": p, **salt} for p in step["prompts"]], sp, use_tqdm=False)
+        outs = llm.generate([{"prompt_token_ids": p, **salt} for p in step["prompts"]], ssp, use_tqdm=False)
         rec = {"outputs": [list(o.outputs[0].token_ids) for o in outs], "step_s": time.monotonic() - t0}
         if manager is not None:
             llm.generate([{"prompt_token_ids": [1] * 8}], sp, use_tqdm=False)  # runs the deferred stores
@@ -82,6 +86,9 @@ def main(plan_path: str) -> int:
             time.sleep(step["idle_s"])
         if fs is not None:
             rec["flushed"] = fs.flush(60)
+            if fs.tier.leases is not None:
+                rec["fs_leases"] = {"sessions": fs.tier.leases.sessions(), "chunks": len(fs.tier.leases),
+                                    "honoured": fs.tier.leases.honoured}
             now = chunk_files(fs.tier.ns_dir)
             rec["new_files"], files = sorted(now - files), now
         steps.append(rec)

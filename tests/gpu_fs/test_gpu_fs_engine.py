@@ -27,6 +27,7 @@ import pytest
 
 from gpu_fs_helpers import EngineRun, kv_transfer_config, shipped_kv_transfer_config
 from engine_run import chunk_files
+from tpu_offload.core.fs.format import HEADER_SIZE
 
 pytestmark = pytest.mark.engine
 BLOCK = 128  # vLLM CPU block size = one chunk for ``w``
@@ -134,3 +135,25 @@ def test_write_back_chunks_still_in_ram_at_shutdown_reach_the_files(runs):
     assert w["dirty_at_exit"] == chunks(W4, BLOCK)  # W4's chunks were only in host RAM
     everything = chunks(W1, BLOCK) + chunks(W2, BLOCK) + chunks(W3, BLOCK) + chunks(W4, BLOCK)
     assert len(runs["w_files_after_exit"]) == everything
+
+
+def test_a_lease_hint_keeps_a_sessions_files_through_a_tool_gap(fs_model_dir, tmp_path):
+    """``HostOffloadSpec``'s file tier is per worker; the hint reaches it on the step's metadata. Agent A's
+    first turn carries a hint, agent B's none; other traffic then pushes three times the file budget through
+    a 4-chunk host tier. A's second turn finds its whole prefix (the files its lease kept), B's nothing."""
+    file_bytes = CHUNK_BYTES + HEADER_SIZE
+    a1, b1 = ids(20, 4 * BLOCK + 20), ids(21, 4 * BLOCK + 20)  # 4 chunks each
+    hint = {"tpu_offload_lease": {"session": "agent-a", "ttl_s": 600}}
+    steps = [{"prompts": [a1], "kv_transfer_params": hint}, {"prompts": [b1]},
+             *({"prompts": [ids(30 + i, 4 * BLOCK + 20)]} for i in range(6)),
+             {"prompts": [a1 + ids(40, 100)], "reset": "prefix", "kv_transfer_params": hint},
+             {"prompts": [b1 + ids(41, 100)], "reset": "prefix"}]
+    run = EngineRun(tmp_path, "lease", fs_model_dir,
+                    kv_transfer_config(tmp_path / "kv", cpu_bytes_to_use=4 * CHUNK_BYTES,
+                                       fs_capacity_bytes=8 * file_bytes, load_decision="always"),
+                    steps).result()  # always: the hits are what is measured, not the load decision
+    a2, b2 = run["steps"][-2], run["steps"][-1]
+    assert run["steps"][0]["fs_leases"] == {"sessions": 1, "chunks": 4, "honoured": 0}
+    assert run["steps"][-3]["fs_leases"]["honoured"] > 0  # the other traffic evicted around A's files
+    assert a2["host_hits"] + a2["fs_hits"] == 4 and a2["fs_hits"] >= 2  # the host tier leases at most 2 of 4
+    assert b2["host_hits"] + b2["fs_hits"] == 0

@@ -18,6 +18,7 @@ import pytest
 from vllm.v1.kv_offload.base import LookupResult, ReqContext
 
 from gpu_offload.testing.tiering import Engine, new_keys, tiering_spec
+from gpu_offload.vllm import metrics
 from gpu_offload.vllm.secondary_tier import SharedFileTier
 from tpu_offload.core.config import ConfigError
 from tpu_offload.core.fs.auth import make_secret_file
@@ -322,3 +323,19 @@ def test_a_lease_hint_keeps_a_sessions_files_through_other_traffic(engines, entr
         tier.flush()
     assert [tier.contains(k) for k in mine] == [hint] * 4
     assert tier.leases.sessions() == int(hint) and (tier.leases.honoured > 0) == hint
+    # what vLLM's stats channel carries to its API server, through the tiering manager's get_stats
+    values = e.manager.get_stats()._values
+    label = (tier.name,)
+    assert values[metrics.LEASED_BYTES][label] == (4 * tier.chunk_bytes if hint else 0)
+    assert values.get(metrics.LEASE_HONOURED, {}).get(label, 0) == tier.leases.honoured
+    e.manager.get_stats()  # counters are increases since the last call
+    assert label not in e.manager.get_stats()._values.get(metrics.LEASE_HONOURED, {})
+
+
+def test_the_lease_series_are_declared_to_vllm(entry):
+    """vLLM builds its Prometheus series from the spec's definitions, each secondary tier's included."""
+    from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+    defs = TieringOffloadingSpec.build_metric_definitions({"secondary_tiers": [entry]})
+    for name in (metrics.LEASED_BYTES, metrics.LEASE_HONOURED, metrics.LEASES_EXPIRED):
+        assert defs[name].labelnames == ("tier",), name

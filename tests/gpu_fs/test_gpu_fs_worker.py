@@ -347,3 +347,67 @@ def test_a_reset_epoch_moves_the_worker_to_a_new_namespace_and_retires_the_old(r
     a.fs.close(10)
     assert os.path.exists(a.fs.tier.path_of(key(3))) and not os.path.exists(a.fs.tier.path_of(key(2)))
     a.shutdown()
+
+
+def test_a_lease_hint_reaches_each_workers_file_tier_through_the_step_metadata(root):
+    """``HostOffloadSpec``'s file tier lives in the workers, the hint in the scheduler's request: our manager
+    queues the lease, the scheduler hook puts it on the step's metadata, the worker hook leases the files,
+    and another session's traffic through the budget then evicts everything but the leased prefix."""
+    from types import SimpleNamespace
+
+    from vllm import SamplingParams
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import _create_req_context
+    from vllm.v1.request import Request
+
+    from tpu_offload.core.fs.format import HEADER_SIZE
+    from tpu_offload.core.leases import HINT_KEY
+    from gpu_offload.vllm import hooks, metrics
+    from gpu_offload.vllm.manager import HostTierManager
+    from gpu_offload.vllm.worker import HostOffloadWorker
+
+    def ctx(req_id, params, keys=()):
+        sp = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": params})
+        c = _create_req_context(Request(request_id=req_id, prompt_token_ids=[1, 2, 3], sampling_params=sp,
+                                        pooling_params=None))
+        for i, k in enumerate(keys):
+            c.set_offload_key_position(k, (i + 1) * 16)
+        return c
+
+    w = HostOffloadWorker(tensors(0), list(PAGES), [(0, 1)], NUM_SLOTS, K, strategy="direct", tokens_per_block=[16])
+    budget = 8 * (HEADER_SIZE + w.pool.chunk_bytes)
+    w.attach_files(FileTier(str(root), FP, w.pool.chunk_bytes, capacity_bytes=budget, threads=2,
+                            lease_max_fraction=0.5))
+    m = HostTierManager(NUM_SLOTS, w.pool.chunk_bytes, lease_files=True)
+    sched = SimpleNamespace(connector_scheduler=SimpleNamespace(manager=m))
+    work = SimpleNamespace(connector_worker=SimpleNamespace(worker=w))
+    build_meta = hooks.wrap_build_connector_meta(lambda self, so: SimpleNamespace())
+    build_worker_meta = hooks.wrap_build_connector_worker_meta(lambda self: None)
+
+    def step():
+        work._connector_metadata = build_meta(sched, SimpleNamespace(total_num_scheduled_tokens=64))
+        build_worker_meta(work)
+
+    mine = [key(i) for i in range(4)]
+    params = {HINT_KEY: {"session": "agent", "ttl_s": 300}}
+    m.on_new_request(ctx("a", params))
+    store(w, 1, list(range(8)), [0, 1, 2, 3], mine)
+    assert w.fs.flush(10)
+    m.on_request_finished(ctx("a", params, mine))
+    step()
+    assert w.fs.tier.leases.sessions() == 1 and len(w.fs.tier.leases) == 4
+    assert m.take_fs_leases() is None  # each order travels once
+    for j in range(3):  # another session: 12 chunks through the 8-file budget
+        store(w, 2 + j, list(range(8, 16)), [4, 5, 6, 7], [key(100 + 4 * j + i) for i in range(4)])
+        assert w.fs.flush(10)
+    assert [w.fs.tier.contains(k) for k in mine] == [True] * 4
+    assert w.fs.tier.leases.honoured > 0
+    w.fs_metrics = metrics.worker_fs_metrics()  # rank 0 sends the file tier's lease series
+    data = w.take_connector_stats().data["data"]
+    assert data[metrics.LEASED_BYTES] == {("fs",): 4 * w.pool.chunk_bytes}
+    assert data[metrics.LEASE_HONOURED] == {("fs",): w.fs.tier.leases.honoured}
+    renewed, renew = [], w.fs.tier.renew
+    w.fs.tier.renew = lambda session, ttl_s: renewed.append((session, ttl_s)) or renew(session, ttl_s)
+    m.on_new_request(ctx("b", params))  # the session is back: the renewal reaches the worker too
+    step()
+    assert renewed == [("agent", 300.0)]
+    w.shutdown()

@@ -402,6 +402,16 @@ class FileTier(WritePath, ReadPath):
             with self._lease_lock:
                 self._offload_metrics.record_leases(self.leases, tier=self.name)
 
+    def take_lease_counts(self) -> tuple[int, int, int]:
+        """(leased bytes now, leases honoured, leases expired since the last call), for a caller that reports
+        them itself (vLLM's stats channel); the tier's own counters then stay unset (no ``metrics``)."""
+        table = self.leases
+        if table is None:
+            return 0, 0, 0
+        with self._lease_lock:
+            honoured, expired = table.take_counts()
+            return len(table) * self.chunk_bytes, honoured, expired
+
     # ---- capacity ------------------------------------------------------
     def _evict_to(self, budget: int, spare: bytes | None = None) -> int:
         """Evict least-recent files until the index fits ``budget``; returns files deleted.
