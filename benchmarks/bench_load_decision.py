@@ -53,12 +53,11 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 import numpy as np  # noqa: E402
 
+import _fuse_speeds  # noqa: E402
 from _common import machine, print_table, write_json  # noqa: E402
 from gpu_offload.demo import DEMO_MODEL, kv_transfer_config  # noqa: E402
 
 MODES = ("always", "never", "auto")
-ROTATION = ("auto", "always", "never")  # rep r starts at ROTATION[r % 3]: the first file hit is auto's
-PROBE_WAIT_S = 300.0  # the most a speed change waits for the probe to price the mount (3 whole-file reads)
 
 
 def ttft(llm, prompt) -> float:
@@ -110,16 +109,7 @@ class Bench:
         return t, self.manager.fs_hit_chunks - hits
 
     def rotated(self, reps: int, order=MODES):
-        """Per repetition a fresh prompt, sent once per mode in an order rotated per repetition."""
-        samples = {m: [] for m in MODES}
-        loaded = {m: [] for m in MODES}
-        for r in range(reps):
-            p, _ = self.fresh()
-            for m in order[r % 3:] + order[: r % 3]:  # each mode in each position: no order bias
-                t, n = self.file_hit(p, m)
-                samples[m].append(t)
-                loaded[m].append(n)
-        return samples, loaded
+        return _fuse_speeds.rotated(reps, self.fresh, self.file_hit, order)
 
     def fit(self) -> dict:
         return {"file tier est. MB/s": self.manager.costs.tiers["fs"].bytes_per_s / 1e6,
@@ -148,54 +138,6 @@ def hook_rows(args, bench: Bench):
     finally:
         fileio.fault = None
     return rows, raw, {}
-
-
-def as_started(manager, timeout_s: float = PROBE_WAIT_S) -> bool:
-    """The file tier's cost as an engine just started on this mount knows it: what was learned at other
-    speeds forgotten, then the probe's timed reads (its idle interval shortened until it has run)."""
-    from tpu_offload.core import costs
-
-    probe, fresh = manager.probe, costs.CostModel().tiers[costs.FILE]
-    manager.costs.tiers[costs.FILE] = probe.cost = fresh
-    n, interval = probe.probes, probe.interval_s
-    probe.interval_s = 0.5
-    try:
-        deadline = time.monotonic() + timeout_s
-        while probe.probes < n + 2 and time.monotonic() < deadline:  # two sizes: header, whole file
-            time.sleep(0.1)
-        return probe.probes >= n + 2
-    finally:
-        probe.interval_s = interval
-
-
-def fuse_rows(args, bench: Bench, mount):
-    """The tier's directory on a throttled FUSE mount; speeds as multiples of the recompute time."""
-    colds = [bench.fresh()[1] for _ in range(4)]  # the engine's warm-up; the first pays one-off costs
-    recompute_s = statistics.median(colds[1:])
-    chunk_file = max(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(bench.fs.tier.ns_dir)
-                     for f in fs if not f.startswith("."))
-    hit_chunks = args.tokens // bench.manager.tokens_per_chunk
-    hit_bytes = hit_chunks * chunk_file
-    rows, raw, speeds = [], {}, {}
-    for speed in args.speeds:
-        mbps = hit_bytes / (speed * recompute_s) / 1e6 if speed else 0.0
-        mount.set(args.latency_ms if speed else 0.0, mbps)
-        probed = as_started(bench.manager)
-        samples, loaded = bench.rotated(args.reps, ROTATION)
-        med = {m: statistics.median(v) for m, v in samples.items()}
-        best = min(med["always"], med["never"])
-        name = "fast" if not speed else f"{speed:g}x recompute"
-        rows.append({"mount": name, "latency ms": args.latency_ms if speed else 0.0, "cap MB/s": mbps,
-                     "always s": med["always"], "never s": med["never"], "auto s": med["auto"],
-                     "auto vs best": med["auto"] / best,
-                     "auto worst x recompute": max(samples["auto"]) / med["never"],
-                     "auto loads": f"{sum(1 for n in loaded['auto'] if n)} of {args.reps}", **bench.fit()})
-        raw[name] = {"ttft_s": samples, "chunks_loaded": loaded}
-        speeds[name] = {"speed": speed, "latency_ms": args.latency_ms if speed else 0.0, "mbps": mbps,
-                        "probed": probed}
-    return rows, raw, {"calibration": {"cold_ttft_s": colds, "recompute_s": recompute_s, "hit_chunks": hit_chunks,
-                                       "chunk_file_bytes": chunk_file, "hit_bytes": hit_bytes},
-                       "speeds": speeds}
 
 
 def main() -> int:
@@ -228,7 +170,10 @@ def main() -> int:
             with ThrottledMount(src, kv) as mount:
                 bench = Bench(args, kv, path)
                 try:
-                    rows, raw, extra = fuse_rows(args, bench, mount)
+                    rows, raw, extra = _fuse_speeds.speed_rows(
+                        args, mount, fresh=bench.fresh, file_hit=bench.file_hit, fit=bench.fit,
+                        cost_model=bench.manager.costs, probe=bench.manager.probe, ns_dir=bench.fs.tier.ns_dir,
+                        hit_chunks=args.tokens // bench.manager.tokens_per_chunk)
                 finally:  # the file tier's files closed before the mount goes (both shut down once)
                     mount.set(0, 0)
                     bench.manager.shutdown()

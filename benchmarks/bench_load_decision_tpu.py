@@ -2,6 +2,7 @@
 load vs never load.
 
     .venv-tpu/bin/python benchmarks/bench_load_decision_tpu.py [--tokens 256] [--reps 3] [--delays 0 1 5] [--bias 1.0]
+    .venv-tpu/bin/python benchmarks/bench_load_decision_tpu.py --mount fuse [--speeds 7 1 0] [--latency-ms 2]
 
 tpu-inference 0.32 on JAX's CPU backend (tpu_offload/testing/cpu_support.py), the tiny KV4 Llama in bf16,
 one engine in this process with our ``TPUOffloadConnector`` (configs/tpu-inference/offload-fs.json,
@@ -26,11 +27,16 @@ loading). Beside what the decision learned (file tier MB/s, prefill us/token) th
 recompute took (``never`` TTFT per token). A delay list that ends where it started (``0 1 5 0``) shows
 whether ``auto`` goes back to loading once the tier is fast again. Results: table and ``results/load_decision_tpu[_bias<b>].json``
 (the default bias 1.0 writes ``load_decision_tpu.json``).
+
+``--mount fuse``: the file tier's directory on a throttled FUSE mount instead of the fault hook, at
+speeds given as the hit's read time in recompute times (``benchmarks/_fuse_speeds.py``, shared with
+``bench_load_decision.py``); results in ``results/load_decision_tpu_fuse.json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -45,6 +51,7 @@ from tpu_offload.testing import engine_run  # noqa: E402
 
 engine_run.prepare_process()
 
+import _fuse_speeds  # noqa: E402
 from _common import print_table, write_json  # noqa: E402
 
 MODES = ("always", "never", "auto")
@@ -57,8 +64,21 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--delays", type=float, nargs="+", default=[0.0, 1.0, 5.0])
     ap.add_argument("--bias", type=float, default=1.0, help="load_decision_bias")
-    ap.add_argument("--name", help="results/<name>.json (default: load_decision_tpu[_bias<b>])")
+    ap.add_argument("--name", help="results/<name>.json (default: load_decision_tpu[_bias<b>], "
+                                   "load_decision_tpu_fuse with --mount fuse)")
+    ap.add_argument("--mount", choices=("hook", "fuse"), default="hook",
+                    help="hook: delay the tier's read syscalls in-process; fuse: a throttled FUSE mount")
+    ap.add_argument("--speeds", type=float, nargs="+", default=[7.0, 1.0, 0.0],
+                    help="fuse: the hit's read time in recompute times, in this order (0: unthrottled)")
+    ap.add_argument("--latency-ms", type=float, default=2.0, help="fuse: per read request on a throttled mount")
     args = ap.parse_args()
+    if args.mount == "fuse":
+        from tpu_offload.testing.throttled_mount import skip_reason
+
+        why = skip_reason()
+        if why:
+            print(f"no throttled mount: {why}")
+            return 3
 
     from tpu_offload.testing import cpu_support
 
@@ -78,16 +98,25 @@ def main() -> int:
                              max_num_seqs=1, max_num_batched_tokens=max(256, blocks * block),
                              max_model_len=(blocks + 2) * block)
     sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    rows, raw = [], []
-    with tempfile.TemporaryDirectory(prefix="bench_load_decision_tpu_") as tmp:
+    rows, raw, extra = [], [], {}
+    with tempfile.TemporaryDirectory(prefix="bench_load_decision_tpu_", dir="/var/tmp") as tmp, \
+            contextlib.ExitStack() as stack:
         model_dir = KV4.write(os.path.join(tmp, "model"), shape.dtype)
         secret = os.path.join(tmp, "fs-secret")
         make_secret_file(secret)
+        kv_dir = os.path.join(tmp, "kv-files")
+        mount = None
+        if args.mount == "fuse":
+            from tpu_offload.testing.throttled_mount import ThrottledMount
+
+            os.mkdir(os.path.join(tmp, "kv-src"))
+            mount = stack.enter_context(ThrottledMount(os.path.join(tmp, "kv-src"), kv_dir))
         kv = engine_run.kv_transfer_config(
             "offload-fs.json", **{**OURS, "fs_capacity_bytes": "256MiB",
-                                  "shared_storage_path": os.path.join(tmp, "kv-files"), "fs_secret_file": secret,
+                                  "shared_storage_path": kv_dir, "fs_secret_file": secret,
                                   "fs_write_mode": "write_through", "load_decision": "auto",
-                                  "load_decision_bias": args.bias, "fs_io_timeout_s": 60})
+                                  "load_decision_bias": args.bias,
+                                  "fs_io_timeout_s": 600 if mount is not None else 60})
         eng = engine_run.EngineRun(model_dir, shape, kv)
         try:
             s, w = sch(eng), wrk(eng)
@@ -142,8 +171,27 @@ def main() -> int:
             if s.totals.get("load_errors", 0) or w.totals.get("load_errors", 0):
                 raise SystemExit("load errors in the warm-up")
             chunks = args.tokens // s.chunk_tokens
+            if mount is not None:
+                def fresh_timed():
+                    p = prompt(next(seed), args.tokens)
+                    t = ttft(p)  # computed and stored: a recompute
+                    quiet()
+                    return p, t
+
+                def fit() -> dict:
+                    return {"file tier est. MB/s": cost.tiers["fs"].bytes_per_s / 1e6,
+                            "prefill us/token": cost.prefill.s_per_token * 1e6}
+
+                try:
+                    rows, samples, extra = _fuse_speeds.speed_rows(
+                        args, mount, fresh=fresh_timed, file_hit=lambda p, m: file_hit(p, m)[:2], fit=fit,
+                        cost_model=cost, probe=s.probe, ns_dir=w.fs.tier.ns_dir, hit_chunks=chunks)
+                    raw = [{"mount": k, **v} for k, v in samples.items()]
+                finally:
+                    mount.set(0, 0)  # the engine's file reads at its close are not throttled
+            delays = args.delays if mount is None else []
             try:
-                for delay in args.delays:
+                for delay in delays:
                     fileio.fault = (lambda op, d=delay: time.sleep(d) if op == "read" else None) if delay else None
                     for _ in range(2):  # the decision learns this tier
                         file_hit(fresh(), "auto")
@@ -178,13 +226,15 @@ def main() -> int:
 
     model = (f"tiny Llama (KV4) hidden {KV4.hidden_size}, {KV4.num_layers} layers, {KV4.num_heads} heads / "
              f"{KV4.num_kv_heads} KV heads x {KV4.head_dim}, {shape.dtype}")
+    what = "a throttled FUSE mount" if mount is not None else "read syscalls delayed in-process"
     print_table(rows, title=f"tpu-inference on CPU: TTFT of a {args.tokens}-token file-tier hit ({chunks} chunks of "
-                            f"{chunk_bytes // 1024} KiB), median of {args.reps}, load_decision_bias {args.bias:g} "
-                            f"({model})")
-    name = args.name or ("load_decision_tpu" if args.bias == 1.0 else f"load_decision_tpu_bias{args.bias:g}")
+                            f"{chunk_bytes // 1024} KiB), {what}, median of {args.reps}, load_decision_bias "
+                            f"{args.bias:g} ({model})")
+    name = args.name or ("load_decision_tpu_fuse" if mount is not None else "load_decision_tpu" if args.bias == 1.0
+                         else f"load_decision_tpu_bias{args.bias:g}")
     path = write_json(name, {"engine": "tpu-inference 0.32", "device": "JAX CPU", "model": model, "tokens": args.tokens,
-                             "chunks": chunks, "chunk_bytes": chunk_bytes, "bias": args.bias, "reps": args.reps,
-                             "load_errors": errors, "rows": rows, "samples": raw})
+                             "mount": args.mount, "chunks": chunks, "chunk_bytes": chunk_bytes, "bias": args.bias,
+                             "reps": args.reps, "load_errors": errors, "rows": rows, "samples": raw, **extra})
     print(f"wrote {path}")
     return 0
 
