@@ -32,11 +32,7 @@ class HostOffloadWorker(HostTransferEngine, OffloadingWorker):
     def lease_files(self, renews, leases) -> None:
         """The scheduler's session leases of one step (hooks): renewals first, then finished requests' prefixes,
         each leased in this worker's file tier (its own files of those chunks)."""
-        tier = self.fs.tier
-        for session, ttl_s in renews:
-            tier.renew(session, ttl_s)
-        for session, ttl_s, keys, salt in leases:
-            tier.lease(session, ttl_s, keys, salt)
+        self.fs.tier.apply_lease_orders(renews, leases)
 
     def take_connector_stats(self) -> OffloadingConnectorStats | None:
         """What happened since the last call, for vLLM's ``/metrics``."""

@@ -207,11 +207,7 @@ class FsMover:
 
     def lease(self, renews, leases) -> None:
         """The scheduler's session leases of one step: renewals first, then the prefixes of finished requests."""
-        tier = self.tier
-        for session, ttl_s in renews:
-            tier.renew(session, ttl_s)
-        for session, ttl_s, keys, salt in leases:
-            tier.lease(session, ttl_s, keys, salt)
+        self.tier.apply_lease_orders(renews, leases)
 
     # ---- writes ------------------------------------------------------------
     def write(self, key: ChunkKey, slot: int, salt: bytes = b"") -> None:

@@ -396,6 +396,14 @@ class FileTier(WritePath, ReadPath):
         with self._lease_lock:
             return table.renew(session, ttl_s)
 
+    def apply_lease_orders(self, renews, leases) -> None:
+        """A scheduler's lease orders of one step, for a tier that lives in a worker: renewals first
+        ((session, ttl_s)), then finished requests' prefixes ((session, ttl_s, keys head first, salt))."""
+        for session, ttl_s in renews:
+            self.renew(session, ttl_s)
+        for session, ttl_s, keys, salt in leases:
+            self.lease(session, ttl_s, keys, salt)
+
     def _record_leases(self) -> None:
         """Honoured and expired leases to the tier-labelled counters (after evictions and rescans)."""
         if self.leases is not None and self._offload_metrics is not None:
