@@ -2,6 +2,7 @@
 
     python benchmarks/bench_serving_tpu.py [--configs none theirs ours] [--repeats 2] ...
     python benchmarks/bench_serving_tpu.py --soak 2000
+    python benchmarks/bench_serving_tpu.py --workload agentic --configs none theirs ours ours-lease
 
 The same harness, workload, checks and report as ``bench_serving_vllm.py`` (see there),
 against the real tpu-inference 0.32 engine on JAX's CPU backend: vLLM's OpenAI server in
@@ -13,6 +14,11 @@ overridden for the tiny model). The host tier gets the same bytes in both connec
 The model has head_dim 128 (tpu-inference's RPA v3 cache layout). On CPU every "memory
 kind" is the same RAM: these figures show the engines' overheads, not a TPU's transfers.
 Results: ``results/serving_tpu.{json,png}``.
+
+``--workload agentic``: inference-perf's agentic sessions over the chat API, as in
+``bench_serving_vllm.py`` (the same tool-call parser and ``serving/lease_middleware.py`` in
+every configuration); ``ours-lease`` is ``ours`` with every request carrying its agent
+session's lease hint (``ttl_s`` 120).
 """
 
 from __future__ import annotations
@@ -33,7 +39,10 @@ from benchmarks.serving.server import Server, free_port  # noqa: E402
 BLOCK = 128
 TPU_PY = ROOT / ".venv-tpu" / "bin" / "python"
 SERVE = "tpu_offload.testing.serve"  # run with -m from the code under test (PYTHONPATH)
-CONFIGS = ("none", "theirs", "ours", "ours-fs")  # ours-fs: opt in (--configs), with --host-fraction < 1
+# ours-fs: opt in (--configs), with --host-fraction < 1; ours-lease: ours, every request with its
+# agent session's lease hint (--workload agentic; serving/lease_middleware.py adds it)
+CONFIGS = ("none", "theirs", "ours", "ours-fs", "ours-lease")
+LEASE_TTL_S = 120
 
 
 def tpu_model():
@@ -73,7 +82,7 @@ def start(name: str, model: str, blocks: int, host_bytes: int, w, work: Path, ar
                "kv_connector_module_path": "tpu_inference.offload.tpu_offload_connector"}
         env.update(TPU_OFFLOAD_NUM_CPU_CHUNKS=str(host_bytes // (BLOCK * kvpt)), TPU_OFFLOAD_NUM_STAGING_BLOCKS="128",
                    TPU_OFFLOAD_SKIP_JAX_PRECOMPILE="1")
-    elif name in ("ours", "ours-fs"):
+    elif name in ("ours", "ours-fs", "ours-lease"):
         fs = name == "ours-fs"
         ktc = json.loads((ROOT / f"configs/tpu-inference/offload{'-fs' if fs else ''}.json").read_text())
         ktc["kv_connector_extra_config"].update(cpu_bytes=host_bytes, staging_blocks=128)
@@ -96,6 +105,13 @@ def start(name: str, model: str, blocks: int, host_bytes: int, w, work: Path, ar
     ]
     if ktc is not None:
         cmd += ["--kv-transfer-config", json.dumps(ktc)]
+    if w.kind == "agentic":
+        # tools in every request: "auto" tool choice needs a parser (pythonic: no special tokens);
+        # the middleware adds the lease hint from the session header (ours-lease only)
+        cmd += ["--enable-auto-tool-choice", "--tool-call-parser", "pythonic",
+                "--middleware", "benchmarks.serving.lease_middleware.SessionLease"]
+    if name == "ours-lease":
+        env["BENCH_LEASE_TTL_S"] = str(LEASE_TTL_S)
     return Server(cmd, env, work / "server.log", port, startup_s=900), endpoint, chunk_tokens
 
 
@@ -111,10 +127,9 @@ def main(argv=None) -> int:
     ap.set_defaults(groups=8, system_prompt_len=512, question_len=32, output_len=8, prompts_per_group=3,
                     concurrency=2, repeats=1, probes=2, configs=["none", "theirs", "ours"])
     args = ap.parse_args(argv)
-    if args.workload == "agentic":
-        ap.error("--workload agentic: argument value 'agentic' is not run on tpu-inference yet (its server command "
-                 "here has no tool-call parser nor the lease middleware); allowed here: shared_prefix, conversations; "
-                 "bench_serving_vllm.py runs agentic")
+    if "ours-lease" in args.configs and args.workload != "agentic":
+        ap.error(f"--configs ours-lease: the lease hint comes from inference-perf's agent session header, which only "
+                 f"--workload agentic sends (got --workload {args.workload})")
     eng = matrix.Engine("tpu-inference", BLOCK, tpu_model(), args.dtype, CONFIGS, start,
                         "tpu-inference 0.32 OpenAI server on JAX CPU", soak_config="ours")
     return matrix.run(eng, args)
