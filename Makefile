@@ -40,7 +40,7 @@ export PYTHONPYCACHEPREFIX := $(CURDIR)/.cache/pycache
 
 # Goals that build .venv-tpu (Python 3.12) as well: `make setup` checks for both Pythons and the disk
 # before the first download (tools/check_setup.sh), not half-way through.
-NEED_TPU := $(if $(filter setup setup-tpu demo test test-fast test-tpu test-tpu-compiler test-tpu-engine bench \
+NEED_TPU := $(if $(filter setup setup-tpu demo test test-fast test-timing test-tpu test-tpu-compiler test-tpu-engine bench \
 	bench-serving bench-tpu-aot bench-tpu-engine bench-step-thread bench-tpu,$(MAKECMDGOALS)),1,0)
 CHECK_SETUP = @sh tools/check_setup.sh "$(PY)" "$(PY312)" $(if $(wildcard $(STAMP)),0,1) \
 	$(if $(wildcard $(STAMP_TPU)),0,$(NEED_TPU))
@@ -131,9 +131,10 @@ test-fast: setup ## core, file tier, configs, docs, vLLM-path and TPU-connector 
 	$(MAKE) $(SUITE) -j2 --output-sync=target test-vllm test-tpu PYTEST_ARGS='-m "not engine"'
 
 # Tests that hold a mode to a bar in wall time (pytest marker `timing`: the load decision on a throttled
-# FUSE mount) need a machine to themselves: not in test, run alone here (about 7 minutes).
-test-timing: $(STAMP) ## the wall-time bars (load decision on a throttled mount), alone on the machine
+# FUSE mount, both engines) need a machine to themselves: not in test, run alone here (about 15 minutes).
+test-timing: $(STAMP) $(STAMP_TPU) ## the wall-time bars (load decision on a throttled mount, both engines), alone
 	$(BIN)/python -m pytest -q -m timing $(VLLM_SUITES)
+	$(TPU_BIN)/python -m pytest -q -m timing tests/tpu_engine
 
 # Any suite takes pytest arguments, e.g. make test-tpu PYTEST_ARGS="-k pacing -x"
 PYTEST_ARGS ?=
@@ -148,8 +149,9 @@ test-tpu-compiler: $(STAMP_TPU) ## libtpu compiling our programs for compile-onl
 
 # a value on make's command line wins; one in the environment does not
 ENGINE_SUITE := tests/tpu_engine
+# `timing` tests are test-timing's: deselected here (a -m in PYTEST_ARGS comes later and wins)
 test-tpu-engine: $(STAMP_TPU) ## the real tpu-inference engine on JAX CPU, every model family (.venv-tpu)
-	$(TPU_BIN)/python -m pytest -q $(PYTEST_ARGS) $(ENGINE_SUITE)
+	$(TPU_BIN)/python -m pytest -q -m "not timing" $(PYTEST_ARGS) $(ENGINE_SUITE)
 
 bench: bench-manager bench-ttft bench-jax bench-fs bench-fs-rescan bench-tpu-engine ## the six CPU benchmarks named on this line, in turn
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import statistics
 import sys
@@ -52,7 +53,7 @@ from tpu_offload.testing import engine_run  # noqa: E402
 engine_run.prepare_process()
 
 import _fuse_speeds  # noqa: E402
-from _common import print_table, write_json  # noqa: E402
+from _common import machine, print_table, write_json  # noqa: E402
 
 MODES = ("always", "never", "auto")
 NUDGE = [5, 6, 7, 8, 9]  # a request shorter than a block: steps the engine, stores nothing
@@ -71,6 +72,7 @@ def main() -> int:
     ap.add_argument("--speeds", type=float, nargs="+", default=[7.0, 1.0, 0.0],
                     help="fuse: the hit's read time in recompute times, in this order (0: unthrottled)")
     ap.add_argument("--latency-ms", type=float, default=2.0, help="fuse: per read request on a throttled mount")
+    ap.add_argument("--out", help="write the results here instead of benchmarks/results/")
     args = ap.parse_args()
     if args.mount == "fuse":
         from tpu_offload.testing.throttled_mount import skip_reason
@@ -232,9 +234,14 @@ def main() -> int:
                             f"{args.bias:g} ({model})")
     name = args.name or ("load_decision_tpu_fuse" if mount is not None else "load_decision_tpu" if args.bias == 1.0
                          else f"load_decision_tpu_bias{args.bias:g}")
-    path = write_json(name, {"engine": "tpu-inference 0.32", "device": "JAX CPU", "model": model, "tokens": args.tokens,
-                             "mount": args.mount, "chunks": chunks, "chunk_bytes": chunk_bytes, "bias": args.bias,
-                             "reps": args.reps, "load_errors": errors, "rows": rows, "samples": raw, **extra})
+    payload = {"engine": "tpu-inference 0.32", "device": "JAX CPU", "model": model, "tokens": args.tokens,
+               "mount": args.mount, "chunks": chunks, "chunk_bytes": chunk_bytes, "bias": args.bias,
+               "reps": args.reps, "load_errors": errors, "rows": rows, "samples": raw, **extra}
+    if args.out:
+        path = Path(args.out)
+        path.write_text(json.dumps({"machine": machine(), **payload}, indent=2) + "\n")
+    else:
+        path = write_json(name, payload)
     print(f"wrote {path}")
     return 0
 
