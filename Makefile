@@ -131,7 +131,7 @@ test-fast: setup ## core, file tier, configs, docs, vLLM-path and TPU-connector 
 	$(MAKE) $(SUITE) -j2 --output-sync=target test-vllm test-tpu PYTEST_ARGS='-m "not engine"'
 
 # Tests that hold a mode to a bar in wall time (pytest marker `timing`: the load decision on a throttled
-# FUSE mount, both engines) need a machine to themselves: not in test, run alone here (about 15 minutes).
+# FUSE mount, both engines) need a machine to themselves: not in test, run alone here (about 10 minutes).
 test-timing: $(STAMP) $(STAMP_TPU) ## the wall-time bars (load decision on a throttled mount, both engines), alone
 	$(BIN)/python -m pytest -q -m timing $(VLLM_SUITES)
 	$(TPU_BIN)/python -m pytest -q -m timing tests/tpu_engine

@@ -73,11 +73,14 @@ def test_a_fresh_checkout_checks_first_then_builds_only_what_the_goal_needs(chec
     vllm = "tests --ignore=tests/tpu --ignore=tests/tpu_compiler --ignore=tests/tpu_engine"
     lane2 = [f"tests/tpu_engine/test_tpu_engine_{name}.py"
              for name in ("families_served", "served_shape", "fresh_cache", "vllm_kernels")]
+    no_timing = '-m "not timing"'  # the wall-time bars are test-timing's, in every engine run
     assert pytest_runs(test) == [  # every suite once: the vLLM one as its units, then its engine tests
-        "tests/tpu_engine " + " ".join(f"--ignore={f}" for f in lane2), f'-m "not engine" {vllm}', "tests/tpu",
-        "tests/tpu_compiler", " ".join(lane2), f'-m "engine and not timing" {vllm}']
+        f"{no_timing} tests/tpu_engine " + " ".join(f"--ignore={f}" for f in lane2), f'-m "not engine" {vllm}',
+        "tests/tpu", "tests/tpu_compiler", f"{no_timing} " + " ".join(lane2), f'-m "engine and not timing" {vllm}']
     engine = make(checkout, "-n", "test-tpu-engine")  # alone, the whole engine suite
-    assert pytest_runs(engine) == ["tests/tpu_engine"], engine
+    assert pytest_runs(engine) == [f"{no_timing} tests/tpu_engine"], engine
+    timing = make(checkout, "-n", "test-timing")  # both environments, each engine's bars
+    assert len(stamps(timing)) == 2 and pytest_runs(timing) == [f"-m timing {vllm}", "-m timing tests/tpu_engine"]
     vllm_only = make(checkout, "-n", "test-vllm")
     assert len(stamps(vllm_only)) == 1 and re.search(r"check_setup\.sh .* 1 0$", vllm_only, re.M), vllm_only
     fast = make(checkout, "-n", "test-fast")
