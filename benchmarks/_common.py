@@ -72,10 +72,11 @@ def print_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | None
     return text
 
 
-def write_json(name: str, payload: Mapping[str, Any]) -> Path:
-    """Write ``results/<name>.json`` with the machine description added."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
+def write_json(name: str, payload: Mapping[str, Any], path: str | Path | None = None) -> Path:
+    """Write ``results/<name>.json`` (or ``path``, e.g. a test's own) with the machine description added."""
+    if path is None:
+        RESULTS.mkdir(parents=True, exist_ok=True)
+    path = Path(path) if path is not None else RESULTS / f"{name}.json"
     path.write_text(json.dumps({"machine": machine(), **payload}, indent=2, sort_keys=False) + "\n")
     return path
 

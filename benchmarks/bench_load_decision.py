@@ -36,7 +36,6 @@ samples; ``auto worst x recompute`` is the slowest ``auto`` request over it. Res
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -54,7 +53,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 import numpy as np  # noqa: E402
 
 import _fuse_speeds  # noqa: E402
-from _common import machine, print_table, write_json  # noqa: E402
+from _common import print_table, write_json  # noqa: E402
 from gpu_offload.demo import DEMO_MODEL, kv_transfer_config  # noqa: E402
 
 MODES = ("always", "never", "auto")
@@ -191,11 +190,7 @@ def main() -> int:
     payload = {"model": shape, "device": "cpu", "mount": args.mount, "tokens": args.tokens,
                "chunks": chunks, "reps": args.reps, "rows": rows, "samples": raw, **extra}
     name = "load_decision_fuse" if args.mount == "fuse" else "load_decision"
-    if args.out:
-        Path(args.out).write_text(json.dumps({"machine": machine(), **payload}, indent=2) + "\n")
-        out = args.out
-    else:
-        out = write_json(name, payload)
+    out = write_json(name, payload, args.out)
     print(f"wrote {out}")
     return 0
 

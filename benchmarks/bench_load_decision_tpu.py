@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import statistics
 import sys
@@ -53,7 +52,7 @@ from tpu_offload.testing import engine_run  # noqa: E402
 engine_run.prepare_process()
 
 import _fuse_speeds  # noqa: E402
-from _common import machine, print_table, write_json  # noqa: E402
+from _common import print_table, write_json  # noqa: E402
 
 MODES = ("always", "never", "auto")
 NUDGE = [5, 6, 7, 8, 9]  # a request shorter than a block: steps the engine, stores nothing
@@ -237,11 +236,7 @@ def main() -> int:
     payload = {"engine": "tpu-inference 0.32", "device": "JAX CPU", "model": model, "tokens": args.tokens,
                "mount": args.mount, "chunks": chunks, "chunk_bytes": chunk_bytes, "bias": args.bias,
                "reps": args.reps, "load_errors": errors, "rows": rows, "samples": raw, **extra}
-    if args.out:
-        path = Path(args.out)
-        path.write_text(json.dumps({"machine": machine(), **payload}, indent=2) + "\n")
-    else:
-        path = write_json(name, payload)
+    path = write_json(name, payload, args.out)
     print(f"wrote {path}")
     return 0
 

@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
-from benchmarks.serving import matrix  # noqa: E402
+from benchmarks.serving import lease_middleware, matrix  # noqa: E402
 from benchmarks.serving.model import tiny_llama_class  # noqa: E402
 from benchmarks.serving.server import Server, free_port  # noqa: E402
 
@@ -42,7 +42,6 @@ SERVE = "tpu_offload.testing.serve"  # run with -m from the code under test (PYT
 # ours-fs: opt in (--configs), with --host-fraction < 1; ours-lease: ours, every request with its
 # agent session's lease hint (--workload agentic; serving/lease_middleware.py adds it)
 CONFIGS = ("none", "theirs", "ours", "ours-fs", "ours-lease")
-LEASE_TTL_S = 120
 
 
 def tpu_model():
@@ -106,12 +105,8 @@ def start(name: str, model: str, blocks: int, host_bytes: int, w, work: Path, ar
     if ktc is not None:
         cmd += ["--kv-transfer-config", json.dumps(ktc)]
     if w.kind == "agentic":
-        # tools in every request: "auto" tool choice needs a parser (pythonic: no special tokens);
-        # the middleware adds the lease hint from the session header (ours-lease only)
-        cmd += ["--enable-auto-tool-choice", "--tool-call-parser", "pythonic",
-                "--middleware", "benchmarks.serving.lease_middleware.SessionLease"]
-    if name == "ours-lease":
-        env["BENCH_LEASE_TTL_S"] = str(LEASE_TTL_S)
+        cmd += lease_middleware.server_args()
+    env.update(lease_middleware.server_env(name == "ours-lease"))
     return Server(cmd, env, work / "server.log", port, startup_s=900), endpoint, chunk_tokens
 
 

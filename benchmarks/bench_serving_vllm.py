@@ -42,7 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
-from benchmarks.serving import matrix  # noqa: E402
+from benchmarks.serving import lease_middleware, matrix  # noqa: E402
 from benchmarks.serving.model import bench_model  # noqa: E402
 from benchmarks.serving.server import Server, free_port  # noqa: E402
 
@@ -50,7 +50,6 @@ BLOCK = 128  # vLLM's CPU backend block size
 CONFIGS = {"host": "configs/vllm/offload-host.json", "host-fs": "configs/vllm/offload-host-fs.json",
            # our host tier, every request carrying its agent session's lease hint (lease_middleware)
            "host-lease": "configs/vllm/offload-host.json"}
-LEASE_TTL_S = 120
 
 
 def connector_config(name: str, host_bytes: int, work: Path) -> dict:
@@ -85,10 +84,7 @@ def start(name: str, model: str, blocks: int, host_bytes: int, w, work: Path, ar
     if ktc is not None:
         cmd += ["--kv-transfer-config", json.dumps(ktc)]
     if w.kind == "agentic":
-        # tools in every request: "auto" tool choice needs a parser (pythonic: no special tokens);
-        # the middleware adds the lease hint from the session header (host-lease only)
-        cmd += ["--enable-auto-tool-choice", "--tool-call-parser", "pythonic",
-                "--middleware", "benchmarks.serving.lease_middleware.SessionLease"]
+        cmd += lease_middleware.server_args()
     env = {
         **os.environ,
         "PYTHONPATH": str(Path(args.code).resolve()) if args.code else str(ROOT),  # every process imports gpu_offload
@@ -98,9 +94,8 @@ def start(name: str, model: str, blocks: int, host_bytes: int, w, work: Path, ar
         "VLLM_PLUGINS": "", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
     }
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server's own process layout
-    env.pop("BENCH_LEASE_TTL_S", None)
-    if name == "host-lease":
-        env["BENCH_LEASE_TTL_S"] = str(LEASE_TTL_S)
+    env.pop(lease_middleware.TTL_ENV, None)
+    env.update(lease_middleware.server_env(name == "host-lease"))
     chunk_tokens = 0 if ktc is None else int(ktc["kv_connector_extra_config"].get("block_size", BLOCK))
     return Server(cmd, env, work / "server.log", port), endpoint, chunk_tokens
 

@@ -16,6 +16,21 @@ import os
 
 HEADER = b"x-agent-session"  # perf.SESSION_HEADER
 PATHS = ("/v1/chat/completions", "/v1/completions")
+TTL_ENV = "BENCH_LEASE_TTL_S"
+TTL_S = 120  # the hint's ttl_s in both serving benchmarks' lease configurations
+
+
+def server_args() -> list[str]:
+    """What an OpenAI server (vLLM's, or tpu-inference's through it) needs for the agentic workload:
+    tools in every request, so "auto" tool choice needs a parser (pythonic: no special tokens), and
+    this middleware, loaded in every configuration (it acts only where ``TTL_ENV`` is set)."""
+    return ["--enable-auto-tool-choice", "--tool-call-parser", "pythonic",
+            "--middleware", f"{__name__}.SessionLease"]
+
+
+def server_env(leased: bool) -> dict[str, str]:
+    """The server environment's part: the hint's ``ttl_s`` for a lease configuration, else nothing."""
+    return {TTL_ENV: str(TTL_S)} if leased else {}
 
 
 def lease_params(body: bytes, session: str, ttl_s: float) -> bytes:
@@ -30,7 +45,7 @@ def lease_params(body: bytes, session: str, ttl_s: float) -> bytes:
 class SessionLease:
     def __init__(self, app):
         self.app = app
-        ttl = os.environ.get("BENCH_LEASE_TTL_S")
+        ttl = os.environ.get(TTL_ENV)
         self.ttl_s = float(ttl) if ttl else None
 
     async def __call__(self, scope, receive, send):
