@@ -109,20 +109,29 @@ class Sampler:
         return self.rows
 
 
-def run_cell(cell: Cell, w: perf.Workload, workdir: Path, *, probe: tuple | None = None, sample: bool = False) -> dict:
+def run_cell(cell: Cell, w: perf.Workload, workdir: Path, *, probe: tuple | None = None, sample: bool = False,
+             background: perf.Background | None = None) -> dict:
+    """``background``: other traffic sent by a second inference-perf run started with ``w``'s; the
+    record's ``figures`` stay ``w``'s own, ``background`` holds the other run's, and the hit
+    accounting checks the server's counters against both runs together."""
     label = f"{cell.engine}/{cell.config}/{cell.scenario}/r{cell.repeat}"
     listener = KVEventListener(cell.events_endpoint) if cell.events_endpoint else None
     try:
         time.sleep(1.0)  # ZMQ subscriptions take a moment; nothing has been sent yet
         before = prom.parse(cell.server.metrics())
         sampler = Sampler(cell.server) if sample else None
+        other = Concurrent(background, cell, workdir / "perf-background", label) if background else None
         summary = perf.run(w, cell.server.url, cell.model, workdir / "perf", label)
+        bg_summary = other.wait() if other else None
         samples = sampler.stop() if sampler else []
         time.sleep(2.0)
         after = prom.parse(cell.server.metrics())
         rec = {"engine": cell.engine, "config": cell.config, "scenario": cell.scenario, "repeat": cell.repeat,
                "startup_seconds": getattr(cell.server, "startup_seconds", None),
-               "figures": perf.figures(summary), "hits": hit_accounting(before, after, summary, w, cell)}
+               "figures": perf.figures(summary), "hits": hit_accounting(before, after, summary, w, cell, bg_summary)}
+        if bg_summary is not None:
+            rec["background"] = {**perf.figures(bg_summary), "wall_seconds": bg_summary["wall_seconds"],
+                                 "agents_wall_seconds": summary["wall_seconds"]}
         if probe is not None:
             rec["probes"] = probes(cell, *probe)
         time.sleep(1.0)
@@ -141,6 +150,29 @@ def run_cell(cell: Cell, w: perf.Workload, workdir: Path, *, probe: tuple | None
             listener.close()
 
 
+class Concurrent:
+    """A second inference-perf run (other traffic) in a thread, beside the measured one."""
+
+    def __init__(self, w: perf.Background, cell: Cell, workdir: Path, label: str):
+        self._result: dict = {}
+        self._t = threading.Thread(target=self._run, args=(w, cell, workdir, label + "/background"), daemon=True)
+        self._t.start()
+
+    def _run(self, w, cell: Cell, workdir: Path, label: str) -> None:
+        try:
+            self._result["summary"] = perf.run(w, cell.server.url, cell.model, workdir, label, progress=False)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread by wait()
+            self._result["error"] = e
+
+    def wait(self, timeout_s: float = 1900) -> dict:
+        self._t.join(timeout_s)  # perf.run kills its inference-perf past its own timeout first
+        if "error" in self._result:
+            raise RuntimeError(f"the other traffic's inference-perf run failed: {self._result['error']}")
+        if "summary" not in self._result:
+            raise TimeoutError("the other traffic's inference-perf run did not finish")
+        return self._result["summary"]
+
+
 def log_findings(text: str) -> dict:
     """Errors and recomputed loads the server logged (a failed load is recomputed, not an
     HTTP error, so inference-perf alone would not see it)."""
@@ -151,16 +183,20 @@ def log_findings(text: str) -> dict:
     return {"errors": len(errors), "recompute_warnings": len(recomputed), "first_error": errors[0][:300] if errors else None}
 
 
-def hit_accounting(before: dict, after: dict, summary: dict, w: perf.Workload, cell: Cell) -> dict:
+def hit_accounting(before: dict, after: dict, summary: dict, w: perf.Workload, cell: Cell,
+                   other: dict | None = None) -> dict:
+    """The server's hit counters by tier over a run, checked against inference-perf's counts
+    (of both runs together when ``other`` traffic ran beside ``w``)."""
     d = lambda name, **kw: prom.delta(before, after, name, **kw)  # noqa: E731
-    fig = perf.figures(summary)
+    figs = [perf.figures(x) for x in (summary, other) if x is not None]
     device = d("vllm:prefix_cache_hits_total")
     external = d("vllm:external_prefix_cache_hits_total")
     ours_cpu, ours_fs = d(OUR_HIT, tier="cpu"), d(OUR_HIT, tier="fs")
-    allowed = w.reusable_tokens(cell.block_tokens)
-    cached = fig["cached_prompt_tokens"] or 0.0
+    allowed = w.reusable_tokens(cell.block_tokens) if other is None else None
+    cached = sum(f["cached_prompt_tokens"] or 0.0 for f in figs)
+    prompt = sum(f["prompt_tokens"] or 0.0 for f in figs) if all(f["prompt_tokens"] is not None for f in figs) else None
     return {
-        "server_prompt_tokens": d("vllm:prompt_tokens_total"), "perf_prompt_tokens": fig["prompt_tokens"],
+        "server_prompt_tokens": d("vllm:prompt_tokens_total"), "perf_prompt_tokens": prompt,
         "device_hit_tokens": device, "external_hit_tokens": external,
         "tier_hit_tokens_cpu": ours_cpu, "tier_hit_tokens_fs": ours_fs,
         "perf_cached_tokens": cached, "reusable_tokens": allowed,
@@ -261,6 +297,11 @@ def compare(records: list[dict]) -> list[dict]:
             vals = [(h["external_hit_tokens"] - h["tier_hit_tokens_cpu"] - h["tier_hit_tokens_fs"]) if key is None
                     else h[key] for h in hs]
             row[col] = statistics.median(vals) if vals else None  # tokens per run (median over repeats)
+        rs = [r for r in records if (r["engine"], r["scenario"], r["config"]) == (engine, scenario, config)]
+        if any(r.get("background") for r in rs):  # other traffic ran beside: each run's own cached tokens
+            row["cached: workload"] = statistics.median(r["figures"]["cached_prompt_tokens"] or 0 for r in rs)
+            row["cached: other"] = statistics.median((r.get("background") or {}).get("cached_prompt_tokens") or 0
+                                                     for r in rs)
         row["total tok/s vs none %"] = 100 * (m["total_tps"] / base["total_tps"] - 1) if has_base else None
         tps = [f["total_tps"] for f in fs if f["total_tps"]]
         row["tok/s spread %"] = 100 * (max(tps) - min(tps)) / statistics.median(tps) if len(tps) > 1 else None

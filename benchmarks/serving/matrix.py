@@ -59,6 +59,11 @@ def add_args(ap: argparse.ArgumentParser, configs: tuple[str, ...], out: str) ->
     ap.add_argument("--tool-gap-s", type=float, default=2.0, help="agentic: seconds a tool runs (the session waits)")
     ap.add_argument("--think-s", type=float, default=4.0, help="agentic: seconds before each next user turn")
     ap.add_argument("--tools-per-agent", type=int, default=1, help="agentic: tools in each agent's catalog")
+    ap.add_argument("--background-rate", type=float, default=0.0,
+                    help="other traffic beside the workload (a second inference-perf run): unique prompts per "
+                         "second, never leased (0: none); results go to <out>_pressure")
+    ap.add_argument("--background-duration", type=float, default=160.0, help="seconds the other traffic runs")
+    ap.add_argument("--background-len", type=int, default=1024, help="tokens of each other-traffic prompt")
     ap.add_argument("--conversations", type=int, default=12)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=2)
@@ -100,6 +105,10 @@ def run(eng: Engine, args) -> int:
     w = workload(args)
     if w.kind != "shared_prefix":
         args.out = f"{args.out}_{w.kind}"
+    bg = background(args)
+    if bg is not None:
+        args.out = f"{args.out}_pressure"
+        print(bg.describe(), flush=True)
     m, block = eng.model, eng.block
     sz = sizes(w, args.high_ratio, block)
     fraction = args.host_fraction if args.host_fraction is not None else (0.5 if args.soak else None)
@@ -130,7 +139,7 @@ def run(eng: Engine, args) -> int:
                     with srv:
                         cell = harness.Cell(eng.name, name, scenario, rep, srv, endpoint, model, block,
                                             max(chunk_tokens // block, 1), chunk_tokens > 0)
-                        rec = harness.run_cell(cell, w, work, sample=bool(args.soak),
+                        rec = harness.run_cell(cell, w, work, sample=bool(args.soak), background=bg,
                                                probe=(probe_set, filler) if scenario == "high" and args.probes else None)
                     rec["device_blocks"] = blocks
                     if name != "none" and chunk_tokens:  # the figure the router's lruCapacityPerServer needs
@@ -141,12 +150,19 @@ def run(eng: Engine, args) -> int:
                     f = rec["figures"]
                     print(f"    TTFT mean {f['ttft_mean'] * 1e3:.0f} ms, total {f['total_tps']:.0f} tok/s, "
                           f"failed {f['requests_failed']}, {hits_line(rec)}", flush=True)
+                    if bg is not None:
+                        t = rec["tier"]
+                        print(f"    cached tokens: workload {f['cached_prompt_tokens']:.0f}, other traffic "
+                              f"{rec['background']['cached_prompt_tokens'] or 0:.0f} "
+                              f"({rec['background']['requests_ok']} requests); tier evicted {t['evicted_chunks']}, "
+                              f"lease kept {t['lease_honoured_chunks']} chunk(s)", flush=True)
                     shutil.rmtree(work, ignore_errors=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
-    verdict, rows = report(records, eng.title, w)
+    verdict, rows = report(records, eng.title, w, bg)
     path = write_json(args.out, {"label": args.label, "engine": eng.name, "workload": dataclasses.asdict(w),
+                                 "background": dataclasses.asdict(bg) if bg else None,
                                  "sizes": sz, "block_tokens": block, "host_bytes": host_bytes, "model": repr(m),
                                  "dtype": eng.dtype, "table": rows, "verdict": verdict, "records": records,
                                  "args": vars(args)})
@@ -157,6 +173,19 @@ def run(eng: Engine, args) -> int:
             render(int(fig["capacity_chunks_gauge"]), fig["chunk_tokens"], "cpu"))
     print(f"wrote {path}")
     return 0 if verdict["ok"] else 1
+
+
+def background(args) -> perf.Background | None:
+    if args.background_rate < 0 or args.background_duration <= 0 or args.background_len < 1:
+        raise SystemExit(f"--background-rate {args.background_rate}, --background-duration "
+                         f"{args.background_duration}, --background-len {args.background_len}: the rate must be >= 0 "
+                         "(0: no other traffic), the duration > 0 s and the length >= 1 token")
+    if not args.background_rate:
+        return None
+    if args.soak:
+        raise SystemExit("--background-rate with --soak: the soak measures our tier alone; drop one of them")
+    return perf.Background(rate=args.background_rate, duration_s=args.background_duration,
+                           prompt_len=args.background_len)
 
 
 def workload(args):
@@ -182,12 +211,12 @@ def stored_workload(d: dict):
     return perf.Conversations(**d) if "conversations" in d else perf.Workload(**d)
 
 
-def report(records: list[dict], title: str, w) -> tuple[dict, list[dict]]:
+def report(records: list[dict], title: str, w, bg=None) -> tuple[dict, list[dict]]:
     from _common import print_table
 
     verdict = check(records)
     rows = harness.compare(records)
-    print_table(rows, title=f"{title}: {w.describe()}")
+    print_table(rows, title=f"{title}: {w.describe()}" + (f"; {bg.describe()}" if bg else ""))
     for line in verdict["lines"]:
         print(line)
     return verdict, rows
@@ -199,7 +228,8 @@ def rereport(path: str, title: str) -> int:
 
     data = json.loads(Path(path).read_text())
     w = stored_workload(data["workload"])
-    verdict, rows = report(data["records"], title, w)
+    bg = perf.Background(**data["background"]) if data.get("background") else None
+    verdict, rows = report(data["records"], title, w, bg)
     plot.draw(rows, data["records"], Path(path).stem, f"{title}: inference-perf {w.kind}")
     return 0 if verdict["ok"] else 1
 
@@ -227,6 +257,8 @@ def check(records: list[dict]) -> dict:
         f, h = r["figures"], r["hits"]
         if f["requests_failed"]:
             fail(f"{tag}: {f['requests_failed']} failed requests")
+        if (r.get("background") or {}).get("requests_failed"):
+            fail(f"{tag}: {r['background']['requests_failed']} failed requests in the other traffic")
         if h["perf_prompt_tokens"] != h["server_prompt_tokens"]:
             fail(f"{tag}: inference-perf counted {h['perf_prompt_tokens']} prompt tokens, the server "
                  f"{h['server_prompt_tokens']}")

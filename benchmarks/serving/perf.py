@@ -13,6 +13,8 @@
   research over retrieved documents), each a system head and a tool catalog, then turns that
   each run a tool loop; a tool's run is a gap in which the session sends nothing while other
   sessions run, and every call resends the whole transcript so far.
+* ``Background``: other traffic run beside any of them (a second inference-perf run): unique
+  prompts at a steady rate, the churn a tier sees from other users while agents wait on tools.
 
 Every size is a parameter so the same shapes fit a 2-core machine.
 """
@@ -265,7 +267,40 @@ class Agentic:
                 "stages": [{"concurrent_sessions": self.concurrency, "num_sessions": self.sessions}]}
 
 
-def config(w: Workload | Conversations | Agentic, url: str, model: str, report_dir: Path) -> dict:
+@dataclasses.dataclass(frozen=True)
+class Background:
+    """Other traffic beside the agents: unique prompts at a steady rate (``load.type: constant``),
+    sent by a second inference-perf run while the agents run. Every prompt is its own
+    ``shared_prefix`` group, so nothing in it is ever reused: it only fills the tiers and pushes
+    the agents' prefixes towards eviction during their tool gaps. It sends no session header, so
+    the lease middleware never leases it: it is the unleased traffic a lease is weighed against."""
+
+    kind = "background"
+    rate: float = 0.5  # prompts per second
+    duration_s: float = 160.0
+    prompt_len: int = 1024
+    output_len: int = 16
+    concurrency: int = 8  # inference-perf's workers in flight at most (arrivals beyond it wait)
+    seed: int = 11
+
+    @property
+    def requests(self) -> int:
+        return int(self.rate * self.duration_s)
+
+    def describe(self) -> str:
+        return (f"other traffic: {self.rate:g} unique {self.prompt_len}-token prompts/s for {self.duration_s:g} s "
+                f"({self.requests} requests, {self.output_len}-token outputs, never leased)")
+
+    def data(self) -> dict:
+        return {"type": "shared_prefix", "shared_prefix": {
+            "num_groups": self.requests, "num_prompts_per_group": 1, "system_prompt_len": self.prompt_len,
+            "question_len": 16, "output_len": self.output_len, "seed": self.seed}}
+
+    def load(self) -> dict:
+        return {"type": "constant", "stages": [{"rate": self.rate, "duration": self.duration_s}]}
+
+
+def config(w: Workload | Conversations | Agentic | Background, url: str, model: str, report_dir: Path) -> dict:
     load = w.load() if hasattr(w, "load") else {
         "type": "concurrent", "stages": [{"num_requests": w.requests, "concurrency_level": w.concurrency}]}
     return {
@@ -281,8 +316,9 @@ def config(w: Workload | Conversations | Agentic, url: str, model: str, report_d
     }
 
 
-def run(w: Workload | Conversations, url: str, model: str, workdir: Path, label: str, timeout_s: float = 1800) -> dict:
-    """Run inference-perf once; return its ``summary_lifecycle_metrics`` report (plus wall time)."""
+def run(w, url: str, model: str, workdir: Path, label: str, timeout_s: float = 1800, progress: bool = True) -> dict:
+    """Run inference-perf once; return its ``summary_lifecycle_metrics`` report (plus wall time).
+    ``progress``: print the server's completed requests (off for a second, concurrent run)."""
     exe = BENCH_VENV / "bin" / "inference-perf"
     if not exe.exists():
         raise FileNotFoundError(f"{exe} is missing: run `make .venv-bench/.installed` (Python 3.12 + inference-perf)")
@@ -297,7 +333,7 @@ def run(w: Workload | Conversations, url: str, model: str, workdir: Path, label:
     with open(log, "wb") as out:
         proc = subprocess.Popen([str(exe), "-c", str(cfg_path), "--log-level", "INFO"], env=env, stdout=out,
                                 stderr=subprocess.STDOUT, cwd=workdir, start_new_session=True)
-        _progress(proc, w.requests, label, t0, timeout_s, url)
+        _progress(proc, w.requests, label, t0, timeout_s, url, progress)
     if proc.returncode != 0:
         raise RuntimeError(f"inference-perf exited with {proc.returncode}; log {log}:\n{log.read_text()[-3000:]}")
     found = sorted(report_dir.rglob("summary_lifecycle_metrics.json"))
@@ -308,8 +344,9 @@ def run(w: Workload | Conversations, url: str, model: str, workdir: Path, label:
     return summary
 
 
-def _progress(proc, total: int, label: str, t0: float, timeout_s: float, url: str) -> None:
-    """Print completed requests (from the server's own counter) until inference-perf exits."""
+def _progress(proc, total: int, label: str, t0: float, timeout_s: float, url: str, show: bool = True) -> None:
+    """Print completed requests (from the server's own counter) until inference-perf exits;
+    kill it past ``timeout_s``."""
     import httpx
 
     from benchmarks.serving import prom
@@ -323,6 +360,9 @@ def _progress(proc, total: int, label: str, t0: float, timeout_s: float, url: st
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             raise TimeoutError(f"inference-perf ran past {timeout_s:.0f} s ({label})")
+        if not show:
+            time.sleep(2)
+            continue
         try:
             s = prom.parse(httpx.get(f"{url}/metrics", timeout=10).text)
             done = prom.total(s, "vllm:request_success_total") or 0
@@ -335,7 +375,8 @@ def _progress(proc, total: int, label: str, t0: float, timeout_s: float, url: st
         except Exception:  # noqa: BLE001 - progress is best effort; the run itself is checked after
             pass
         time.sleep(2)
-    print(file=sys.stderr)
+    if show:
+        print(file=sys.stderr)
 
 
 def figures(summary: dict) -> dict:
