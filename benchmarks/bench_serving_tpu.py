@@ -18,7 +18,9 @@ Results: ``results/serving_tpu.{json,png}``.
 ``--workload agentic``: inference-perf's agentic sessions over the chat API, as in
 ``bench_serving_vllm.py`` (the same tool-call parser and ``serving/lease_middleware.py`` in
 every configuration); ``ours-lease`` is ``ours`` with every request carrying its agent
-session's lease hint (``ttl_s`` 120).
+session's lease hint (``ttl_s`` 120). ``ours-sync`` is ``ours`` with ``sync_load`` on: a hit is
+loaded within the step that needs it (as tpu-inference's connector loads), not overlapped with
+compute while its request waits for the load (our default).
 """
 
 from __future__ import annotations
@@ -40,8 +42,9 @@ BLOCK = 128
 TPU_PY = ROOT / ".venv-tpu" / "bin" / "python"
 SERVE = "tpu_offload.testing.serve"  # run with -m from the code under test (PYTHONPATH)
 # ours-fs: opt in (--configs), with --host-fraction < 1; ours-lease: ours, every request with its
-# agent session's lease hint (--workload agentic; serving/lease_middleware.py adds it)
-CONFIGS = ("none", "theirs", "ours", "ours-fs", "ours-lease")
+# agent session's lease hint (--workload agentic; serving/lease_middleware.py adds it); ours-sync:
+# ours with sync_load (hits loaded within the step that needs them, as tpu-inference's connector does)
+CONFIGS = ("none", "theirs", "ours", "ours-fs", "ours-lease", "ours-sync")
 
 
 def tpu_model():
@@ -81,10 +84,12 @@ def start(name: str, model: str, blocks: int, host_bytes: int, w, work: Path, ar
                "kv_connector_module_path": "tpu_inference.offload.tpu_offload_connector"}
         env.update(TPU_OFFLOAD_NUM_CPU_CHUNKS=str(host_bytes // (BLOCK * kvpt)), TPU_OFFLOAD_NUM_STAGING_BLOCKS="128",
                    TPU_OFFLOAD_SKIP_JAX_PRECOMPILE="1")
-    elif name in ("ours", "ours-fs", "ours-lease"):
+    elif name in ("ours", "ours-fs", "ours-lease", "ours-sync"):
         fs = name == "ours-fs"
         ktc = json.loads((ROOT / f"configs/tpu-inference/offload{'-fs' if fs else ''}.json").read_text())
         ktc["kv_connector_extra_config"].update(cpu_bytes=host_bytes, staging_blocks=128)
+        if name == "ours-sync":
+            ktc["kv_connector_extra_config"]["sync_load"] = True
         if fs:  # the shipped sizes are for real hosts
             from tpu_offload.core.fs.auth import make_secret_file
 

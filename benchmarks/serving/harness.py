@@ -129,6 +129,7 @@ def run_cell(cell: Cell, w: perf.Workload, workdir: Path, *, probe: tuple | None
         rec = {"engine": cell.engine, "config": cell.config, "scenario": cell.scenario, "repeat": cell.repeat,
                "startup_seconds": getattr(cell.server, "startup_seconds", None),
                "figures": perf.figures(summary), "hits": hit_accounting(before, after, summary, w, cell, bg_summary)}
+        rec["scheduling"] = scheduling(before, after)
         if bg_summary is not None:
             rec["background"] = {**perf.figures(bg_summary), "wall_seconds": bg_summary["wall_seconds"],
                                  "agents_wall_seconds": summary["wall_seconds"]}
@@ -210,6 +211,20 @@ def hit_accounting(before: dict, after: dict, summary: dict, w: perf.Workload, c
     }
 
 
+def scheduling(before: dict, after: dict) -> dict:
+    """What the engine's scheduler did over a run (every request, every stream): preemptions and
+    the mean time requests waited in the queue and spent in prefill, from vLLM's own series (None
+    where the engine does not export one)."""
+    def mean(name: str) -> float | None:
+        n = prom.delta(before, after, f"{name}_count")
+        return prom.delta(before, after, f"{name}_sum") / n if n else None
+
+    present = prom.total(after, "vllm:num_preemptions_total", None) is not None
+    return {"preemptions": prom.delta(before, after, "vllm:num_preemptions_total") if present else None,
+            "queue_s_mean": mean("vllm:request_queue_time_seconds"),
+            "prefill_s_mean": mean("vllm:request_prefill_time_seconds")}
+
+
 def tier_state(s: dict) -> dict:
     g = lambda name, **kw: prom.total(s, name, None, **kw)  # noqa: E731
     return {
@@ -225,8 +240,8 @@ def tier_state(s: dict) -> dict:
         "fs_files": g("tpu_offload_fs_files"),  # chunk files the file tier knows (None: no file tier)
         "fs_reads": g("tpu_offload_fs_ops_total", op="read"),  # file -> host promotions, every outcome
         "leased_bytes": g("tpu_offload_tier_leased_bytes", tier="cpu"),
-        "lease_honoured_chunks": g("tpu_offload_lease_honoured_chunks", tier="cpu"),
-        "leases_expired": g("tpu_offload_leases_expired", tier="cpu"),
+        "lease_honoured_chunks": g("tpu_offload_lease_honoured_chunks_total", tier="cpu"),
+        "leases_expired": g("tpu_offload_leases_expired_total", tier="cpu"),
     }
 
 
@@ -298,6 +313,11 @@ def compare(records: list[dict]) -> list[dict]:
                     else h[key] for h in hs]
             row[col] = statistics.median(vals) if vals else None  # tokens per run (median over repeats)
         rs = [r for r in records if (r["engine"], r["scenario"], r["config"]) == (engine, scenario, config)]
+        for col, key in (("preemptions", "preemptions"), ("queue s mean", "queue_s_mean"),
+                         ("prefill s mean", "prefill_s_mean")):
+            vals = [(r.get("scheduling") or {}).get(key) for r in rs]
+            if any(v is not None for v in vals):
+                row[col] = statistics.median(v for v in vals if v is not None)
         if any(r.get("background") for r in rs):  # other traffic ran beside: each run's own cached tokens
             row["cached: workload"] = statistics.median(r["figures"]["cached_prompt_tokens"] or 0 for r in rs)
             row["cached: other"] = statistics.median((r.get("background") or {}).get("cached_prompt_tokens") or 0

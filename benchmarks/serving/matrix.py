@@ -155,7 +155,7 @@ def run(eng: Engine, args) -> int:
                         print(f"    cached tokens: workload {f['cached_prompt_tokens']:.0f}, other traffic "
                               f"{rec['background']['cached_prompt_tokens'] or 0:.0f} "
                               f"({rec['background']['requests_ok']} requests); tier evicted {t['evicted_chunks']}, "
-                              f"lease kept {t['lease_honoured_chunks']} chunk(s)", flush=True)
+                              f"lease kept {t['lease_honoured_chunks']} chunk(s), leases expired {t['leases_expired']}", flush=True)
                     shutil.rmtree(work, ignore_errors=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

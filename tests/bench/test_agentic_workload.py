@@ -170,3 +170,14 @@ def test_accounting_counts_both_runs_and_the_table_splits_them():
     rows = {r["config"]: r for r in harness.compare(recs)}
     assert (rows["host"]["cached: workload"], rows["host"]["cached: other"]) == (700, 200)
     assert (rows["none"]["cached: workload"], rows["none"]["cached: other"]) == (100, 0)
+
+
+def test_scheduling_figures_from_the_engines_series():
+    from benchmarks.serving import harness, prom
+
+    before = prom.parse("vllm:num_preemptions_total 2\nvllm:request_queue_time_seconds_sum 1.0\n"
+                        "vllm:request_queue_time_seconds_count 1\n")
+    after = prom.parse("vllm:num_preemptions_total 5\nvllm:request_queue_time_seconds_sum 7.0\n"
+                       "vllm:request_queue_time_seconds_count 4\n")
+    assert harness.scheduling(before, after) == {"preemptions": 3, "queue_s_mean": 2.0, "prefill_s_mean": None}
+    assert harness.scheduling({}, {})["preemptions"] is None  # not exported: unknown, not zero
