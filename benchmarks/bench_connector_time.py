@@ -1,6 +1,7 @@
 """What the connector costs an engine whose working set fits its KV cache (the Low Cache shape).
 
     python benchmarks/bench_connector_time.py [--sessions 8] [--turns 6] [--rounds 2]
+    python benchmarks/bench_connector_time.py --lease-ttl-s 120 --cpu-bytes 16777216 --out connector_time_lease
 
 Wall-clock comparisons of whole servers on a shared 2-core machine move by more than the 1% the
 Low Cache shape must stay within, so this measures the part that is ours directly: real vLLM (CPU
@@ -11,6 +12,10 @@ side: vLLM's ``OffloadingConnector`` with our spec, manager and handlers under i
 runs. The figure is the connector's time per engine step and its share of the engine's wall time:
 on the engine's critical path either way, and nearly independent of other load on the machine
 (both grow alike). Results: table and ``results/connector_time.json``.
+
+``--lease-ttl-s``: every request carries its session's lease hint (docs/leases.md), so the lease
+bookkeeping's cost is in the figure; ``--cpu-bytes``: a host tier small enough to evict, so
+evictions pass over leased chunks.
 """
 
 from __future__ import annotations
@@ -54,7 +59,10 @@ def main() -> int:
     ap.add_argument("--turn-len", type=int, default=96)
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--lease-ttl-s", type=float, default=0.0, help="each request carries its session's lease hint")
+    ap.add_argument("--cpu-bytes", type=int, default=1 << 30, help="host tier bytes")
     ap.add_argument("--label", default="")
+    ap.add_argument("--out", default="connector_time")
     args = ap.parse_args()
 
     from vllm import LLM, SamplingParams
@@ -68,7 +76,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench_connector_time_") as tmp:
         path = model.write(os.path.join(tmp, "model"), dtype=args.dtype)
         llm = LLM(model=path, skip_tokenizer_init=True, dtype=args.dtype, max_model_len=max_len, enforce_eager=True,
-                  max_num_seqs=args.sessions, kv_transfer_config=kv_transfer_config(1 << 30))
+                  max_num_seqs=args.sessions, kv_transfer_config=kv_transfer_config(args.cpu_bytes))
         core = llm.llm_engine.engine_core.engine_core
         clock = MethodClock()
         sched_conn, worker_conn = core.scheduler.connector, get_kv_transfer_group()
@@ -77,18 +85,26 @@ def main() -> int:
             if worker_conn is not sched_conn:
                 clock.wrap(worker_conn, name, f"worker.{name}")
         sp = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+        sps = [sp] * args.sessions
+        if args.lease_ttl_s:
+            sps = [SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True, extra_args={
+                "kv_transfer_params": {"tpu_offload_lease": {"session": f"s{i}", "ttl_s": args.lease_ttl_s}}})
+                for i in range(args.sessions)]
         system = rng.integers(1, model.vocab_size, args.system_len).tolist()
         llm.generate([{"prompt_token_ids": system + [1]}], SamplingParams(max_tokens=1), use_tqdm=False)  # warm-up
         clock.seconds.clear()
         clock.calls.clear()
         turn_walls = []
         t_all = time.perf_counter()
-        for _ in range(args.rounds):
+        for rnd in range(args.rounds):
+            if args.lease_ttl_s:  # fresh sessions each round
+                for i, s in enumerate(sps):
+                    s.extra_args["kv_transfer_params"]["tpu_offload_lease"]["session"] = f"r{rnd}-s{i}"
             contexts = [system + rng.integers(1, model.vocab_size, 64).tolist() for _ in range(args.sessions)]
             for _ in range(args.turns):
                 prompts = [c + rng.integers(1, model.vocab_size, args.turn_len).tolist() for c in contexts]
                 t0 = time.perf_counter()
-                outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+                outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
                 turn_walls.append(time.perf_counter() - t0)
                 contexts = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)]
         wall = time.perf_counter() - t_all
@@ -113,7 +129,7 @@ def main() -> int:
               f"{100 * summary['connector_share_of_wall']:.2f}% of the engine's wall time")
     shape = (f"Llama hidden {model.hidden_size}, {model.num_layers} layers, {model.num_heads} heads / "
              f"{model.num_kv_heads} KV heads x {model.head_dim}, {args.dtype}")
-    out = write_json("connector_time", {"label": args.label, "model": shape, "args": vars(args), "summary": summary,
+    out = write_json(args.out, {"label": args.label, "model": shape, "args": vars(args), "summary": summary,
                                         "rows": rows})
     print(f"wrote {out}")
     return 0

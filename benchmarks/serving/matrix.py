@@ -272,8 +272,12 @@ def check(records: list[dict], probe_len: int | None = None, block: int | None =
         f, h = r["figures"], r["hits"]
         if f["requests_failed"]:
             fail(f"{tag}: {f['requests_failed']} failed requests")
-        if (r.get("background") or {}).get("requests_failed"):
-            fail(f"{tag}: {r['background']['requests_failed']} failed requests in the other traffic")
+        bgr = r.get("background") or {}
+        if bgr.get("requests_failed"):
+            fail(f"{tag}: {bgr['requests_failed']} failed requests in the other traffic")
+        if bgr and bgr["wall_seconds"] < bgr["agents_wall_seconds"]:
+            lines.append(f"NOTE {tag}: the other traffic ended {bgr['agents_wall_seconds'] - bgr['wall_seconds']:.0f} s "
+                         "before the workload did: its last part ran without it (--background-duration)")
         if h["perf_prompt_tokens"] != h["server_prompt_tokens"]:
             fail(f"{tag}: inference-perf counted {h['perf_prompt_tokens']} prompt tokens, the server "
                  f"{h['server_prompt_tokens']}")

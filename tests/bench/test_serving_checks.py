@@ -54,3 +54,13 @@ def test_changed_probe_tokens_always_fail():
     r = record(capacity=60.0, revisit=0.0)
     r["probes"]["stable"] = False
     assert not verdict(r)["ok"]
+
+
+def test_other_traffic_that_ends_first_is_noted_and_its_failures_fail():
+    r = record()
+    r["background"] = {"requests_failed": 0, "wall_seconds": 80.0, "agents_wall_seconds": 95.0}
+    v = verdict(r)
+    assert v["ok"] and any("ended 15 s before" in ln for ln in v["lines"])
+    r["background"] = {"requests_failed": 2, "wall_seconds": 120.0, "agents_wall_seconds": 95.0}
+    v = verdict(r)
+    assert not v["ok"] and not any("ended" in ln for ln in v["lines"])
