@@ -85,11 +85,15 @@ def main() -> int:
             if worker_conn is not sched_conn:
                 clock.wrap(worker_conn, name, f"worker.{name}")
         sp = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
-        sps = [sp] * args.sessions
-        if args.lease_ttl_s:
-            sps = [SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True, extra_args={
-                "kv_transfer_params": {"tpu_offload_lease": {"session": f"s{i}", "ttl_s": args.lease_ttl_s}}})
+
+        def round_params(rnd: int) -> list:
+            """Each session's sampling params; with --lease-ttl-s its hint (fresh sessions each round)."""
+            if not args.lease_ttl_s:
+                return [sp] * args.sessions
+            return [SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True, extra_args={
+                "kv_transfer_params": {"tpu_offload_lease": {"session": f"r{rnd}-s{i}", "ttl_s": args.lease_ttl_s}}})
                 for i in range(args.sessions)]
+
         system = rng.integers(1, model.vocab_size, args.system_len).tolist()
         llm.generate([{"prompt_token_ids": system + [1]}], SamplingParams(max_tokens=1), use_tqdm=False)  # warm-up
         clock.seconds.clear()
@@ -97,9 +101,7 @@ def main() -> int:
         turn_walls = []
         t_all = time.perf_counter()
         for rnd in range(args.rounds):
-            if args.lease_ttl_s:  # fresh sessions each round
-                for i, s in enumerate(sps):
-                    s.extra_args["kv_transfer_params"]["tpu_offload_lease"]["session"] = f"r{rnd}-s{i}"
+            sps = round_params(rnd)
             contexts = [system + rng.integers(1, model.vocab_size, 64).tolist() for _ in range(args.sessions)]
             for _ in range(args.turns):
                 prompts = [c + rng.integers(1, model.vocab_size, args.turn_len).tolist() for c in contexts]

@@ -287,18 +287,17 @@ def compare(records: list[dict]) -> list[dict]:
     """The guides' table: per (engine, scenario, config), medians over repeats and the change
     against the no-connector run of the same scenario; spread = (max-min)/median."""
     keys = ("ttft_mean", "ttft_p50", "ttft_p90", "e2e_mean", "e2e_p90", "input_tps", "output_tps", "total_tps")
-    groups: dict = {}
+    runs: dict = {}  # (engine, scenario, config) -> its records, one per repeat
     for r in records:
-        groups.setdefault((r["engine"], r["scenario"], r["config"]), []).append(r["figures"])
-    med = {k: {m: statistics.median([f[m] for f in fs if f.get(m) is not None] or [float("nan")]) for m in keys}
-           for k, fs in groups.items()}
-    hits: dict = {}
-    for r in records:
-        hits.setdefault((r["engine"], r["scenario"], r["config"]), []).append(r["hits"])
+        runs.setdefault((r["engine"], r["scenario"], r["config"]), []).append(r)
+    med = {k: {m: statistics.median([r["figures"][m] for r in rs if r["figures"].get(m) is not None]
+                                    or [float("nan")]) for m in keys}
+           for k, rs in runs.items()}
     rows = []
     for (engine, scenario, config), m in sorted(med.items(), key=lambda kv: (kv[0][0], kv[0][1] != "high", kv[0][2] != "none", kv[0][2])):
         base = med.get((engine, scenario, "none"))
-        fs = groups[(engine, scenario, config)]
+        rs = runs[(engine, scenario, config)]
+        fs = [r["figures"] for r in rs]
         row = {"engine": engine, "scenario": scenario, "config": config, "n": len(fs),
                "TTFT mean ms": m["ttft_mean"] * 1e3, "TTFT p50 ms": m["ttft_p50"] * 1e3, "TTFT p90 ms": m["ttft_p90"] * 1e3,
                "E2E mean s": m["e2e_mean"], "E2E p90 s": m["e2e_p90"],
@@ -306,13 +305,12 @@ def compare(records: list[dict]) -> list[dict]:
         has_base = base is not None and config != "none"
         row["TTFT mean vs none %"] = 100 * (m["ttft_mean"] / base["ttft_mean"] - 1) if has_base else None
         row["TTFT p50 vs none %"] = 100 * (m["ttft_p50"] / base["ttft_p50"] - 1) if has_base else None
-        hs = hits[(engine, scenario, config)]
+        hs = [r["hits"] for r in rs]
         for col, key in (("hit device", "device_hit_tokens"), ("hit host", "tier_hit_tokens_cpu"),
                          ("hit file", "tier_hit_tokens_fs"), ("hit other", None)):
             vals = [(h["external_hit_tokens"] - h["tier_hit_tokens_cpu"] - h["tier_hit_tokens_fs"]) if key is None
                     else h[key] for h in hs]
             row[col] = statistics.median(vals) if vals else None  # tokens per run (median over repeats)
-        rs = [r for r in records if (r["engine"], r["scenario"], r["config"]) == (engine, scenario, config)]
         for col, key in (("preemptions", "preemptions"), ("queue s mean", "queue_s_mean"),
                          ("prefill s mean", "prefill_s_mean")):
             vals = [(r.get("scheduling") or {}).get(key) for r in rs]
