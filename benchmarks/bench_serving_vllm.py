@@ -28,7 +28,8 @@ explicitly (a kv-transfer-config otherwise reserves one more core) and
 ``--workload agentic``: inference-perf's agentic sessions over the chat API (the model's
 tokenizer is then a byte-level BPE with a plain chat template); ``host-lease`` is ``host`` with
 every request carrying its session's lease hint (``ttl_s`` 120), added by
-``serving/lease_middleware.py`` from inference-perf's session header.
+``serving/lease_middleware.py`` from inference-perf's session header; ``host-never`` is ``host``
+with ``load_decision: never`` (every chunk stored, none loaded: the run's cost without loads).
 """
 
 from __future__ import annotations
@@ -49,7 +50,10 @@ from benchmarks.serving.server import Server, free_port  # noqa: E402
 BLOCK = 128  # vLLM's CPU backend block size
 CONFIGS = {"host": "configs/vllm/offload-host.json", "host-fs": "configs/vllm/offload-host-fs.json",
            # our host tier, every request carrying its agent session's lease hint (lease_middleware)
-           "host-lease": "configs/vllm/offload-host.json"}
+           "host-lease": "configs/vllm/offload-host.json",
+           # our host tier storing every chunk but loading none (load_decision never): what a run
+           # costs without the loads, beside host and host-lease
+           "host-never": "configs/vllm/offload-host.json"}
 
 
 def connector_config(name: str, host_bytes: int, work: Path) -> dict:
@@ -57,6 +61,8 @@ def connector_config(name: str, host_bytes: int, work: Path) -> dict:
     extra = ktc["kv_connector_extra_config"]
     extra["cpu_bytes_to_use"] = host_bytes  # the shipped sizes are for real hosts
     extra["self_describing_kv_events"] = True  # the router needs the real block hashes
+    if name.endswith("-never"):
+        extra["load_decision"] = "never"
     if "shared_storage_path" in extra:
         from tpu_offload.core.fs.auth import make_secret_file
 
@@ -103,7 +109,7 @@ def start(name: str, model: str, blocks: int, host_bytes: int, w, work: Path, ar
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     matrix.add_args(ap, ("none", *CONFIGS), "serving_vllm")
-    ap.set_defaults(configs=["none", "host", "host-fs"])  # host-lease: named explicitly
+    ap.set_defaults(configs=["none", "host", "host-fs"])  # host-lease, host-never: named explicitly
     ap.add_argument("--reserved-cpus", type=int, default=1, help="VLLM_CPU_NUM_OF_RESERVED_CPU for every configuration")
     ap.add_argument("--omp-bind", default="auto", help="VLLM_CPU_OMP_THREADS_BIND for every configuration")
     args = ap.parse_args(argv)

@@ -306,7 +306,8 @@ def check(records: list[dict], probe_len: int | None = None, block: int | None =
             b = base.get((r["scenario"], r["repeat"])) or next(iter(base.values()), None)
             if b and b.get("probes") and r is not b and p["tokens_revisit"] != b["probes"]["tokens_revisit"]:
                 fail(f"{tag}: probe tokens differ from the no-connector run")
-            if r["config"] != "none" and p.get("revisit_external_hit_tokens", p["revisit_tier_hit_tokens"]) <= 0:
+            loads = r["config"] != "none" and not r["config"].endswith("-never")  # -never: stores, loads nothing
+            if loads and p.get("revisit_external_hit_tokens", p["revisit_tier_hit_tokens"]) <= 0:
                 if tier_holds_probes(r, probe_len, block):
                     fail(f"{tag}: probe revisits were not served by the connector")
                 else:

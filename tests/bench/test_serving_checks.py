@@ -50,6 +50,12 @@ def test_missed_probe_revisits_fail_unless_the_tier_cannot_hold_them():
     assert matrix.filler_count(45, 128, 640) == 14  # 1.5 x the device cache, in prompts
 
 
+def test_a_config_that_loads_nothing_may_miss_its_probes():
+    """``host-never`` stores every chunk and loads none (load_decision never): its revisits miss by design."""
+    assert verdict(record(config="host-never", revisit=0.0, external=0.0, ours=0.0))["ok"]
+    assert not verdict(record(config="host", revisit=0.0, external=0.0, ours=0.0))["ok"]
+
+
 def test_changed_probe_tokens_always_fail():
     r = record(capacity=60.0, revisit=0.0)
     r["probes"]["stable"] = False
