@@ -2,7 +2,7 @@
 
     make docs          # or: .venv/bin/python tools/gen_reference.py [--check]
 
-docs/reference/settings.md  from tpu_offload/core/config.py (SETTINGS: key, variable, type, default, scope)
+docs/reference/settings.md  from tpu_offload/core/settings.py (SETTINGS: key, variable, type, default, scope)
 docs/reference/cli.md       from the argparse parsers of tpu-offload-fs and the selfcheck
 docs/reference/metrics.md   from the metric classes of both engines (instantiated on a private registry)
 docs/reference/glossary.md  from GLOSSARY below
@@ -96,7 +96,7 @@ def render_settings() -> str:
     upstream = [[f"`{n}`", why] for n, why in sorted(C.UPSTREAM_ENV.items())]
     vllm_keys = ([[f"`{k}`", "yes", why] for k, why in sorted(C.VLLM_KEYS_READ.items())]
                  + [[f"`{k}`", "**no**", why] for k, why in sorted(C.VLLM_KEYS_IGNORED.items())])
-    return (HEADER.format(src="tpu_offload/core/config.py") + "# Settings\n\n"
+    return (HEADER.format(src="tpu_offload/core/settings.py") + "# Settings\n\n"
             "One typed config per engine, read from `kv_connector_extra_config` (the JSON in "
             "`--kv-transfer-config`) and `TPU_OFFLOAD_*` environment variables. A JSON key beats the "
             "variable; a variable beats the default. Every bad value, unknown name or contradiction stops "

@@ -82,6 +82,16 @@ try:
 except ImportError:  # before get_load_source existed (< 0.32)
     HOST_HIT_SOURCE = DISK_HIT_SOURCE = DEVICE_HIT_SOURCE = None
 
+try:
+    from vllm.v1.kv_offload.base import get_offload_group_idx as _offload_group_idx
+except ImportError:  # pragma: no cover - a vLLM without KV-cache groups in its offload keys: one group
+    _offload_group_idx = None
+
+
+def offload_key_group(key) -> int:
+    """The KV-cache group of an offload key (vLLM packs it after the block hash)."""
+    return _offload_group_idx(key) if _offload_group_idx is not None else 0
+
 
 # ---- feature detection -------------------------------------------------------
 

@@ -27,11 +27,9 @@ host to files. ``prepare_load`` gives a file-resident chunk a host slot
 and marks it ``promote`` in the spec; the worker fills the slot from the
 file, then copies it to the device. The manager never reads or writes a file.
 
-Load or recompute (``load_decision``, core/costs.py): vLLM looks a
-request's keys up one by one, in order, after its device prefix; the first
-lookup of a scan decides, over the rest of the request's keys (their
-positions are in its ``ReqContext``), the longest prefix worth loading, and
-later keys read as misses (recomputed). A load that promotes files carries
+Load or recompute (``load_decision``, core/costs.py): a lookup outside
+the prefix its request's decision keeps reads as a miss (recomputed); the
+decisions, one per scan of a request's keys, are ``decisions.LoadDecisions``'. A load that promotes files carries
 its hedge (``HostLoadSpec.budget_s``, the recompute time of its chunks): the
 workers give up reads not done by then, so its blocks are load errors and
 vLLM recomputes them. The file tier is probed at start and when idle
@@ -74,10 +72,6 @@ import numpy as np
 
 from tpu_offload.core import costs, leases
 
-try:
-    from vllm.v1.kv_offload.base import get_offload_group_idx
-except ImportError:  # pragma: no cover - another vLLM layout: one group
-    get_offload_group_idx = None
 from tpu_offload.core.lru import LRUChunkManager
 from tpu_offload.core.manager import Lookup
 
@@ -95,6 +89,7 @@ from gpu_offload.vllm.compat import (
     RequestOffloadingContext,
     make_event,
 )
+from gpu_offload.vllm.decisions import LoadDecisions
 from gpu_offload.vllm.device_source import DEVICE, DeviceSource
 from gpu_offload.vllm.fs_specs import HostLoadSpec, HostStoreSpec
 
@@ -165,14 +160,11 @@ class HostTierManager(ManagerCompat, OffloadingManager):
         self._pending_stored = 0
         self._evictions_seen = 0
         self._alloc_sizes: list[int] = []
-        self.costs = costs.CostModel(load_decision, load_decision_bias)
-        self._step_id = -1  # the last step's number (step_sent)
-        self._scans: dict[str, _Scan] = {}  # req id -> its current lookup scan's decision
-        self._decisions: dict[str, tuple[costs.Decision, int]] = {}  # req id -> (last decision, chunk tokens)
+        self.decisions = LoadDecisions(load_decision, load_decision_bias, chunk_bytes=chunk_bytes,
+                                       tokens_per_chunk=self.tokens_per_chunk, tier_of=self._tier,
+                                       salt_of=request_salt)
+        self.costs = self.decisions.costs  # taught here, by completed loads and stores
         self._load_t0: dict = {}  # key -> (start, from a file) of its in-flight load
-        self.decision_tokens: dict[tuple[str, str, str], int] = {}  # (action, reason, tier) -> tokens
-        self._decision_pending: dict[tuple[str, str, str], int] = {}  # since the last get_stats
-        self._saved_pending = 0.0
         self._worker_stats = None  # the workers' metrics since the last get_stats (note_worker_stats)
         self.closed = False
         self.probe = None  # auto: the file tier's timed probe reads (core/fs/probe.py)
@@ -196,6 +188,11 @@ class HostTierManager(ManagerCompat, OffloadingManager):
     def index(self) -> LRUChunkManager:
         return self._lru
 
+    @property
+    def decision_tokens(self) -> dict[tuple[str, str, str], int]:
+        """Tokens by (action, reason, tier) the load decisions counted, since start (tests, the demo)."""
+        return self.decisions.decision_tokens
+
     def bind_device(self, device: DeviceSource | None) -> None:
         """vLLM's device block pool, as a load source (``hooks``, when the engine's KV layout allows)."""
         self.device = device
@@ -205,7 +202,7 @@ class HostTierManager(ManagerCompat, OffloadingManager):
         on_device = self.device.cached(key, req_context) if self.device is not None else None
         if key in self._forgotten and on_device is None:
             return LookupResult.MISS
-        if self.costs.mode != "always" and not self._worth_loading(key, req_context):
+        if self.costs.mode != "always" and not self.decisions.worth_loading(key, req_context):
             return LookupResult.MISS  # recomputed: its load would finish later than its recompute
         if on_device is not None:
             self.device.pin(req_context.req_id, key, on_device)
@@ -229,45 +226,9 @@ class HostTierManager(ManagerCompat, OffloadingManager):
             return costs.FILE
         return None
 
-    def _worth_loading(self, key, req_context) -> bool:
-        """Whether ``key`` is inside the prefix its request's load decision keeps (see the module doc)."""
-        where = getattr(req_context, "get_offload_key_position", None)
-        pos = where(key) if where is not None else None
-        req_id = getattr(req_context, "req_id", None)
-        if pos is None or req_id is None:
-            return True
-        scan = self._scans.get(req_id)
-        if scan is None or pos <= scan.last or scan.group != _group(key):  # a new scan of this request
-            scan = self._scans[req_id] = self._decide(key, pos, req_context)
-        scan.last = pos
-        return pos <= scan.end
-
-    def _decide(self, key, pos: int, req_context) -> "_Scan":
-        group = _group(key)
-        positions = getattr(req_context, "_offload_key_positions", {})
-        later = sorted((p, k) for k, p in positions.items() if p >= pos and _group(k) == group)
-        salt = request_salt(req_context)
-        tiers, ends = [], []
-        for p, k in later:
-            t = self._tier(k, salt, req_context)
-            if t is None:
-                break
-            tiers.append(t)
-            ends.append(p)
-        tokens = self.tokens_per_chunk or (ends[1] - ends[0] if len(ends) > 1 else 0)
-        if not tiers or not tokens:
-            return _Scan(group, pos, 1 << 62)
-        d = self.costs.decide(tiers, self.chunk_bytes, tokens)
-        self._decisions[req_context.req_id] = (d, tokens)
-        return _Scan(group, pos, ends[d.load - 1] if d.load else pos - 1)
-
     def on_schedule_end(self, context) -> None:
         """Requests admitted this step: count their load decisions once."""
-        for req_id in getattr(context, "new_req_ids", ()):
-            self._scans.pop(req_id, None)
-            got = self._decisions.pop(req_id, None)
-            if got is not None:
-                self._count_decision(*got)
+        self.decisions.admitted(getattr(context, "new_req_ids", ()))
         parent = getattr(super(), "on_schedule_end", None)
         if parent is not None:
             parent(context)
@@ -284,30 +245,19 @@ class HostTierManager(ManagerCompat, OffloadingManager):
                                         request_salt(req_context)))
         if self.device is not None:
             self.device.finished(req_context.req_id)
-        self._scans.pop(req_context.req_id, None)
-        self._decisions.pop(req_context.req_id, None)
+        self.decisions.finished(req_context.req_id)
         parent = getattr(super(), "on_request_finished", None)
         if parent is not None:
             parent(req_context)
 
-    def _count_decision(self, d: "costs.Decision", tokens: int) -> None:
-        for action, loaded in (("load", True), ("recompute", False)):
-            for tier, n in d.tokens_by_tier(tokens, loaded).items():
-                k = (action, d.reason, tier)
-                self.decision_tokens[k] = self.decision_tokens.get(k, 0) + n
-                self._decision_pending[k] = self._decision_pending.get(k, 0) + n
-        self._saved_pending += d.saved_s
-
     def step_sent(self, tokens: int) -> int:
         """A step was scheduled (hooks): its id, which the workers echo when its output is back (``steps_done``).
         The engine's prefill time per token, which the decision weighs loads against, is learned from the two."""
-        step = self._step_id = self._step_id + 1
-        self.costs.prefill.scheduled(step, tokens or 0)
-        return step
+        return self.decisions.step_sent(tokens)
 
     def steps_done(self, steps) -> None:
         """The workers' reports of these steps came back with their output (hooks)."""
-        self.costs.prefill.completed(steps)
+        self.decisions.steps_done(steps)
 
     def get_load_source(self, key, req_context):
         if self.device is not None and DEVICE_HIT_SOURCE is not None and \
@@ -525,11 +475,9 @@ class HostTierManager(ManagerCompat, OffloadingManager):
         self._promoting.clear()
         self._unplaced.clear()
         self._load_t0.clear()
-        self._scans.clear()
+        self.decisions.reset()
         if self.device is not None:
             self.device.reset()
-        for tier in self.costs.tiers.values():
-            tier.forget_open()
         if self.file_events is not None:
             self.file_events.reset()
         if self.files is not None:  # old weights' KV must not come back from files either
@@ -550,10 +498,9 @@ class HostTierManager(ManagerCompat, OffloadingManager):
         )
         self._pending_stored = 0
         self._alloc_sizes = []
-        metrics.add_decisions(out, self._decision_pending, self._saved_pending)
+        metrics.add_decisions(out, *self.decisions.take_pending())
         if self.leases is not None:
             metrics.add_leases(out, *self.leases.take_counts())
-        self._decision_pending, self._saved_pending = {}, 0.0
         if self._worker_stats is not None:
             out, self._worker_stats = self._worker_stats.aggregate(out), None
         return out
@@ -610,20 +557,6 @@ class HostTierManager(ManagerCompat, OffloadingManager):
     def _ignore(self, what: str, key: bytes) -> None:
         self.ignored_completions += 1
         logger.warning("%s for a chunk this index does not track (reset?): %s", what, bytes(key).hex()[:16])
-
-
-class _Scan:
-    """One pass of vLLM over a request's keys: its group, first position, last seen, and last one to load."""
-
-    __slots__ = ("group", "last", "end")
-
-    def __init__(self, group, start: int, end: int):
-        self.group, self.last, self.end = group, start - 1, end
-
-
-def _group(key) -> int:
-    """The KV-cache group of an offload key (vLLM packs it after the block hash)."""
-    return get_offload_group_idx(key) if get_offload_group_idx is not None else 0
 
 
 class RequestSalt(bytes):

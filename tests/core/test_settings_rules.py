@@ -18,7 +18,7 @@ from tpu_offload.core.config_checks import ignored_settings, warn_ignored
 
 def test_every_setting_has_one_scope_and_a_meaning():
     for s in C.SETTINGS:
-        assert s.scope in (TPU, VLLM, BOTH), f"{s.field}: declare scope=TPU, VLLM or BOTH in core/config.py"
+        assert s.scope in (TPU, VLLM, BOTH), f"{s.field}: declare scope=TPU, VLLM or BOTH in core/settings.py"
         assert s.doc.strip().endswith("."), f"{s.field}: give doc=, one sentence of meaning"
     by_field: dict[str, set] = {}
     for s in C.SETTINGS:

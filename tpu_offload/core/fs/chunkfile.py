@@ -5,7 +5,7 @@ published by ``rename``, so a reader sees the whole file or nothing, even if
 the writer is killed; a read verifies everything before it says "hit".
 Every path operation goes through ``safedir`` (relative to directory fds,
 no symlink followed, no open that can block on a FIFO). The namespace
-directory stays open (``safedir.HeldDir``), so an operation opens only the
+directory stays open (``helddir.HeldDir``), so an operation opens only the
 two fan-out directories and the file: on NFS/Lustre each open is a round
 trip. The tier decides what failures mean (read-only, miss, quarantine); this module
 only reports them.
@@ -21,7 +21,7 @@ from typing import Callable
 
 import numpy as np
 
-from tpu_offload.core.fs import actions, fileio, layout, safedir
+from tpu_offload.core.fs import actions, fileio, helddir, layout, safedir
 from tpu_offload.core.fs.fileio import (
     O_DIRECT, aligned_empty, direct_ok, is_direct_refusal, read_all, write_all,
 )
@@ -44,9 +44,9 @@ class ChunkFiles:
                  report: Callable[[str, str, str], None] | None = None,
                  on_lost: Callable[[OSError], None] | None = None):
         self.ns_dir = ns_dir
-        # Heals what is ours (modes, non-directories at our directory names: ``safedir.HeldDir``);
+        # Heals what is ours (modes, non-directories at our directory names: ``helddir.HeldDir``);
         # ``on_lost``: the namespace directory was replaced under us.
-        self.ns = safedir.HeldDir(ns_dir, mode=dir_mode, recheck_s=recheck_s, owner=owner,
+        self.ns = helddir.HeldDir(ns_dir, mode=dir_mode, recheck_s=recheck_s, owner=owner,
                                   quarantine=layout.QUARANTINE, aside=layout.aside_name, report=report,
                                   on_lost=on_lost)
         self.file_mode = layout.file_mode(dir_mode)

@@ -15,7 +15,7 @@ Why it is built this way:
   one warning; callers only see dropped writes and misses.
 * One action by a tenant never turns it off for good: a directory of ours
   with a wrong mode is set back, whatever blocks one of our names is moved
-  into the quarantine (``safedir.HeldDir``), and what cannot be repaired is
+  into the quarantine (``helddir.HeldDir``), and what cannot be repaired is
   read-only or off, said once, and retried every ``readonly_retry_s``. A
   namespace directory moved aside and replaced is not ours any more: off at
   once, the scheduler told (``_lost``), the path vetted again at the retry.
