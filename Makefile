@@ -95,9 +95,9 @@ demo: setup ## real engines on CPU: vLLM, then tpu-inference (ours beside its ow
 	JAX_PLATFORMS=cpu SKIP_JAX_PRECOMPILE=1 VLLM_PLUGINS= XLA_FLAGS=--xla_force_host_platform_device_count=4 \
 		$(TPU_BIN)/python demos/tpu_inference_demo.py
 
-# Six pytest processes: vLLM-path suites in .venv (units, then engines); the TPU connector's own
-# suite, the TPU compiler suite and the real tpu-inference engine suite (as two processes) in
-# .venv-tpu (jax 0.11.2, as tpu-inference pins). Separate processes because both backends register tpu_offload_* names in the
+# Seven pytest processes: the vLLM-path suites in .venv (units, the host-tier engine tests, the file-tier
+# engine tests); the TPU connector's own suite, the TPU compiler suite and the real tpu-inference engine
+# suite (as two processes) in .venv-tpu (jax 0.11.2, as tpu-inference pins). Separate processes because both backends register tpu_offload_* names in the
 # global Prometheus registry, and tests/tpu and tests/tpu_engine must set their emulated device
 # counts before JAX starts. The suites share nothing (no fixed paths or ports; libtpu loads with
 # ALLOW_MULTIPLE_LIBTPU_LOAD), so two run at once, each lane's output printed whole when it ends. Every test has a time limit (pytest-timeout, `timeout` in
@@ -106,21 +106,28 @@ VLLM_SUITES := tests --ignore=tests/tpu --ignore=tests/tpu_compiler --ignore=tes
 # Each suite is its own target below; test runs them through make again, told (-o) that the
 # environments it just built are up to date.
 SUITE := --no-print-directory -o $(STAMP) -o $(STAMP_TPU)
-# Two lanes side by side on the two cores (most of a suite's time is one Python thread), then the
-# real vLLM engine tests alone, since several time a load against its recompute:
+# Two lanes side by side on the two cores (most of a suite's time is one Python thread), then the vLLM
+# engine tests with a file tier alone: their hits are loaded or recomputed as the load decision weighs a
+# file read against a recompute, which a second busy core moves (a file hit seen recomputed beside
+# tests/tpu). Each suite ends with its slowest files (tpu_offload/testing/file_times.py), the figures
+# the lanes are balanced by:
 #   lane 1: the tpu-inference engine suite but for ENGINE_LANE2, the longest;
-#   lane 2: vLLM-path units, the TPU connector's suite, the TPU compiler's, then ENGINE_LANE2: the engine
-#   suite's files that share no engine with the rest of it (theirs all start in child processes of their
-#   own), so the two lanes end about together.
+#   lane 2: vLLM-path units, the vLLM engine tests of the host tier, the TPU connector's suite, the TPU
+#   compiler's, then ENGINE_LANE2: the engine suite's files that share no engine with the rest of it
+#   (theirs start in child processes of their own, or engines of their own), so the lanes end about together.
+VLLM_FILE_ENGINES := tests/gpu_fs tests/events
 ENGINE_LANE2 := tests/tpu_engine/test_tpu_engine_families_served.py tests/tpu_engine/test_tpu_engine_served_shape.py \
-	tests/tpu_engine/test_tpu_engine_fresh_cache.py tests/tpu_engine/test_tpu_engine_vllm_kernels.py
-test: setup ## the whole suite (CI runs this): two lanes side by side, then the vLLM engine tests alone
+	tests/tpu_engine/test_tpu_engine_fresh_cache.py tests/tpu_engine/test_tpu_engine_vllm_kernels.py \
+	tests/tpu_engine/test_tpu_engine_drafts.py
+test: setup ## the whole suite (CI runs this): two lanes side by side, then the vLLM file-tier engine tests alone
 	$(MAKE) $(SUITE) -j2 --output-sync=target test-tpu-engine test-lane2 \
 		ENGINE_SUITE="tests/tpu_engine $(addprefix --ignore=,$(ENGINE_LANE2))"
-	$(MAKE) $(SUITE) test-vllm PYTEST_ARGS='-m "engine and not timing"'
+	$(MAKE) $(SUITE) test-vllm PYTEST_ARGS='-m "engine and not timing"' VLLM_SUITES="$(VLLM_FILE_ENGINES)"
 
-test-lane2: $(STAMP) $(STAMP_TPU) ## test's second lane: vLLM-path units, the TPU connector's and compiler's suites, two engine files
+test-lane2: $(STAMP) $(STAMP_TPU) ## test's second lane: vLLM-path units and host-tier engines, the TPU connector's and compiler's suites, five engine files
 	$(MAKE) $(SUITE) test-vllm PYTEST_ARGS='-m "not engine"'
+	$(MAKE) $(SUITE) test-vllm PYTEST_ARGS='-m "engine and not timing"' \
+		VLLM_SUITES="$(VLLM_SUITES) $(addprefix --ignore=,$(VLLM_FILE_ENGINES))"
 	$(MAKE) $(SUITE) test-tpu
 	$(MAKE) $(SUITE) test-tpu-compiler
 	$(MAKE) $(SUITE) test-tpu-engine ENGINE_SUITE="$(ENGINE_LANE2)"

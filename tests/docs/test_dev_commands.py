@@ -72,11 +72,13 @@ def test_a_fresh_checkout_checks_first_then_builds_only_what_the_goal_needs(chec
     assert stamps(test) == stamps(setup), test  # each environment built once, before any suite
     vllm = "tests --ignore=tests/tpu --ignore=tests/tpu_compiler --ignore=tests/tpu_engine"
     lane2 = [f"tests/tpu_engine/test_tpu_engine_{name}.py"
-             for name in ("families_served", "served_shape", "fresh_cache", "vllm_kernels")]
+             for name in ("families_served", "served_shape", "fresh_cache", "vllm_kernels", "drafts")]
     no_timing = '-m "not timing"'  # the wall-time bars are test-timing's, in every engine run
-    assert pytest_runs(test) == [  # every suite once: the vLLM one as its units, then its engine tests
+    engines = '-m "engine and not timing"'
+    assert pytest_runs(test) == [  # every suite once: the vLLM one as its units, host-tier and file-tier engines
         f"{no_timing} tests/tpu_engine " + " ".join(f"--ignore={f}" for f in lane2), f'-m "not engine" {vllm}',
-        "tests/tpu", "tests/tpu_compiler", f"{no_timing} " + " ".join(lane2), f'-m "engine and not timing" {vllm}']
+        f"{engines} {vllm} --ignore=tests/gpu_fs --ignore=tests/events", "tests/tpu", "tests/tpu_compiler",
+        f"{no_timing} " + " ".join(lane2), f"{engines} tests/gpu_fs tests/events"]
     engine = make(checkout, "-n", "test-tpu-engine")  # alone, the whole engine suite
     assert pytest_runs(engine) == [f"{no_timing} tests/tpu_engine"], engine
     timing = make(checkout, "-n", "test-timing")  # both environments, each engine's bars

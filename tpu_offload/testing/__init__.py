@@ -6,8 +6,9 @@ cannot run without a TPU, ``engine_run`` starts and tears down one engine, ``tin
 ``tiny_families`` write random-weight checkpoints, ``workloads`` names the prompts,
 ``offload_helpers`` reaches our connector inside the engine, ``serve`` runs the OpenAI
 server (``python -m tpu_offload.testing.serve``), and ``pass_counts`` counts what one pass dispatches
-per host path (``benchmarks/bench_tpu_aot.py`` and ``tests/tpu_compiler``), and ``compile_cache``
-gives a test session a fresh persistent compile cache. They live in the package, not under
+per host path (``benchmarks/bench_tpu_aot.py`` and ``tests/tpu_compiler``), ``compile_cache``
+gives a test session a fresh persistent compile cache, and ``file_times`` (a pytest plugin) ends
+every suite with its slowest files. They live in the package, not under
 ``tests/``, so demos and benchmarks import them as modules instead of putting a test
 directory on ``sys.path``.
 
