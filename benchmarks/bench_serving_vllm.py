@@ -61,7 +61,7 @@ def connector_config(name: str, host_bytes: int, work: Path) -> dict:
     extra = ktc["kv_connector_extra_config"]
     extra["cpu_bytes_to_use"] = host_bytes  # the shipped sizes are for real hosts
     extra["self_describing_kv_events"] = True  # the router needs the real block hashes
-    if name.endswith("-never"):
+    if matrix.loads_nothing(name):
         extra["load_decision"] = "never"
     if "shared_storage_path" in extra:
         from tpu_offload.core.fs.auth import make_secret_file

@@ -29,7 +29,7 @@ file, then copies it to the device. The manager never reads or writes a file.
 
 Load or recompute (``load_decision``, core/costs.py): a lookup outside
 the prefix its request's decision keeps reads as a miss (recomputed); the
-decisions, one per scan of a request's keys, are ``decisions.LoadDecisions``'. A load that promotes files carries
+decisions, one per scan of a request's keys, are ``decisions.LoadDecisions``. A load that promotes files carries
 its hedge (``HostLoadSpec.budget_s``, the recompute time of its chunks): the
 workers give up reads not done by then, so its blocks are load errors and
 vLLM recomputes them. The file tier is probed at start and when idle
