@@ -95,9 +95,9 @@ demo: setup ## real engines on CPU: vLLM, then tpu-inference (ours beside its ow
 	JAX_PLATFORMS=cpu SKIP_JAX_PRECOMPILE=1 VLLM_PLUGINS= XLA_FLAGS=--xla_force_host_platform_device_count=4 \
 		$(TPU_BIN)/python demos/tpu_inference_demo.py
 
-# Seven pytest processes: the vLLM-path suites in .venv (units, the host-tier engine tests, the file-tier
+# Eight pytest processes: the vLLM-path suites in .venv (units, the host-tier engine tests, the file-tier
 # engine tests); the TPU connector's own suite, the TPU compiler suite and the real tpu-inference engine
-# suite (as two processes) in .venv-tpu (jax 0.11.2, as tpu-inference pins). Separate processes because both backends register tpu_offload_* names in the
+# suite (as three processes: two lanes' shares and its wall-time bars) in .venv-tpu (jax 0.11.2, as tpu-inference pins). Separate processes because both backends register tpu_offload_* names in the
 # global Prometheus registry, and tests/tpu and tests/tpu_engine must set their emulated device
 # counts before JAX starts. The suites share nothing (no fixed paths or ports; libtpu loads with
 # ALLOW_MULTIPLE_LIBTPU_LOAD), so two run at once, each lane's output printed whole when it ends. Every test has a time limit (pytest-timeout, `timeout` in
@@ -106,10 +106,10 @@ VLLM_SUITES := tests --ignore=tests/tpu --ignore=tests/tpu_compiler --ignore=tes
 # Each suite is its own target below; test runs them through make again, told (-o) that the
 # environments it just built are up to date.
 SUITE := --no-print-directory -o $(STAMP) -o $(STAMP_TPU)
-# Two lanes side by side on the two cores (most of a suite's time is one Python thread), then the vLLM
-# engine tests with a file tier alone: their hits are loaded or recomputed as the load decision weighs a
-# file read against a recompute, which a second busy core moves (a file hit seen recomputed beside
-# tests/tpu). Each suite ends with its slowest files (tpu_offload/testing/file_times.py), the figures
+# Two lanes side by side on the two cores (most of a suite's time is one Python thread), then, alone, the
+# vLLM engine tests with a file tier (their hits are loaded or recomputed as the load decision weighs a
+# file read against a recompute, which a second busy core moves: a file hit seen recomputed beside
+# tests/tpu), vLLM's wall-time bars among them (marker `timing`), then tpu-inference's. Each suite ends with its slowest files (tpu_offload/testing/file_times.py), the figures
 # the lanes are balanced by:
 #   lane 1: the tpu-inference engine suite but for ENGINE_LANE2, the longest;
 #   lane 2: vLLM-path units, the vLLM engine tests of the host tier, the TPU connector's suite, the TPU
@@ -119,10 +119,11 @@ VLLM_FILE_ENGINES := tests/gpu_fs tests/events
 ENGINE_LANE2 := tests/tpu_engine/test_tpu_engine_families_served.py tests/tpu_engine/test_tpu_engine_served_shape.py \
 	tests/tpu_engine/test_tpu_engine_fresh_cache.py tests/tpu_engine/test_tpu_engine_vllm_kernels.py \
 	tests/tpu_engine/test_tpu_engine_drafts.py
-test: setup ## the whole suite (CI runs this): two lanes side by side, then the vLLM file-tier engine tests alone
+test: setup ## the whole suite (CI runs this): two lanes side by side, then the file-tier engine tests and wall-time bars alone
 	$(MAKE) $(SUITE) -j2 --output-sync=target test-tpu-engine test-lane2 \
 		ENGINE_SUITE="tests/tpu_engine $(addprefix --ignore=,$(ENGINE_LANE2))"
-	$(MAKE) $(SUITE) test-vllm PYTEST_ARGS='-m "engine and not timing"' VLLM_SUITES="$(VLLM_FILE_ENGINES)"
+	$(MAKE) $(SUITE) test-vllm PYTEST_ARGS='-m engine' VLLM_SUITES="$(VLLM_FILE_ENGINES)"
+	$(MAKE) $(SUITE) test-tpu-engine PYTEST_ARGS='-m timing'
 
 test-lane2: $(STAMP) $(STAMP_TPU) ## test's second lane: vLLM-path units and host-tier engines, the TPU connector's and compiler's suites, five engine files
 	$(MAKE) $(SUITE) test-vllm PYTEST_ARGS='-m "not engine"'
@@ -138,8 +139,9 @@ test-fast: setup ## core, file tier, configs, docs, vLLM-path and TPU-connector 
 	$(MAKE) $(SUITE) -j2 --output-sync=target test-vllm test-tpu PYTEST_ARGS='-m "not engine"'
 
 # Tests that hold a mode to a bar in wall time (pytest marker `timing`: the load decision on a throttled
-# FUSE mount, both engines) need a machine to themselves: not in test, run alone here (about 10 minutes).
-test-timing: $(STAMP) $(STAMP_TPU) ## the wall-time bars (load decision on a throttled mount, both engines), alone
+# FUSE mount, both engines) need a machine to themselves: test runs them after its lanes, one at a time
+# (vLLM's with the other file-tier engine tests); here alone (about 4 minutes).
+test-timing: $(STAMP) $(STAMP_TPU) ## only the wall-time bars (load decision on a throttled mount, both engines), alone
 	$(BIN)/python -m pytest -q -m timing $(VLLM_SUITES)
 	$(TPU_BIN)/python -m pytest -q -m timing tests/tpu_engine
 
@@ -156,7 +158,8 @@ test-tpu-compiler: $(STAMP_TPU) ## libtpu compiling our programs for compile-onl
 
 # a value on make's command line wins; one in the environment does not
 ENGINE_SUITE := tests/tpu_engine
-# `timing` tests are test-timing's: deselected here (a -m in PYTEST_ARGS comes later and wins)
+# `timing` tests run apart (test runs them after its lanes, alone): deselected here (a -m in PYTEST_ARGS
+# comes later and wins)
 test-tpu-engine: $(STAMP_TPU) ## the real tpu-inference engine on JAX CPU, every model family (.venv-tpu)
 	$(TPU_BIN)/python -m pytest -q -m "not timing" $(PYTEST_ARGS) $(ENGINE_SUITE)
 

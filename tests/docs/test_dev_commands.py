@@ -73,12 +73,15 @@ def test_a_fresh_checkout_checks_first_then_builds_only_what_the_goal_needs(chec
     vllm = "tests --ignore=tests/tpu --ignore=tests/tpu_compiler --ignore=tests/tpu_engine"
     lane2 = [f"tests/tpu_engine/test_tpu_engine_{name}.py"
              for name in ("families_served", "served_shape", "fresh_cache", "vllm_kernels", "drafts")]
-    no_timing = '-m "not timing"'  # the wall-time bars are test-timing's, in every engine run
+    no_timing = '-m "not timing"'  # the wall-time bars run alone, after the lanes
     engines = '-m "engine and not timing"'
     assert pytest_runs(test) == [  # every suite once: the vLLM one as its units, host-tier and file-tier engines
         f"{no_timing} tests/tpu_engine " + " ".join(f"--ignore={f}" for f in lane2), f'-m "not engine" {vllm}',
         f"{engines} {vllm} --ignore=tests/gpu_fs --ignore=tests/events", "tests/tpu", "tests/tpu_compiler",
-        f"{no_timing} " + " ".join(lane2), f"{engines} tests/gpu_fs tests/events"]
+        f"{no_timing} " + " ".join(lane2), "-m engine tests/gpu_fs tests/events",
+        f"{no_timing} -m timing tests/tpu_engine"]  # the later -m wins: only the bars
+    timed = [f for f in REPO.glob("tests/**/test_*.py") if re.search(r"^pytestmark = .*mark\.timing", f.read_text(), re.M)]
+    assert sorted(f.parent.name for f in timed) == ["gpu_fs", "tpu_engine"], timed  # both reached by make test
     engine = make(checkout, "-n", "test-tpu-engine")  # alone, the whole engine suite
     assert pytest_runs(engine) == [f"{no_timing} tests/tpu_engine"], engine
     timing = make(checkout, "-n", "test-timing")  # both environments, each engine's bars

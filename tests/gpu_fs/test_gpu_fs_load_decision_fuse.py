@@ -28,8 +28,8 @@ from gpu_fs_helpers import REPO
 from tpu_offload.testing import fuse_bars
 from tpu_offload.testing.throttled_mount import skip_reason
 
-# Not in `make test`: on a shared 2-core machine one mode's samples spread up to 5x, more than the bars'
-# margins; `make test-timing` runs it alone (about 7 minutes).
+# Wall-time bars: on a shared 2-core machine one mode's samples spread up to 5x, more than the bars' margins,
+# so `make test` runs this after its lanes, with no other suite beside it (about 1.5 minutes).
 pytestmark = [pytest.mark.engine, pytest.mark.timing]
 
 REPS = 5  # prompts per speed, each sent once per mode: medians that one stalled sample cannot move

@@ -26,8 +26,8 @@ import pytest
 from tpu_offload.testing import fuse_bars
 from tpu_offload.testing.throttled_mount import skip_reason
 
-# Not in `make test` (make test-tpu-engine deselects `timing`): on a shared 2-core machine one mode's
-# samples spread more than the bars' margins; `make test-timing` runs it alone.
+# Wall-time bars: on a shared 2-core machine one mode's samples spread more than the bars' margins, so
+# make test-tpu-engine deselects `timing` and `make test` runs this last, alone (about 1.7 minutes).
 pytestmark = [pytest.mark.engine, pytest.mark.timing]
 
 REPO = Path(__file__).resolve().parents[2]
