@@ -103,7 +103,7 @@ def run(eng: Engine, args) -> int:
         args.scenarios, args.repeats, args.probes = ["high"], 1, 0
         args.out = f"{args.out}_soak"
     w = workload(args)
-    if w.kind != "shared_prefix":
+    if w.kind != "shared_prefix" and not args.out.endswith(f"_{w.kind}"):  # named once, whoever names it
         args.out = f"{args.out}_{w.kind}"
     bg = background(args)
     if bg is not None:
