@@ -74,6 +74,7 @@ from tpu_offload.connector.events import EventTranslator
 from tpu_offload.connector.exclusive import ExclusiveStores
 from tpu_offload.connector.interleave import HBM_SLOT, HbmHits
 from tpu_offload.connector.loads import InFlight, LoadPlan, LoadPlanner, Order, settle_store
+from tpu_offload.connector.lookups import TierLookups
 from tpu_offload.connector.metadata import OffloadMetadata, OffloadReport
 from tpu_offload.connector.metrics import ConnectorMetrics
 from tpu_offload.connector.settings import Settings
@@ -83,7 +84,6 @@ from tpu_offload.connector.tails import Tails
 from tpu_offload.core import costs, leases
 from tpu_offload.core.keys import ChunkKey, make_chunk_key
 from tpu_offload.core.lru import LRUChunkManager
-from tpu_offload.core.manager import Lookup
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +148,7 @@ class OffloadScheduler:
         # store_policy=exclusive: chunks HBM caches are watched, stored when vLLM reuses their blocks
         self.exclusive = ExclusiveStores(self) if cfg.store_policy == "exclusive" else None
         self.stores = StorePlanner(self)  # which chunks each step stores (connector/stores.py)
+        self.lookups = TierLookups(self)  # which leading chunks the tiers can serve (connector/lookups.py)
         self._start: dict[str, int] = {}  # exclusive: the chunk a request's host lookup started at
         self.costs = costs.CostModel(cfg.load_decision, cfg.load_decision_bias)
         self._step_id = 0  # numbers each step's metadata; workers echo it (the step's timing, core/costs.py)
@@ -188,92 +189,8 @@ class OffloadScheduler:
             st.keys.append(make_chunk_key(bytes(hashes[(i + 1) * self.bpc - 1])))
         return st.keys
 
-    def _ready_prefix(self, keys: list[ChunkKey], start: int = 0) -> int:
-        n = start + self.manager.lookup_prefix(keys[start:] if start else keys)
-        if self._quarantine:
-            for i in range(start, n):
-                if keys[i] in self._quarantine:
-                    return i
-        return n
-
-    def _prefix(self, keys: list[ChunkKey], salt: bytes = b"", start: int = 0) -> tuple[int, list[bool]]:
-        """Leading chunks any tier can serve, and which of them only exist as files.
-
-        A file chunk needs a host slot to be promoted into, so the prefix stops
-        where those would exceed the slots that are free or evictable (a
-        promotion that cannot get a slot would be a load error, and vLLM would
-        ask again: a livelock). ``start``: chunks before it are in HBM (exclusive: not on the host).
-        """
-        n = self._ready_prefix(keys, start)
-        if self.shared is not None:  # then the chunks other DP ranks stored
-            n = self.shared.extend(keys, n)
-        on_fs = [False] * n
-        if self.fs is not None:
-            st = self.manager.stats()
-            room = st.capacity_chunks - st.pinned_chunks - st.pending_chunks - n
-            n_fs = 0
-            while n < len(keys):
-                k = keys[n]
-                state = self.manager.lookup(k)
-                if state is Lookup.HIT and k not in self._quarantine:
-                    on_fs.append(False)
-                    room -= 1
-                elif state is Lookup.MISS and not self._fs_off and k not in self._fs_bad \
-                        and self.fs.contains(k, salt):
-                    on_fs.append(True)
-                    n_fs += 1
-                else:
-                    break
-                if n_fs > room:
-                    on_fs.pop()
-                    break
-                n += 1
-        if n:
-            n = self.tails.hit(keys, n, on_fs)
-            on_fs = on_fs[:n]
-        return n, on_fs
-
     def _interleaved(self) -> bool:
         return self.hbm is not None and self.shared is None and self.hbm.active()
-
-    def _walk(self, request, keys: list[ChunkKey], salt: bytes, first: int, limit: int | None = None,
-              exclude=frozenset()) -> tuple[int, list[bool], list[list[int] | None]]:
-        """Interleaved lookups: chunks from ``first`` (vLLM's own hit ends in it) on, each from HBM (its
-        block ids), else the host or file tier (None); stops at the first chunk neither holds.
-
-        ``limit`` (the allocation re-walking what its lookup offered): exactly that many chunks, a chunk
-        that left HBM since the lookup (vLLM handed out its blocks) taken from the tiers, else marked
-        ``[]`` (a load error: recomputed). File chunks stop where their promotions would exceed the
-        host slots free or evictable, as ``_prefix``'s do."""
-        on_fs: list[bool] = [False] * first
-        src: list[list[int] | None] = [None] * first
-        st = self.manager.stats()
-        room = st.capacity_chunks - st.pinned_chunks - st.pending_chunks
-        n, n_fs, end = first, 0, len(keys) if limit is None else min(limit, len(keys))
-        while n < end:
-            k = keys[n]
-            ids = self.hbm.chunk_blocks(request, n, exclude)
-            fs = False
-            if ids is None:
-                if self.manager.lookup(k) is Lookup.HIT and k not in self._quarantine:
-                    room -= 1
-                elif self.fs is not None and not self._fs_off and k not in self._fs_bad \
-                        and self.manager.lookup(k) is Lookup.MISS and self.fs.contains(k, salt):
-                    fs = True
-                    n_fs += 1
-                elif limit is not None:
-                    ids = []  # offered by the lookup, gone now: a load error
-                else:
-                    break
-                if n_fs > room:  # the file chunks so far could not all get a host slot
-                    if limit is None:
-                        break
-                    n_fs -= fs
-                    ids, fs = [], False
-            on_fs.append(fs)
-            src.append(ids)
-            n += 1
-        return n, on_fs, src
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens any tier can serve beyond what vLLM computed; no side effects."""
@@ -283,12 +200,12 @@ class OffloadScheduler:
         src: list = []
         if self._interleaved():
             first = num_computed_tokens // self.chunk_tokens
-            n_hit, on_fs, src = self._walk(request, keys, request_salt(request), first)
+            n_hit, on_fs, src = self.lookups.walk(request, keys, request_salt(request), first)
         else:
             start = num_computed_tokens // self.chunk_tokens if self.exclusive is not None else 0
             if self.exclusive is not None:
                 self._start[rid] = start
-            n_hit, on_fs = self._prefix(keys, request_salt(request), start)
+            n_hit, on_fs = self.lookups.prefix(keys, request_salt(request), start)
         n_hit = self._decide(rid, n_hit, on_fs, num_computed_tokens, src)
         if src:
             self._walked[rid] = (num_computed_tokens // self.chunk_tokens, n_hit)
@@ -376,10 +293,10 @@ class OffloadScheduler:
         block_ids = by_group[self.s.full_group]
         src: list = []
         if walked is not None:  # interleaved: what the lookup offered, each chunk from where it is now
-            n_hit, on_fs, src = self._walk(request, keys, salt, walked[0], limit=walked[1],
+            n_hit, on_fs, src = self.lookups.walk(request, keys, salt, walked[0], limit=walked[1],
                                            exclude=frozenset(block_ids))
         else:
-            n_hit, on_fs = self._prefix(keys, salt, start)
+            n_hit, on_fs = self.lookups.prefix(keys, salt, start)
         if decided is not None:  # what the lookup offered (the tier may only have grown since)
             n_hit = min(n_hit, decided)
         hit_tokens = n_hit * self.chunk_tokens
