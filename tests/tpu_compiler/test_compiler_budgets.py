@@ -201,14 +201,15 @@ def test_whole_deployment_compiles_in_seconds():
 # (the shipped Qwen3-32B), KV heads replicated over devices (Qwen2.5-7B), head_dim 64 (gpt-oss-120b), MLA
 # (DeepSeek-V3), and the smaller chips. Its two programs have an array per staging chunk, so at 1,000
 # chunks the TPU compiler takes 80-105 s per deployment: each deployment is compiled with a staging buffer
-# of 1 chunk and of many, its own for the shipped deployment and the smaller chips, DEVICE_PUT_STAGING for
-# the other TPU7x layouts. (These programs always run over the whole staging buffer: a pass of fewer chunks
-# costs a full one, docs/tpu/host-paths.md.) Llama-3.1-8B and -70B at TP 8 have
+# of 1 chunk and of many, its own for the smaller chips, DEVICE_PUT_STAGING for the other TPU7x layouts;
+# the shipped deployment at 1, 16, 64 and its own 1,000. (These programs always run over the whole staging
+# buffer: a pass of fewer chunks costs a full one, docs/tpu/host-paths.md.) Llama-3.1-8B and -70B at TP 8 have
 # Qwen3-32B's layout (8 KV heads of 128), Llama-3.1-70B at TP 16 Qwen2.5-7B's (each head on 2 devices).
 DEVICE_PUT = [d for d in DEPLOYMENTS if d[2] != "Llama-3.1-70B" and d[:3] != ("TPU7x:2x2x1", 8, "Llama-3.1-8B")]
 DEVICE_PUT_STAGING = 64
-DEVICE_PUT_SIZES = [(d, s) for d in DEVICE_PUT
-                    for s in (1, d[5] if d is DEPLOYMENTS[0] or d[0] != "TPU7x:2x2x1" else DEVICE_PUT_STAGING)]
+DEVICE_PUT_SIZES = [(d, s) for d in DEVICE_PUT  # the shipped deployment at every size between 1 and its own
+                    for s in ((1, 16, 64, d[5]) if d is DEPLOYMENTS[0] else
+                              (1, d[5] if d[0] != "TPU7x:2x2x1" else DEVICE_PUT_STAGING))]
 
 
 @pytest.mark.parametrize("d,staging", DEVICE_PUT_SIZES,

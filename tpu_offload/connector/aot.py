@@ -88,7 +88,7 @@ class Figures:
     host_alias: int
     host_temp: int
     host_output: int
-    on_chip_prefetch: int = 0  # bytes the compiler copies into on-chip memory ahead of use (``on_chip_prefetch``)
+    on_chip_prefetch: int = 0  # bytes the compiler copies into on-chip memory ahead of use (from the HLO)
 
     @property
     def accessed_per_moved(self) -> float:
@@ -97,8 +97,9 @@ class Figures:
     @property
     def hbm_accessed(self) -> int:
         """``bytes_accessed`` without what prefetching into on-chip memory adds: the cost model counts each
-        prefetched byte four more times (its copy-start and copy-done, each a read and a write) beside the
-        op that then reads it there instead of from HBM. Measured on the device_put path's ``put_chunks``
+        prefetched byte four more times (the factor is measured, not documented: the copy in and its
+        completion, presumably a read and a write each) beside the op that then reads it there instead of
+        from HBM. Measured on the device_put path's ``put_chunks``
         (TPU7x, four cache layouts, 1 to 64 chunks): 4.0x the pass in bytes accessed wherever half its
         chunks were prefetched, 2.00-2.01x after this correction at every size (read each chunk, write it)."""
         return self.bytes_accessed - 4 * self.on_chip_prefetch
